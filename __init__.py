@@ -1,0 +1,3 @@
+"""verbatim: token-exact multi-turn rollouts for RL on LLM agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,157 @@
+"""The ``verbatim`` command line (a Typer app).
+
+Known errors (:class:`verbatim.errors.VerbatimError`) and usage errors print as
+one line on stderr; exit code 2 means bad input, 1 a failure. ``--debug`` shows
+the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+import typer
+import typer.core
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .errors import VerbatimError
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(highlight=False)
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Runs the app and turns every known error into one line and an exit code."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv
+        try:
+            return super().main(args=argv, prog_name=prog_name or "verbatim",
+                                complete_var=complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.exceptions.Abort:
+            err_console.print("error: aborted")
+            code = 130
+        except click.ClickException as exc:  # usage errors: bad option, missing argument…
+            if debug:
+                raise
+            where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) else ""
+            err_console.print(f"error: {' '.join(exc.format_message().split())}{where}")
+            code = 2 if isinstance(exc, click.UsageError) else exc.exit_code
+        except VerbatimError as exc:
+            if debug:
+                raise
+            err_console.print(f"error: {exc.one_line()}")
+            code = exc.exit_code
+        except KeyboardInterrupt:
+            err_console.print("error: interrupted")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    help="verbatim: token-exact multi-turn rollouts for RL on LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
+                         no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(models_app, name="models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"verbatim {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
+) -> None:
+    """verbatim: token-exact multi-turn rollouts for RL on LLM agents."""
+
+
+# ---------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the bundled models and whether each is prepared."""
+    from .engine import models
+
+    table = Table(title="models")
+    for column in ("name", "prepared", "source package", "description"):
+        table.add_column(column)
+    for name, bundled in sorted(models.BUNDLED.items()):
+        where = str(models.prepared_path(name)) if models.is_prepared(name) else "no"
+        default = " (default)" if name == models.DEFAULT_MODEL else ""
+        table.add_row(name + default, where, bundled.distribution, bundled.description)
+    console.print(table)
+    console.print("Any Hugging Face model folder can be passed as --model PATH too.")
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: str = typer.Argument(None, help="Bundled model name (default: the default model)."),
+) -> None:
+    """Convert a bundled GGUF model into a Hugging Face folder (once, offline)."""
+    from .engine import models
+
+    path = models.prepare(name or models.DEFAULT_MODEL)
+    console.print(str(path))
+
+
+# ---------------------------------------------------------------------------
+# generate: one real single-turn generation from token IDs
+# ---------------------------------------------------------------------------
+
+
+@app.command("generate")
+def generate(
+    prompt: str = typer.Option("What is 2+2? Answer in one sentence.", "--prompt", "-p",
+                               help="User message, rendered once with the model's chat template."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to sample."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 means greedy."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Sample one completion from token IDs on the bundled vLLM engine; print tokens and logprobs."""
+    from .engine.smoke import generate_once
+
+    result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    table = Table(title=f"{len(result.completion.token_ids)} sampled tokens "
+                        f"(prompt {result.completion.prompt_tokens} tokens)")
+    for column in ("#", "token id", "text", "logprob", "version"):
+        table.add_column(column, justify="right" if column != "text" else "left")
+    c = result.completion
+    for i, (tid, piece, lp, ver) in enumerate(zip(c.token_ids, result.pieces, c.logprobs, c.versions)):
+        table.add_row(str(i), str(int(tid)), repr(piece), f"{float(lp):.4f}", str(int(ver)))
+    console.print(table)
+    console.print(f"text: {result.text!r}")
+    console.print(f"finish: {c.finish_reason}  sum logprob: {float(c.logprobs.sum()):.4f}  "
+                  f"engine: vLLM {result.engine_version}  total {c.total_s:.2f}s")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The pure data model every layer may import: messages, completions, turns, rollouts.
+
+Nothing here does I/O or imports another verbatim layer. Token data lives in
+NumPy columns (:class:`TokenColumns`); everything else is a small frozen type.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+"""Version of the trace schema written by this code (rollouts and manifests)."""
+
+
+class Frozen(BaseModel):
+    """Base for trace types: immutable, and unknown fields are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------
+# Messages (what environments and renderers speak)
+# ---------------------------------------------------------------------------
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ToolCall(Frozen):
+    """One tool call; ``raw`` keeps the exact text the model wrote, if parsed from tokens."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    id: str | None = None
+    raw: str | None = None
+
+
+class Message(Frozen):
+    """A chat message. ``reasoning`` holds think blocks / analysis channels apart from content."""
+
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    problems: tuple[str, ...] = ()
+    """What a parser found wrong (e.g. a malformed tool call); never raised."""
+
+
+# ---------------------------------------------------------------------------
+# Token columns
+# ---------------------------------------------------------------------------
+
+
+class Source(enum.IntEnum):
+    """Who wrote a token. Model tokens are the loss mask."""
+
+    PROMPT = 0
+    ENV = 1
+    MODEL = 2
+
+
+COLUMN_DTYPES: dict[str, np.dtype] = {
+    "token_id": np.dtype(np.int32),
+    "source": np.dtype(np.int8),
+    "logprob": np.dtype(np.float32),
+    "policy_version": np.dtype(np.int32),
+    "turn": np.dtype(np.int16),
+}
+"""The per-token columns of a rollout, in order, with their dtypes."""
+
+
+def _readonly(values: Any, dtype: np.dtype) -> np.ndarray:
+    array = np.array(values, dtype=dtype, copy=True).reshape(-1)
+    array.flags.writeable = False
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class TokenColumns:
+    """Aligned, read-only per-token columns of one rollout."""
+
+    token_id: np.ndarray
+    source: np.ndarray
+    logprob: np.ndarray
+    policy_version: np.ndarray
+    turn: np.ndarray
+
+    def __post_init__(self) -> None:
+        lengths = set()
+        for name, dtype in COLUMN_DTYPES.items():
+            column = getattr(self, name)
+            if not (isinstance(column, np.ndarray) and column.dtype == dtype
+                    and column.ndim == 1 and not column.flags.writeable):
+                object.__setattr__(self, name, _readonly(column, dtype))
+            lengths.add(len(getattr(self, name)))
+        if len(lengths) > 1:
+            raise ValueError(f"token columns are not aligned: lengths {sorted(lengths)}")
+
+    @classmethod
+    def empty(cls) -> TokenColumns:
+        return cls(**{name: np.empty(0, dtype) for name, dtype in COLUMN_DTYPES.items()})
+
+    def __len__(self) -> int:
+        return len(self.token_id)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self.source == Source.MODEL
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in COLUMN_DTYPES}
+
+    def equals(self, other: TokenColumns) -> bool:
+        """Exact equality, NaN logprobs equal to NaN."""
+        return all(
+            np.array_equal(getattr(self, n), getattr(other, n), equal_nan=(n == "logprob"))
+            for n in COLUMN_DTYPES
+        )
+
+
+# ---------------------------------------------------------------------------
+# Engine output
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Completion:
+    """What the engine returns for one request: tokens in, tokens out, no text."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    cache_salt: str | None = None
+    kv_versions: tuple[int, ...] = ()
+    queue_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", _readonly(self.token_ids, COLUMN_DTYPES["token_id"]))
+        object.__setattr__(self, "logprobs", _readonly(self.logprobs, COLUMN_DTYPES["logprob"]))
+        object.__setattr__(self, "versions", _readonly(self.versions, COLUMN_DTYPES["policy_version"]))
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"completion columns are not aligned: {n} tokens, {len(self.logprobs)} logprobs, "
+                f"{len(self.versions)} versions"
+            )
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens={self.cached_tokens} must lie in [0, prompt_tokens={self.prompt_tokens}]"
+            )
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+# ---------------------------------------------------------------------------
+# Turns and rollouts (the trace)
+# ---------------------------------------------------------------------------
+
+
+class Turn(Frozen):
+    """One request/response of a rollout, as offsets into the rollout's token columns.
+
+    The turn's prompt is ``tokens[:prompt_end]``; its completion is
+    ``tokens[prompt_end:completion_end]``.
+    """
+
+    index: int = Field(ge=0)
+    prompt_end: int = Field(ge=0)
+    completion_end: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+    cache_salt: str | None = None
+    finish_reason: str = "stop"
+    kv_versions: tuple[int, ...] = ()
+    queue_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+    reward: float | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Turn:
+        if self.completion_end < self.prompt_end:
+            raise ValueError("completion_end must not precede prompt_end")
+        if self.cached_tokens > self.prompt_end:
+            raise ValueError("cached_tokens cannot exceed the prompt length")
+        return self
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompt_end
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.completion_end - self.prompt_end
+
+
+RolloutStatus = Literal["ok", "truncated", "error", "interrupted"]
+
+
+class Rollout(Frozen):
+    """A finished (or failed) rollout: ids, task, token columns, turns, outcome."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    group_id: str
+    rollout_id: str
+    task: dict[str, Any] = Field(default_factory=dict)
+    tokens: TokenColumns = Field(default_factory=TokenColumns.empty)
+    turns: tuple[Turn, ...] = ()
+    reward: float | None = None
+    status: RolloutStatus = "ok"
+    error: str | None = None
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rollout:
+        n = len(self.tokens)
+        for turn in self.turns:
+            if turn.completion_end > n:
+                raise ValueError(f"turn {turn.index} ends at {turn.completion_end} beyond {n} tokens")
+        if self.status in ("error", "truncated", "interrupted") and not self.error:
+            raise ValueError(f"a rollout with status {self.status!r} needs a reason in 'error'")
+        if self.reward is not None and math.isnan(self.reward):
+            raise ValueError("reward must not be NaN")
+        return self
+
+    def same_as(self, other: Rollout) -> bool:
+        """Equality that compares token columns exactly (NaN == NaN)."""
+        mine = self.model_dump(exclude={"tokens"})
+        theirs = other.model_dump(exclude={"tokens"})
+        return mine == theirs and self.tokens.equals(other.tokens)

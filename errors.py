@@ -1,0 +1,63 @@
+"""The one error hierarchy of verbatim.
+
+Every error that verbatim raises on purpose derives from :class:`VerbatimError`.
+The CLI prints such an error as a single line (``error: <message>``), with the
+exit code the class declares: 2 for bad input the user can fix, 1 for failures.
+"""
+
+from __future__ import annotations
+
+
+class VerbatimError(Exception):
+    """Base class: a known failure with a message that says what to fix."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = self.message if not self.hint else f"{self.message} ({self.hint})"
+        return " ".join(text.split())
+
+
+class InputError(VerbatimError):
+    """Bad input: a wrong argument, file, name or value. Exit code 2."""
+
+    exit_code = 2
+
+
+class LedgerError(VerbatimError):
+    """An operation that would break the append-only token ledger."""
+
+
+class TraceError(VerbatimError):
+    """A trace directory or file that cannot be written or read."""
+
+
+class TraceFormatError(TraceError, InputError):
+    """A path that is not a verbatim trace, or one from a newer schema."""
+
+    exit_code = 2
+
+
+class ModelError(VerbatimError):
+    """A model that cannot be resolved, prepared or loaded."""
+
+
+class UnknownModelError(ModelError, InputError):
+    exit_code = 2
+
+
+class DependencyError(VerbatimError):
+    """An optional dependency is missing; the message names the install command."""
+
+
+class EngineError(VerbatimError):
+    """The inference engine failed or refused a request."""
+
+
+class RenderError(VerbatimError):
+    """A renderer cannot produce or continue a token sequence."""
