@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import click
 import typer
 import typer.core
 from rich.console import Console
@@ -18,6 +17,11 @@ from rich.table import Table
 
 from . import __version__
 from .errors import VerbatimError
+
+try:  # typer >= 0.24 vendors click as typer._click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False)
@@ -33,17 +37,20 @@ class _OneLineErrors(typer.core.TyperGroup):
         try:
             return super().main(args=argv, prog_name=prog_name or "verbatim",
                                 complete_var=complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Exit as exc:
+        except typer.Exit as exc:
             code = exc.exit_code
-        except click.exceptions.Abort:
-            err_console.print("error: aborted")
-            code = 130
-        except click.ClickException as exc:  # usage errors: bad option, missing argument…
+        except click_errors.NoArgsIsHelpError as exc:
+            console.print(exc.format_message())
+            code = 0
+        except click_errors.ClickException as exc:  # usage errors: bad option, missing argument…
             if debug:
                 raise
             where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) else ""
             err_console.print(f"error: {' '.join(exc.format_message().split())}{where}")
-            code = 2 if isinstance(exc, click.UsageError) else exc.exit_code
+            code = 2 if isinstance(exc, click_errors.UsageError) else exc.exit_code
+        except typer.Abort:
+            err_console.print("error: aborted")
+            code = 130
         except VerbatimError as exc:
             if debug:
                 raise

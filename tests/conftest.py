@@ -1,0 +1,41 @@
+"""Shared fixtures. Nothing may download from a model hub: HF_HUB_OFFLINE=1 throughout."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+CHAT_TEMPLATES = SHARED / "chat_templates"
+
+# Tests keep verbatim's files (converted model, vLLM caches) inside the checkout, so
+# a fresh clone converts the bundled model once per test session and reuses it after.
+os.environ.setdefault("VERBATIM_HOME", str(REPO / ".cache" / "test-home"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The bundled default model, converted from its GGUF (once per cache dir)."""
+    from verbatim.engine.models import prepare
+
+    return prepare()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_templates_dir() -> Path:
+    if not CHAT_TEMPLATES.is_dir():
+        pytest.fail(f"{CHAT_TEMPLATES} is missing: the tests need ../shared beside the checkout")
+    return CHAT_TEMPLATES
