@@ -61,3 +61,9 @@ class EngineError(VerbatimError):
 
 class RenderError(VerbatimError):
     """A renderer cannot produce or continue a token sequence."""
+
+
+class TrainerError(VerbatimError):
+    """Trainer-side input that cannot be corrected or trained on (missing logprobs, mismatched shapes)."""
+
+    exit_code = 2
