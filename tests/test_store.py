@@ -1,0 +1,176 @@
+"""Trace storage: lossless round trips, damaged files, and crashes between batches."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from verbatim.datamodel import SCHEMA_VERSION, Rollout, Source, TokenColumns, Turn
+from verbatim.errors import TraceFormatError
+from verbatim.harness.store import RunManifest, TraceWriter, read_manifest, read_run
+
+FORMATS = ["parquet", "jsonl"]
+
+
+@st.composite
+def rollouts(draw, index: int = 0) -> Rollout:
+    n_turns = draw(st.integers(0, 4))
+    tokens = {k: [] for k in ("token_id", "source", "logprob", "policy_version", "turn")}
+    turns = []
+
+    def add(ids, source, turn, logprobs=None, versions=None):
+        tokens["token_id"] += ids
+        tokens["source"] += [int(source)] * len(ids)
+        tokens["turn"] += [turn] * len(ids)
+        tokens["logprob"] += logprobs if logprobs is not None else [math.nan] * len(ids)
+        tokens["policy_version"] += versions if versions is not None else [-1] * len(ids)
+
+    ids = st.lists(st.integers(0, 2**31 - 1), max_size=12)
+    add(draw(ids.filter(bool)), Source.PROMPT, 0)
+    for k in range(n_turns):
+        prompt_end = len(tokens["token_id"])
+        sampled = draw(ids)
+        lps = draw(st.lists(st.floats(-1e4, 0.0, width=32), min_size=len(sampled), max_size=len(sampled)))
+        add(sampled, Source.MODEL, k, lps, [draw(st.integers(0, 2**31 - 1))] * len(sampled))
+        turns.append(Turn(index=k, prompt_end=prompt_end, completion_end=len(tokens["token_id"]),
+                          cached_tokens=draw(st.integers(0, prompt_end)),
+                          cache_salt=draw(st.none() | st.text(max_size=8)),
+                          finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+                          kv_versions=tuple(draw(st.lists(st.integers(0, 5), max_size=3))),
+                          total_s=draw(st.floats(0, 100)), reward=draw(st.none() | st.floats(-1, 1))))
+        add(draw(ids), Source.ENV, k + 1)
+    status = draw(st.sampled_from(["ok", "truncated", "error"]))
+    json_values = st.none() | st.booleans() | st.integers(-10, 10) | st.text(max_size=10)
+    return Rollout(
+        run_id="run", group_id=f"g{index // 2}", rollout_id=draw(st.text(min_size=1, max_size=12)),
+        task=draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)),
+        info=draw(st.dictionaries(st.text(max_size=6), json_values, max_size=3)),
+        tokens=TokenColumns(**{k: np.asarray(v) for k, v in tokens.items()}),
+        turns=tuple(turns), reward=draw(st.none() | st.floats(-5, 5)),
+        status=status, error=None if status == "ok" else draw(st.text(min_size=1, max_size=30)),
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(rollouts(), min_size=1, max_size=4))
+def test_round_trip_is_lossless(tmp_path_factory, fmt, batch):
+    run_dir = tmp_path_factory.mktemp(fmt)
+    writer = TraceWriter(run_dir, RunManifest(run_id="run", format=fmt, config={"g": 2}))
+    writer.write_batch(batch[:2])
+    writer.write_batch(batch[2:])
+    trace = read_run(run_dir)
+    assert trace.problems == []
+    assert trace.manifest.config == {"g": 2}
+    assert len(trace.rollouts) == len(batch)
+    for written, read in zip(batch, trace.rollouts):
+        assert read.same_as(written)
+        assert np.isnan(read.tokens.logprob[read.tokens.source != Source.MODEL]).all()
+
+
+def _sample(i: int) -> Rollout:
+    tokens = TokenColumns(token_id=np.arange(i, i + 6), source=[0, 0, 2, 2, 1, 1],
+                          logprob=[np.nan, np.nan, -0.5, -1.5, np.nan, np.nan],
+                          policy_version=[-1, -1, 3, 3, -1, -1], turn=[0, 0, 0, 0, 1, 1])
+    return Rollout(run_id="run", group_id="g", rollout_id=f"r{i}", tokens=tokens,
+                   turns=(Turn(index=0, prompt_end=2, completion_end=4),), reward=float(i))
+
+
+def _run_with_batches(run_dir: Path, fmt: str, batches: int = 3) -> TraceWriter:
+    writer = TraceWriter(run_dir, RunManifest(run_id="run", format=fmt))
+    for b in range(batches):
+        writer.write_batch([_sample(10 * b + k) for k in range(2)])
+    return writer
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_truncated_last_file_is_reported_and_the_rest_returned(tmp_path, fmt):
+    _run_with_batches(tmp_path, fmt)
+    last = tmp_path / f"rollouts-000003.{fmt}"
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) * 2 // 3])
+    trace = read_run(tmp_path)
+    assert len(trace.problems) == 1 and "rollouts-000003" in trace.problems[0]
+    assert "\n" not in trace.problems[0]
+    ids = [r.rollout_id for r in trace.rollouts]
+    expected = ["r0", "r1", "r10", "r11"] + (["r20"] if fmt == "jsonl" else [])
+    assert ids == expected  # JSONL keeps the intact first line of the damaged file
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_corrupt_middle_file_is_skipped(tmp_path, fmt):
+    _run_with_batches(tmp_path, fmt)
+    (tmp_path / f"rollouts-000002.{fmt}").write_bytes(b"\x00garbage\xff" * 20)
+    trace = read_run(tmp_path)
+    assert [r.rollout_id for r in trace.rollouts] == ["r0", "r1", "r20", "r21"]
+    assert len(trace.problems) == 1 and "rollouts-000002" in trace.problems[0]
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import pyarrow.parquet as pq
+    sys.path.insert(0, {tests!r})
+    from test_store import _sample
+    from verbatim.harness.store import RunManifest, TraceWriter
+    writer = TraceWriter({run_dir!r}, RunManifest(run_id="run", format={fmt!r}))
+    writer.write_batch([_sample(0), _sample(1)])
+    real_write_table = pq.write_table
+    def dying_write(table, path, **kw):      # the process dies half-way through batch 2
+        real_write_table(table, path, **kw)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        os._exit(9)
+    pq.write_table = dying_write
+    import pathlib
+    pathlib.Path.write_text = lambda self, text, **kw: (open(self, "w").write(text[: len(text) // 2]),
+                                                        os._exit(9))
+    writer.write_batch([_sample(10), _sample(11)])
+""")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_crash_while_writing_a_batch_loses_only_that_batch(tmp_path, fmt):
+    script = _CRASH.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path), fmt=fmt)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    trace = read_run(tmp_path)
+    assert [r.rollout_id for r in trace.rollouts] == ["r0", "r1"]
+    assert all(r.same_as(_sample(i)) for i, r in enumerate(trace.rollouts))
+    assert len(trace.problems) == 1 and "unfinished write" in trace.problems[0]
+    # the next writer on the same run continues after the intact batch
+    writer = TraceWriter(tmp_path, trace.manifest)
+    assert writer.write_batch([_sample(5)]).name == f"rollouts-000002.{fmt}"
+    assert [r.rollout_id for r in read_run(tmp_path).rollouts] == ["r0", "r1", "r5"]
+
+
+def test_not_a_run_and_newer_schema_are_one_line_input_errors(tmp_path):
+    with pytest.raises(TraceFormatError, match="not a verbatim run"):
+        read_run(tmp_path)
+    with pytest.raises(TraceFormatError, match="not a directory"):
+        read_run(tmp_path / "missing")
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION + 1, "run_id": "x"}))
+    with pytest.raises(TraceFormatError, match="newer than this verbatim reads") as info:
+        read_manifest(tmp_path)
+    assert info.value.exit_code == 2
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(TraceFormatError, match="unreadable"):
+        read_manifest(tmp_path)
+
+
+def test_manifest_records_versions_and_updates_atomically(tmp_path):
+    writer = TraceWriter(tmp_path, RunManifest(run_id="run", model="m", renderer="chatml"))
+    assert "python" in read_manifest(tmp_path).versions
+    writer.write_manifest(writer.manifest.model_copy(update={"status": "completed"}))
+    manifest = read_manifest(tmp_path)
+    assert manifest.status == "completed" and manifest.model == "m"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
