@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from typer.testing import CliRunner
-
 from verbatim import __version__
 from verbatim.cli import app
 

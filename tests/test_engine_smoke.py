@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from verbatim.engine.inproc import Sampling
 
 pytestmark = pytest.mark.engine

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from pydantic import ValidationError
 from verbatim.datamodel import Completion, Source
 from verbatim.errors import LedgerError
 from verbatim.harness.ledger import Ledger
@@ -103,8 +103,8 @@ def test_no_api_overwrites_or_drops_tokens():
     with pytest.raises(LedgerError, match="before the first completion"):
         ledger.append_prompt([9])
     turns = ledger.turns
-    with pytest.raises(Exception):
-        turns[0].prompt_end = 0  # frozen
+    with pytest.raises(ValidationError, match="frozen"):
+        turns[0].prompt_end = 0
     assert ledger.view().tolist() == [1, 2, 3, 7, 8, 4, 5]
 
 

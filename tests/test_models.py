@@ -10,7 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from verbatim.engine import models
 from verbatim.errors import DependencyError, UnknownModelError
 
