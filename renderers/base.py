@@ -92,6 +92,8 @@ class ChatFormat:
     stop_tokens: tuple[str, ...] = ()
     close_text: str = ""
     after_stop: str = ""
+    message_dict_options: dict[str, bool] = {}
+    """How :meth:`template_messages` writes messages for this family's official template."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -148,6 +150,18 @@ class ChatFormat:
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
         raise NotImplementedError
+
+    # -- the official template's view ---------------------------------------
+
+    def template_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        """``messages`` as the HF-format dicts the official template expects."""
+        from .conversations import message_to_dict
+
+        return [message_to_dict(m, **self.message_dict_options) for m in messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra ``apply_chat_template`` keyword arguments that select this renderer's options."""
+        return {}
 
     # -- shared helpers -----------------------------------------------------
 

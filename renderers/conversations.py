@@ -50,14 +50,15 @@ def message_from_dict(data: dict[str, Any]) -> Message:
 
 
 def message_to_dict(message: Message, *, arguments_as_string: bool = False,
-                    none_content_with_calls: bool = False) -> dict[str, Any]:
+                    none_content_with_calls: bool = False,
+                    reasoning_key: str = "reasoning_content") -> dict[str, Any]:
     """The HF-format dict a chat template expects for ``message`` (keys with no value are left out)."""
     data: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.reasoning is not None:
-        data["reasoning_content"] = message.reasoning
+        data[reasoning_key] = message.reasoning
     if message.tool_calls:
         if none_content_with_calls and not message.content:
-            del data["content"]
+            data["content"] = None
         data["tool_calls"] = [_call_to_dict(call, arguments_as_string) for call in message.tool_calls]
     if message.tool_call_id is not None:
         data["tool_call_id"] = message.tool_call_id

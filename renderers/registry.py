@@ -45,6 +45,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi3", _cls("phi", "Phi3"), "phi3", aliases=("phi3-mini",)),
     Family("phi3.5", _cls("phi", "Phi35"), "phi3", aliases=("phi3.5-mini",)),
     Family("phi4", _cls("phi", "Phi4"), "stand-in:phi4"),
+    Family("phi4-mini", _cls("phi", "Phi4Mini"), "stand-in:phi4_mini"),
     Family("deepseek-v3", _cls("deepseek", "DeepSeekV3"), "stand-in:deepseek", aliases=("deepseek",)),
     Family("deepseek-r1", _cls("deepseek", "DeepSeekR1"), "stand-in:deepseek"),
     Family("gpt-oss", _cls("harmony", "Harmony"), "stand-in:harmony", aliases=("harmony", "gpt_oss")),
