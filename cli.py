@@ -75,6 +75,9 @@ app = typer.Typer(
 models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
                          no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(models_app, name="models")
+bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
+                        no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(bench_app, name="bench")
 
 
 def _version(value: bool) -> None:
@@ -154,6 +157,48 @@ def generate(
     console.print(f"text: {result.text!r}")
     console.print(f"finish: {c.finish_reason}  sum logprob: {float(c.logprobs.sum()):.4f}  "
                   f"engine: vLLM {result.engine_version}  total {c.total_s:.2f}s")
+
+
+@bench_app.command("policies")
+def bench_policies(
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    write_docs: bool = typer.Option(False, "--write-docs", help="Replace the table in docs/engine.md."),
+) -> None:
+    """Measure the four cache policies across a real weight update (cached tokens, output change)."""
+    from .engine.policy_report import run_policy_report
+
+    table = run_policy_report(model, write_docs=write_docs)
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------
+# serve: a correctly configured vLLM OpenAI server
+# ---------------------------------------------------------------------------
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
+    kv_cache_gib: float = typer.Option(2.0, "--kv-cache-gib", min=0.1, help="KV cache size (CPU engine)."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
+) -> None:
+    """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
+    import os
+
+    from .engine.runtime import EngineConfig
+    from .engine.server import check_bind, server_command
+
+    warning = check_bind(host, allow_remote)
+    if warning:
+        err_console.print(warning)
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, dtype=dtype)
+    argv, env = server_command(config, host=host, port=port)
+    err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
+    os.execvpe(argv[0], argv, env)
 
 
 def main() -> None:
