@@ -138,6 +138,42 @@ class ChatFormat:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return self.parse_text(text, finished=finished)
 
+    def completion_text(self, messages: Sequence[Message], index: int, *,
+                        tools: Sequence[dict] | None = None) -> str:
+        """The text a model of this family samples for assistant ``messages[index]``, stop token included.
+
+        It is the template's own rendering of that message as the final turn, less the
+        generation prompt that precedes it. Families whose prompt does not prefix the
+        turn (DeepSeek) override it.
+        """
+        prompt, own = self._turn_texts(messages, index, tools)
+        if not own.startswith(prompt):
+            raise RenderError(f"{self.name}: the generation prompt {prompt!r} does not start the turn {own[:40]!r}")
+        return self.cut_at_stop(own[len(prompt):])
+
+    def _turn_texts(self, messages: Sequence[Message], index: int,
+                    tools: Sequence[dict] | None) -> tuple[str, str]:
+        messages, tools = list(messages), list(tools) if tools else None
+        if index == 0 or messages[index].role != "assistant":
+            raise RenderError(f"{self.name}: message {index} is not an assistant reply to earlier messages")
+        prompt = "".join(p.text for p in self.pieces(messages[:index], tools, True) if p.message == index)
+        own = "".join(p.text for p in self.pieces(messages[:index + 1], tools, False) if p.message == index)
+        return prompt, own
+
+    def cut_at_stop(self, text: str) -> str:
+        ends = [text.find(stop) + len(stop) for stop in self.stop_tokens if stop in text]
+        return text[:min(ends)] if ends else text + self.close_text
+
+    def completion_ids(self, messages: Sequence[Message], index: int, *,
+                       tools: Sequence[dict] | None = None) -> list[int]:
+        """:meth:`completion_text` as token ids, tokenized in the context of the generation prompt."""
+        prompt, _ = self._turn_texts(messages, index, tools)
+        completion = self.completion_text(messages, index, tools=tools)
+        alone, together = self.encode(prompt), self.encode(prompt + completion)
+        if together[:len(alone)] == alone:
+            return together[len(alone):]
+        return self.encode(completion)
+
     # -- what a family implements ------------------------------------------
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,

@@ -45,7 +45,7 @@ def call_body(name: str, arguments: dict) -> str:
 class DeepSeekV3(ChatFormat):
     name = "deepseek-v3"
     templates = ("deepseek_v3.jinja",)
-    prefix_stable = True
+    prefix_stable = False  # tool-call turns are re-serialized (single calls never closed)
     stop_tokens = (EOS,)
     close_text = EOS
     message_dict_options = {"arguments_as_string": True, "none_content_with_calls": True}
@@ -99,6 +99,20 @@ class DeepSeekV3(ChatFormat):
     def assistant_content(self, content: str) -> str:
         return content
 
+    def completion_text(self, messages, index, *, tools=None) -> str:
+        """What the model samples: its reasoning if the prompt opened a think block, content, a closed call section.
+
+        The templates' own turns cannot serve: V3 never closes a single call's section, both
+        drop the outputs-end marker before a tool-call turn, and R1 cuts the reasoning.
+        """
+        message = messages[index]
+        text = f"{message.reasoning or ''}\n</think>\n\n" if self.generation_text.endswith("<think>\n") else ""
+        text += message.content.split("</think>")[-1].lstrip("\n") if text else message.content
+        if message.tool_calls:
+            text += CALLS_BEGIN + "\n".join(CALL_BEGIN + call_body(c.name, c.arguments) for c in message.tool_calls)
+            text += CALLS_END
+        return text + EOS
+
     def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         seen = set(previous_ids)
@@ -145,7 +159,6 @@ class DeepSeekR1(DeepSeekV3):
 
     def assistant_content(self, content: str) -> str:
         return content.split("</think>")[-1]
-
 
 def parse_calls(text: str) -> tuple[str, list, list[str]]:
     """Content, tool calls and problems for DeepSeek's ``<｜tool▁calls▁begin｜>`` section."""
