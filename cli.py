@@ -75,6 +75,12 @@ app = typer.Typer(
 models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
                          no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(models_app, name="models")
+lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
+                       rich_markup_mode=None)
+app.add_typer(lint_app, name="lint")
+bench_app = typer.Typer(help="Measure verbatim's hot paths and write the numbers down.", no_args_is_help=True,
+                        rich_markup_mode=None)
+app.add_typer(bench_app, name="bench")
 bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
@@ -199,6 +205,74 @@ def serve(
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
     os.execvpe(argv[0], argv, env)
+
+
+# ---------------------------------------------------------------------------
+# lint template: chat-template drift
+# ---------------------------------------------------------------------------
+
+
+@lint_app.command("template")
+def lint_template(
+    template: str = typer.Option(..., "--template", help="A .jinja file, an official template name "
+                                 "(qwen3, gpt_oss…) or a renderer name (llama3…)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="Tokenizer folder/tokenizer.json or renderer "
+                                  "name (default: the default model's)."),
+    conversations: str = typer.Option(None, "--conversations", help="JSONL of {\"messages\": [...], "
+                                      "\"tools\": [...]} objects (default: the built-in set)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per conversation on stdout."),
+) -> None:
+    """Does re-rendering history with this template change tokens already rendered? Exit 1 if so."""
+    import json
+
+    from .renderers import drift
+    from .renderers.conversations import DEFAULT_CONVERSATIONS, load_conversations
+    from .renderers.templates import resolve_template, resolve_tokenizer
+
+    label, text = resolve_template(template)
+    chats = load_conversations(conversations or DEFAULT_CONVERSATIONS)
+    model_dir = None
+    if tokenizer is None or not _is_path(tokenizer):
+        from .engine.models import prepare
+
+        model_dir = prepare()
+    if tokenizer is None:
+        from .renderers.tokenizers import smollm2_tokenizer
+
+        tok = smollm2_tokenizer(str(model_dir))
+    else:
+        tok = resolve_tokenizer(tokenizer, model_dir)
+    verdicts = drift.lint(drift.TemplateRenderer(text, tok), chats)
+    if as_json:
+        for verdict in verdicts:
+            print(json.dumps(verdict.as_json(), ensure_ascii=False))
+    else:
+        console.print(_drift_table(label, verdicts))
+    raise typer.Exit(drift.exit_code(verdicts))
+
+
+def _is_path(value: str) -> bool:
+    from pathlib import Path
+
+    return Path(value).expanduser().exists()
+
+
+def _drift_table(label: str, verdicts: Any) -> Table:
+    stable = sum(v.prefix_stable is True for v in verdicts)
+    table = Table(title=f"{label}: {stable}/{len(verdicts)} conversations prefix-stable")
+    for column in ("#", "stable", "kind", "cut", "diff at", "cause", "miss", "earlier | later tokens"):
+        table.add_column(column)
+    for verdict in verdicts:
+        number = str(verdict.conversation)
+        if verdict.unsupported is not None:
+            table.add_row(number, "n/a", "", "", "", f"refused: {verdict.unsupported}", "", "")
+        elif not verdict.violations:
+            table.add_row(number, "yes", "", "", "", "", "", "")
+        for v in verdict.violations:
+            context = f"{''.join(v.earlier)!r} | {''.join(v.later)!r}"
+            table.add_row(number, "no", v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
+                          str(v.miss_tokens), context)
+    return table
 
 
 def main() -> None:
