@@ -117,7 +117,14 @@ def _default_system_injected(e: Evidence) -> bool:
     return not has_system and "system" in e.theirs[:40] and "system" not in e.ours[:40]
 
 
+TOOL_CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<|call|>", "to=functions.", "<|python_tag|>", "<|tool_call_begin|>")
+
+
 def _tool_call_reserialized(e: Evidence) -> bool:
+    flipped = Evidence(e.kind, e.cut, e.later, e.earlier, e.position, (), e.messages, e.tools, e.eos_token)
+    if any(e.moved(m) or flipped.moved(m) for m in TOOL_CALL_MARKERS):
+        return True
     names = {call.get("function", call).get("name") for m in e.messages for call in (m.get("tool_calls") or ())}
     for name in filter(None, names):
         theirs, ours = e.theirs[:200].find(name), e.ours[:200].find(name)
