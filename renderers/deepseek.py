@@ -123,6 +123,8 @@ class DeepSeekV3(ChatFormat):
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
         reasoning, rest, problems = split_think(text, opened=self.generation_text.endswith("<think>\n"))
+        if reasoning is not None:
+            reasoning, rest = reasoning.strip("\n"), rest.lstrip("\n")
         content, calls, call_problems = parse_calls(rest)
         problems += call_problems
         if not finished:
