@@ -188,7 +188,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
-    kv_cache_gib: float = typer.Option(2.0, "--kv-cache-gib", min=0.1, help="KV cache size (CPU engine)."),
+    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (CPU engine)."),
     max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
     dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
 ) -> None:
@@ -248,7 +248,9 @@ def lint_template(
             print(json.dumps(verdict.as_json(), ensure_ascii=False))
     else:
         console.print(_drift_table(label, verdicts))
-    raise typer.Exit(drift.exit_code(verdicts))
+    # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
+    # comes back as a return value and would be lost.
+    sys.exit(drift.exit_code(verdicts))
 
 
 def _is_path(value: str) -> bool:

@@ -3,7 +3,7 @@
 One scenario per policy: a rollout's turn 1 under version v, a weight update to
 a perturbed checkpoint (version v+1) with that policy, then the rollout's
 turn 2 (its whole history + new tokens) and a brand-new rollout's turn 1 with
-the same prompt. Recorded: cached tokens of both requests, the KV versions
+the same prompt (after turn 2, so it may reuse what turn 2 prefilled). Recorded: cached tokens of both requests, the KV versions
 turn 2 reused, and whether turn 2's greedy output equals a fresh prefill under
 the new weights (a hybrid context changes it) or the old weights' output.
 """
@@ -25,6 +25,7 @@ class PolicyRow(Frozen):
     reusable_tokens: int
     turn2_cached: int
     new_rollout_cached: int
+    new_rollout_kv_versions: tuple[str, ...]
     turn2_kv_versions: tuple[str, ...]
     """'old' / 'new' relative to the update."""
     turn2_matches_fresh_new_weights: bool
@@ -57,6 +58,7 @@ async def measure_policy(engine: Engine, policy: CachePolicy, *, base: Path, upd
         reusable_tokens=reusable,
         turn2_cached=turn2.cached_tokens,
         new_rollout_cached=fresh_rollout.cached_tokens,
+        new_rollout_kv_versions=tuple(_relative(v, start) for v in fresh_rollout.kv_versions),
         turn2_kv_versions=tuple(_relative(v, start) for v in turn2.kv_versions),
         turn2_matches_fresh_new_weights=turn2.token_ids.tolist() == fresh.token_ids.tolist(),
         turn2_matches_old_weights=turn2.token_ids.tolist() == old.token_ids.tolist(),
@@ -69,13 +71,15 @@ def _relative(version: int, start: int) -> str:
 
 def markdown_table(rows: list[PolicyRow]) -> str:
     lines = [
-        "| policy | turn 2 cached / reusable | new rollout cached | KV versions reused by turn 2 | "
+        "| policy | turn 2 cached / reusable | KV reused by turn 2 | new rollout cached | KV reused by new rollout | "
         "turn 2 = fresh prefill, new weights | turn 2 = old weights |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kv = ", ".join(r.turn2_kv_versions) or "none"
-        lines.append(f"| `{r.policy}` | {r.turn2_cached} / {r.reusable_tokens} | {r.new_rollout_cached} | {kv} | "
+        kv_new = ", ".join(r.new_rollout_kv_versions) or "none"
+        lines.append(f"| `{r.policy}` | {r.turn2_cached} / {r.reusable_tokens} | {kv} | {r.new_rollout_cached} | "
+                     f"{kv_new} | "
                      f"{'yes' if r.turn2_matches_fresh_new_weights else 'no'} | "
                      f"{'yes' if r.turn2_matches_old_weights else 'no'} |")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ _BEGIN, _END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"
 
 def run_policy_report(model: str = "default", *, write_docs: bool = False) -> str:
     async def run() -> str:
-        engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_model_len=2048))
+        engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=1, max_model_len=2048))
         home = verbatim_home()
         home.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=home) as tmp:

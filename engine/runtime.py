@@ -35,7 +35,7 @@ class EngineConfig(Frozen):
     dtype: str = "float32"
     max_model_len: int = Field(default=4096, ge=64)
     block_size: int = Field(default=128, ge=1)
-    kv_cache_gib: float = Field(default=2.0, gt=0)
+    kv_cache_gib: int = Field(default=2, ge=1)
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
@@ -65,7 +65,7 @@ def configure_environment(config: EngineConfig) -> dict[str, str]:
     except AttributeError:  # pragma: no cover - not Linux
         cpus = list(range(os.cpu_count() or 1))
     wanted = {
-        "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),  # whole GiB only
         "VLLM_CPU_OMP_THREADS_BIND": config.threads_bind or _cpu_ranges(cpus),
         "VLLM_CACHE_ROOT": str(home / "vllm"),
         "TMPDIR": str(tmp),  # vLLM's IPC sockets

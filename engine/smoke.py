@@ -24,7 +24,7 @@ def generate_once(model: str, user_message: str, *, max_tokens: int = 32,
     """Render one user message once, sample from its token IDs, decode for display only."""
     from transformers import AutoTokenizer
 
-    engine = InprocEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_gib=1.0))
+    engine = InprocEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_gib=1))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     prompt_ids = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": user_message}], add_generation_prompt=True,

