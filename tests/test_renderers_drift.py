@@ -1,0 +1,147 @@
+"""The template drift linter: golden verdicts for every shared template, causes, CLI contract."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim.cli import app
+from verbatim.errors import InputError
+from verbatim.renderers import drift
+from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, Conversation, load_conversations
+from verbatim.renderers.templates import official_templates, read_template, resolve_template
+
+GOLDEN = Path(__file__).parent / "data" / "lint_golden.json"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, list[dict]]:
+    return json.loads(GOLDEN.read_text(encoding="utf-8"))
+
+
+def test_golden_covers_every_shared_template(golden: dict, chat_templates_dir: Path) -> None:
+    assert set(golden) == {p.stem for p in chat_templates_dir.glob("*.jinja")} == set(official_templates())
+
+
+@pytest.mark.parametrize("stem", sorted(official_templates()))
+def test_verdicts_match_the_golden_file(stem: str, golden: dict, default_tokenizer) -> None:
+    renderer = drift.TemplateRenderer(read_template(official_templates()[stem]), default_tokenizer)
+    verdicts = drift.lint(renderer, load_conversations(DEFAULT_CONVERSATIONS))
+    assert [v.as_json() for v in verdicts] == golden[stem], "regenerate with scripts/regen_lint_golden.py if intended"
+
+
+def test_every_cause_comes_from_a_real_template(golden: dict) -> None:
+    found = Counter(v["cause"] for verdicts in golden.values() for verdict in verdicts
+                    for v in verdict["violations"])
+    assert set(found) == set(drift.CAUSES), f"causes never produced: {set(drift.CAUSES) - set(found)}"
+
+
+@pytest.mark.parametrize(("stem", "cause"), [
+    ("qwen3", "reasoning_stripped"), ("llama3_2_instruct", "date_injected"),
+    ("mistral_7b_instruct_v0_3", "system_moved"), ("deepseek_r1", "tool_call_reserialized"),
+    ("phi3_mini", "eos_in_history"), ("qwq_32b", "generation_prompt_dropped"), ("qwq_32b", "whitespace_trimmed"),
+    ("smollm2_instruct", "default_system_injected"), ("llama3_1_instruct", "bpe_boundary_merge"),
+    ("llama3_instruct", "other"),
+])
+def test_the_documented_template_produces_its_cause(stem: str, cause: str, golden: dict) -> None:
+    assert cause in {v["cause"] for verdict in golden[stem] for v in verdict["violations"]}
+
+
+def test_stable_templates_stay_stable(golden: dict) -> None:
+    for stem in ("gemma3", "mixtral_8x7b_instruct_v0_1"):
+        assert all(v["prefix_stable"] in (True, None) for v in golden[stem])
+    refused = [v for v in golden["gemma2"] if v["prefix_stable"] is None]
+    assert refused and all("unsupported" in v for v in refused)  # gemma2 refuses system messages
+
+
+def test_miss_tokens_count_the_earlier_render_after_the_divergence(default_tokenizer, chat_templates_dir) -> None:
+    template = read_template(chat_templates_dir / "phi3_mini.jinja")
+    renderer = drift.TemplateRenderer(template, default_tokenizer)
+    conversation = load_conversations(DEFAULT_CONVERSATIONS)[1]
+    verdict = drift.analyze(renderer, conversation, 1)
+    violation = verdict.violations[0]
+    earlier = renderer.render(conversation.messages[:violation.cut[0]], None, add_generation_prompt=False)
+    assert violation.miss_tokens == len(earlier.ids) - violation.first_divergence > 0
+
+
+# ---------------------------------------------------------------------------
+# the CLI
+# ---------------------------------------------------------------------------
+
+
+def lint(*args: str):
+    return runner.invoke(app, ["lint", "template", *args])
+
+
+def test_cli_json_is_one_object_per_conversation() -> None:
+    result = lint("--template", "qwen3", "--json")
+    assert result.exit_code == 1, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["conversation"] for line in lines] == list(range(len(load_conversations(DEFAULT_CONVERSATIONS))))
+    violation = next(v for line in lines for v in line["violations"])
+    assert set(violation) >= {"kind", "cut", "first_divergence", "cause", "miss_tokens"}
+    assert violation["cause"] in drift.CAUSES
+
+
+def test_cli_exit_0_when_stable_and_a_table_for_people(tmp_path: Path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    result = lint("--template", "mixtral_8x7b_instruct_v0_1", "--conversations", str(chats))
+    assert result.exit_code == 0, result.output
+    assert "1/1 conversations prefix-stable" in result.stdout
+
+
+def test_cli_takes_a_template_path_and_a_tokenizer_name(chat_templates_dir: Path) -> None:
+    result = lint("--template", str(chat_templates_dir / "qwen3.jinja"), "--tokenizer", "qwen3", "--json")
+    assert result.exit_code == 1, result.output
+    causes = {v["cause"] for line in result.stdout.splitlines() for v in json.loads(line)["violations"]}
+    assert causes == {"reasoning_stripped"}  # with Qwen's own tokenizer, no BPE noise
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', ":2: invalid JSON"),
+    ('{"messages": "nope"}\n', ":1: expected an object with a 'messages' list"),
+    ('{"messages": [{"content": "no role"}]}\n', ":1: message 0 needs a string 'role'"),
+    ("\n", "holds no conversations"),
+])
+def test_cli_bad_conversations_name_the_line(tmp_path: Path, content: str, needle: str) -> None:
+    chats = tmp_path / "bad.jsonl"
+    chats.write_text(content)
+    result = lint("--template", "qwen3", "--conversations", str(chats))
+    assert result.exit_code == 2
+    assert needle in result.output and result.output.count("\n") == 1
+
+
+def test_cli_bad_templates_exit_2(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    assert "does not parse" in lint("--template", str(broken)).output
+    assert lint("--template", str(broken)).exit_code == 2
+    crashing = tmp_path / "crash.jinja"
+    crashing.write_text("{{ messages[0].content + 1 }}")
+    result = lint("--template", str(crashing))
+    assert result.exit_code == 2 and "raised on conversation 0" in result.output
+    result = lint("--template", "qwen-3-typo")
+    assert result.exit_code == 2 and "did you mean" in result.output
+    assert lint("--template", "qwen3", "--tokenizer", "nope").exit_code == 2
+
+
+def test_resolve_template_by_renderer_name() -> None:
+    assert resolve_template("llama3")[0] == "llama3_1_instruct"
+    with pytest.raises(InputError):
+        resolve_template("definitely-not-a-template")
+
+
+def test_refusals_are_per_conversation(default_tokenizer, chat_templates_dir: Path) -> None:
+    renderer = drift.TemplateRenderer(read_template(chat_templates_dir / "gemma2.jinja"), default_tokenizer)
+    system = Conversation(messages=({"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                    {"role": "assistant", "content": "a"}))
+    verdict = drift.analyze(renderer, system, 0)
+    assert verdict.prefix_stable is None and "System role not supported" in verdict.unsupported
+    assert drift.exit_code([verdict]) == 0
