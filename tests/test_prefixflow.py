@@ -1,0 +1,235 @@
+"""PrefixFlow exactness: its gradients equal full-sequence training's, parameter by parameter.
+
+Error metric, per parameter: max |g_prefixflow − g_full| / max |g_full|; the test takes the
+worst parameter. fp32 must stay within 1e-5 on a small random Llama; float64 (with the
+norm computed in float64) shows the algorithm is exact to rounding on the default model too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verbatim.errors import TrainerError
+from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.prefixflow import (
+    PrefixGroup,
+    encode_prefix,
+    full_sequence_backward,
+    group_from_sequences,
+    microbatches,
+    prefix_backward,
+    prefixflow_backward,
+    shared_prefix_len,
+    suffix_backward,
+)
+
+VOCAB = 97
+SEQ = 60
+
+
+def tiny_llama(tied: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+def make_group(group_size: int, ratio: float, loss_in_prefix: bool, seed: int = 0,
+               seq: int = SEQ, vocab: int = VOCAB) -> PrefixGroup:
+    """Uneven suffixes; the loss starts 2 tokens before the suffixes when ``loss_in_prefix``."""
+    gen = torch.Generator().manual_seed(seed)
+    p = max(1, round(ratio * seq))
+    prefix = torch.randint(0, vocab, (p,), generator=gen)
+    suffixes, masks = [], []
+    for i in range(group_size):
+        length = max(1, seq - p - (5 * i) % 7)
+        suffixes.append(torch.randint(0, vocab, (length,), generator=gen))
+        mask = torch.zeros(p + length, dtype=torch.bool)
+        mask[max(1, p - 2) if loss_in_prefix else p:] = True
+        masks.append(mask)
+    return PrefixGroup(prefix=prefix, suffixes=tuple(suffixes), loss_masks=tuple(masks))
+
+
+def rl_like_loss(group: PrefixGroup, seed: int = 1):
+    """A per-row sum: signed per-token terms plus a nonlinear sequence-level term, global normaliser."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(group.prefix_len + s.numel() for s in group.suffixes)
+    coef = torch.randn(group.size, width, generator=gen, dtype=torch.float64)
+    advantage = torch.randn(group.size, generator=gen, dtype=torch.float64)
+    tokens = torch.tensor([float(m.sum()) for m in group.loss_masks], dtype=torch.float64).clamp(min=1)
+    total = float(tokens.sum())
+
+    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        c = coef[rows, : logprobs.shape[1]].to(logprobs.dtype)
+        mean_lp = logprobs.sum(dim=1) / tokens[rows].to(logprobs.dtype)
+        sequence_term = advantage[rows].to(logprobs.dtype) * torch.exp(torch.clamp(mean_lp + 4.0, max=3.0))
+        return ((c * logprobs).sum() + sequence_term.sum()) / total
+
+    return loss_fn
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-30)) for n in want)
+
+
+def compare(model, group, loss_fn, splits_list, offload="none", **kw) -> list[float]:
+    lm = prefix_lm(model)
+    model.zero_grad(set_to_none=True)
+    want_loss = full_sequence_backward(lm, group, loss_fn, [list(range(group.size))])
+    want = grads_of(model)
+    errors = []
+    for splits in splits_list:
+        got_loss = prefixflow_backward(lm, group, loss_fn, splits, offload=offload, **kw)
+        assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+        errors.append(max_rel_err(grads_of(model), want))
+    return errors
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 8])
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.83, 0.95])
+def test_fp32_gradients_equal_full_sequence_training(tiny, group_size, ratio):
+    group = make_group(group_size, ratio, loss_in_prefix=(group_size + int(ratio * 100)) % 2 == 0)
+    splits_list = [microbatches(group_size, group_size), microbatches(group_size, 1),
+                   microbatches(group_size, 3), [list(range(group_size))[::-1]]]
+    errors = compare(tiny, group, rl_like_loss(group), splits_list)
+    assert max(errors) <= 1e-5, errors
+
+
+def test_fp32_untied_embeddings_and_loss_inside_the_prefix():
+    model = tiny_llama(tied=False, seed=3)
+    group = make_group(8, 0.83, loss_in_prefix=True, seed=4)
+    assert max(compare(model, group, rl_like_loss(group), [[[5, 0, 2], [7, 1], [3, 4, 6]]])) <= 1e-5
+
+
+def test_boundary_token_alone(tiny):
+    """Only each suffix's first token is trained: its logprob comes from the prefix's last position."""
+    group = make_group(4, 0.5, loss_in_prefix=False, seed=5)
+    p = group.prefix_len
+    masks = tuple(torch.nn.functional.one_hot(torch.tensor(p), p + s.numel()).bool() for s in group.suffixes)
+    boundary_only = PrefixGroup(group.prefix, group.suffixes, masks)
+    errors = compare(tiny, boundary_only, rl_like_loss(boundary_only), [microbatches(4, 3)])
+    assert max(errors) <= 1e-5
+    # and the prefix parameters really do get gradient from it
+    lm = prefix_lm(tiny)
+    prefixflow_backward(lm, boundary_only, rl_like_loss(boundary_only), [[0, 1, 2, 3]])
+    assert grads_of(tiny)["model.layers.0.self_attn.k_proj.weight"].abs().max() > 0
+
+
+@pytest.fixture
+def float64_norm(monkeypatch):
+    """Hugging Face's Llama RMSNorm computes in float32 even for float64 weights; keep float64 throughout."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, hidden):
+        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+
+
+def test_float64_exact_to_rounding(float64_norm):
+    model = tiny_llama(seed=7, dtype=torch.float64)
+    group = make_group(8, 0.5, loss_in_prefix=True, seed=7)
+    assert max(compare(model, group, rl_like_loss(group), [microbatches(8, 3)])) <= 1e-12
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offloaded_prefix_activations_give_the_same_gradients(tiny, offload):
+    group = make_group(4, 0.83, loss_in_prefix=True, seed=8)
+    loss_fn = rl_like_loss(group)
+    assert max(compare(tiny, group, loss_fn, [microbatches(4, 2)], offload=offload,
+                       offload_min_bytes=0)) <= 1e-5
+    lm = prefix_lm(tiny)
+    state = encode_prefix(lm, group, offload, offload_min_bytes=0)
+    directory = state.store._dir
+    if offload == "disk":
+        assert state.store.moved_bytes > 0 and any(directory.iterdir())
+    else:  # already on the CPU: nothing to move
+        assert state.store.moved_bytes == 0
+    for rows in microbatches(4, 2):
+        suffix_backward(lm, group, state, loss_fn, rows)
+    prefix_backward(state)
+    assert directory is None or not directory.exists()
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_phase_a_keeps_one_copy_and_leaves_require_grad(tiny):
+    group = make_group(8, 0.5, loss_in_prefix=False, seed=9)
+    state = encode_prefix(prefix_lm(tiny), group)
+    assert len(state.kv) == tiny.config.num_hidden_layers
+    for keys, values in state.kv:
+        assert keys.shape[0] == 1 and keys.shape[-2] == group.prefix_len and keys.is_leaf and keys.requires_grad
+        assert values.shape == keys.shape and values.is_leaf
+    assert state.boundary.shape == (tiny.config.hidden_size,) and state.loss_positions.numel() == 0
+    prefix_backward(state)  # no suffix ran: nothing to propagate, nothing to fail
+    assert all(p.grad is None for p in tiny.parameters())
+
+
+def test_bf16_tolerance_measured():
+    """bf16: PrefixFlow vs full-sequence bf16 within 3e-2, and as close to fp32 as full bf16 is (2.5x)."""
+    for seed in range(2):
+        model = tiny_llama(seed=seed, dtype=torch.bfloat16)
+        group = make_group(8, 0.83, loss_in_prefix=True, seed=seed)
+        loss_fn = rl_like_loss(group)
+        lm = prefix_lm(model)
+        full_sequence_backward(lm, group, loss_fn, microbatches(8, 2))
+        full_bf16 = grads_of(model)
+        prefixflow_backward(lm, group, loss_fn, microbatches(8, 2))
+        flow_bf16 = grads_of(model)
+        model.float()
+        full_sequence_backward(lm, group, loss_fn, microbatches(8, 2))
+        full_fp32 = grads_of(model)
+        assert max_rel_err(flow_bf16, full_bf16) <= 3e-2
+        assert max_rel_err(flow_bf16, full_fp32) <= 2.5 * max_rel_err(full_bf16, full_fp32)
+
+
+def test_shared_prefix_found_token_for_token():
+    a = torch.tensor([1, 2, 3, 4, 5])
+    b = torch.tensor([1, 2, 3, 9])
+    c = torch.tensor([1, 2, 7, 4, 5])
+    assert shared_prefix_len([a, b]) == 3 and shared_prefix_len([a, b, c]) == 2 and shared_prefix_len([a]) == 5
+    masks = [torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool), torch.tensor([0, 0, 0, 1], dtype=torch.bool)]
+    group = group_from_sequences([a, b], masks)
+    assert group.prefix.tolist() == [1, 2, 3] and [s.tolist() for s in group.suffixes] == [[4, 5], [9]]
+    same = group_from_sequences([a, a.clone()], [masks[0], masks[0]])
+    assert same.prefix_len == 4  # identical sequences still leave each suffix one token
+    with pytest.raises(TrainerError, match="share no prefix"):
+        group_from_sequences([a, torch.tensor([8, 2])], [masks[0], torch.tensor([False, True])])
+
+
+def test_bad_groups_and_splits_are_clear_errors(tiny):
+    prefix = torch.tensor([1, 2, 3])
+    with pytest.raises(TrainerError, match="empty"):
+        PrefixGroup(prefix, (torch.tensor([], dtype=torch.long),), (torch.zeros(3, dtype=torch.bool),))
+    with pytest.raises(TrainerError, match="entries"):
+        PrefixGroup(prefix, (torch.tensor([4]),), (torch.zeros(5, dtype=torch.bool),))
+    with pytest.raises(TrainerError, match="first token"):
+        PrefixGroup(prefix, (torch.tensor([4]),), (torch.ones(4, dtype=torch.bool),))
+    group = make_group(3, 0.5, loss_in_prefix=False)
+    with pytest.raises(TrainerError, match="once each"):
+        prefixflow_backward(prefix_lm(tiny), group, rl_like_loss(group), [[0, 1], [1]])
+
+
+def test_unknown_architecture_is_refused():
+    class Config:
+        model_type = "gpt2"
+
+    class Model(torch.nn.Module):
+        config = Config()
+
+    with pytest.raises(TrainerError, match="no adapter for model type 'gpt2'"):
+        prefix_lm(Model())
