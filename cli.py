@@ -177,6 +177,19 @@ def bench_policies(
     console.print(table)
 
 
+@bench_app.command("logprobs")
+def bench_logprobs(
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    dtype: str = typer.Option("float32", "--dtype", help="Engine dtype: float32 or bfloat16."),
+) -> None:
+    """Compare the engine's sampler logprobs with transformers' fp32 logprobs of the same tokens."""
+    import json
+
+    from .engine.policy_report import logprob_agreement
+
+    console.print(json.dumps(logprob_agreement(model, dtype)))
+
+
 # ---------------------------------------------------------------------------
 # serve: a correctly configured vLLM OpenAI server
 # ---------------------------------------------------------------------------
@@ -275,6 +288,45 @@ def _drift_table(label: str, verdicts: Any) -> Table:
             table.add_row(number, "no", v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
                           str(v.miss_tokens), context)
     return table
+
+
+# ---------------------------------------------------------------------------
+# bench render: bridge vs full re-render
+# ---------------------------------------------------------------------------
+
+
+@bench_app.command("render")
+def bench_render(
+    renderer: str = typer.Option("smollm2", "--renderer", help="Renderer family to time."),
+    turns: str = typer.Option("10,50,200", "--turns", help="Comma-separated conversation lengths."),
+    repeats: int = typer.Option(40, "--repeats", min=1, help="Timed repeats per bridge measurement."),
+    write: str = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                              "'## Renderers (verbatim bench render)' section (e.g. docs/benchmarks.md)."),
+) -> None:
+    """Per-turn time of Renderer.bridge versus a full apply_chat_template re-render."""
+    import platform
+
+    from .engine.models import prepare
+    from .renderers.bench import bench_render as run_bench
+    from .renderers.bench import markdown_table
+    from .renderers.bench_report import write_section
+    from .renderers.registry import get_renderer
+    from .renderers.templates import resolve_template
+
+    try:
+        counts = [int(t) for t in turns.split(",") if t.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--turns must be comma-separated integers, got {turns!r}") from None
+    chosen = get_renderer(renderer, model_dir=prepare())
+    _, template = resolve_template(chosen.templates[0])
+    rows = run_bench(chosen, template, counts, repeats)
+    table = markdown_table(rows)
+    where = f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    console.print(f"renderer {chosen.name} ({chosen.templates[0]}), {where}")
+    console.print(table)
+    if write:
+        write_section(write, chosen.name, chosen.templates[0], where, table)
+        console.print(f"wrote {write}")
 
 
 def main() -> None:

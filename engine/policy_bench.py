@@ -3,7 +3,8 @@
 One scenario per policy: a rollout's turn 1 under version v, a weight update to
 a perturbed checkpoint (version v+1) with that policy, then the rollout's
 turn 2 (its whole history + new tokens) and a brand-new rollout's turn 1 with
-the same prompt (after turn 2, so it may reuse what turn 2 prefilled). Recorded: cached tokens of both requests, the KV versions
+the same prompt (after turn 2, so it may reuse what turn 2 prefilled).
+Recorded: cached tokens of both requests, the KV versions
 turn 2 reused, and whether turn 2's greedy output equals a fresh prefill under
 the new weights (a hybrid context changes it) or the old weights' output.
 """

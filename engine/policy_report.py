@@ -39,3 +39,38 @@ def run_policy_report(model: str = "default", *, write_docs: bool = False) -> st
         block = f"{_BEGIN}\n{table}\n{_END}"
         _DOC.write_text(re.sub(re.escape(_BEGIN) + ".*?" + re.escape(_END), lambda _: block, text, flags=re.S))
     return table
+
+
+def logprob_agreement(model: str = "default", dtype: str = "float32", *, prompts: int = 4,
+                      max_tokens: int = 48) -> dict[str, float]:
+    """Sample on vLLM in ``dtype``; recompute each sampled token's logprob with transformers in fp32."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .protocol import Sampling
+
+    engine = InprocEngine(EngineConfig(model=model, dtype=dtype, kv_cache_gib=1, max_model_len=2048))
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    questions = ["Write one sentence about the sea.", "List three prime numbers.",
+                 "What is a prefix cache?", "Describe a cat in five words."][:prompts]
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False) for q in questions]
+
+    async def sample() -> list:
+        async with engine:
+            return [await engine.generate(p, Sampling(max_tokens=max_tokens, temperature=1.0, seed=i))
+                    for i, p in enumerate(rendered)]
+
+    completions = asyncio.run(sample())
+    reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    diffs = []
+    for prompt, done in zip(rendered, completions):
+        ids = torch.tensor([list(prompt) + done.token_ids.tolist()])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt) - 1:-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].numpy()
+        diffs.append(np.abs(expected - done.logprobs))
+    flat = np.concatenate(diffs)
+    return {"dtype": dtype, "tokens": int(flat.size), "max_abs": float(flat.max()),
+            "mean_abs": float(flat.mean()), "p99_abs": float(np.quantile(flat, 0.99))}
