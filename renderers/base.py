@@ -123,10 +123,9 @@ class ChatFormat:
             if message.role in ("assistant", "system"):
                 raise RenderError(f"{self.name}: bridge appends environment messages only, got role "
                                   f"{message.role!r}; render a new prompt to add {message.role} turns")
-        previous = list(previous_ids)
-        closed = previous[-1] in self._stop_ids
+        closed = previous_ids[-1] in self._stop_ids  # no copy: the cost must not grow with the history
         text = ("" if closed else self.close_text) + self.after_stop
-        text += "".join(p.text for p in self.bridge_pieces(previous, list(new_messages),
+        text += "".join(p.text for p in self.bridge_pieces(previous_ids, list(new_messages),
                                                            list(tools) if tools else None))
         return self.encode(text)
 
@@ -180,7 +179,7 @@ class ChatFormat:
                add_generation_prompt: bool) -> list[Piece]:
         raise NotImplementedError
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         raise NotImplementedError
 

@@ -10,6 +10,8 @@ tool calls as ``<tool_call>`` JSON and merge consecutive tool results into one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..datamodel import Message, ToolCall
 from .base import PREAMBLE, ChatFormat, Piece
 from .completion import extract_tagged, parse_json_call, tojson
@@ -52,7 +54,7 @@ class ChatML(ChatFormat):
             out.append(Piece(self.generation_prompt(), len(messages)))
         return out
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         return [Piece(self.message_text(m)) for m in new_messages] + [Piece(self.generation_prompt())]
 
@@ -137,7 +139,7 @@ class QwenChat(ChatML):
             text += "\n" + hermes_call(call)
         return text + f"{IM_END}\n"
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         out = [Piece(self.qwen_message_text(new_messages, i)) for i in range(len(new_messages))]
         return out + [Piece(self.generation_prompt())]

@@ -16,6 +16,7 @@ Tool-call arguments are string-concatenated by both templates, so they are passe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..datamodel import Message
@@ -113,7 +114,7 @@ class DeepSeekV3(ChatFormat):
             text += CALLS_END
         return text + EOS
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         seen = set(previous_ids)
         flags = Flags(call_written=self._token_id(CALLS_BEGIN) in seen,

@@ -7,6 +7,8 @@ no tool role and no tool-call syntax; tool calls in ``content`` stay plain text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..datamodel import Message
 from ..errors import RenderError
 from .base import ChatFormat, Piece
@@ -41,7 +43,7 @@ class Gemma3(ChatFormat):
         role = "model" if message.role == "assistant" else message.role
         return f"{START}{role}\n{prefix}{message.content.strip()}{END}\n"
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         if len(new_messages) != 1 or new_messages[0].role != "user":
             raise RenderError("gemma3: after an assistant turn comes exactly one user message "

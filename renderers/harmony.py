@@ -15,6 +15,7 @@ turn is in history. ``bridge`` keeps both as sampled.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..datamodel import Message
@@ -144,7 +145,7 @@ class Harmony(ChatFormat):
     def analysis(text: str) -> str:
         return f"{START}assistant{CHANNEL}analysis{MESSAGE}{text}{END}"
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         last_call = self.last_call_name(previous_ids)
         out = []
@@ -153,7 +154,7 @@ class Harmony(ChatFormat):
             out.append(Piece(text))
         return out + [Piece(f"{START}assistant")]
 
-    def last_call_name(self, previous_ids: list[int]) -> str | None:
+    def last_call_name(self, previous_ids: Sequence[int]) -> str | None:
         """The function the last assistant message called, read from its header tokens."""
         start_id = self._token_id(START)
         begin = max((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id),

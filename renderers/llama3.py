@@ -11,12 +11,13 @@ assistant turn, as ``{"name": …, "parameters": …}``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..datamodel import Message
 from ..errors import RenderError
 from .base import PREAMBLE, ChatFormat, Piece
-from .completion import tool_call_from_object, tojson
+from .completion import tojson, tool_call_from_object
 
 BOT, EOT, EOM, PYTHON_TAG = "<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"
 TOOLS_PREAMBLE = (
@@ -80,7 +81,7 @@ class Llama3(ChatFormat):
                     + EOT)
         return header(message.role) + message.content.strip() + EOT
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         return [Piece(self.message_text(m)) for m in new_messages] + [Piece(header("assistant"))]
 

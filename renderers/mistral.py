@@ -17,6 +17,7 @@ Where the official templates are not prefix-stable:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..datamodel import Message
@@ -93,7 +94,7 @@ class MistralV3(ChatFormat):
                   for key, value in tool["function"].items() if key != "return"]
         return '{"type": "function", "function": {' + ", ".join(fields) + "}}"
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         users = [m for m in new_messages if m.role == "user"]
         return [Piece(self.message_text(m, tools if users and m is users[-1] else None, None))

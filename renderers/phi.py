@@ -10,6 +10,8 @@ Phi-4 is ChatML with ``<|im_sep|>`` and no newlines, and is prefix-stable.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..datamodel import Message
 from ..errors import RenderError
 from .base import PREAMBLE, ChatFormat, Piece
@@ -40,7 +42,7 @@ class Phi3(ChatFormat):
     def generation_prompt(self) -> str:
         return "<|assistant|>\n"
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         for message in new_messages:
             if not self.kept(message):

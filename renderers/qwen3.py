@@ -11,6 +11,7 @@ block to the generation prompt, as the template's kwarg does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..datamodel import Message
@@ -49,7 +50,7 @@ class Qwen3(QwenChat):
         self._last_query = last_query_index(messages)
         return super().pieces(messages, tools, add_generation_prompt)
 
-    def bridge_pieces(self, previous_ids: list[int], new_messages: list[Message],
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         self._last_query = len(new_messages)  # bridge never writes assistant turns
         return super().bridge_pieces(previous_ids, new_messages, tools)

@@ -84,7 +84,7 @@ def _fast(backend: Any, **specials: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llama3_tokenizer() -> Any:
     """Meta's Llama 3 tiktoken ranks + the 256 special tokens (HF naming)."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -97,7 +97,7 @@ def llama3_tokenizer() -> Any:
     return _fast(converter.converted(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qwen_tokenizer() -> Any:
     """The Qwen2/2.5/3 byte-level vocabulary (tiktoken ranks) with its 26 added tokens and NFC."""
     from tokenizers import normalizers
@@ -110,7 +110,7 @@ def qwen_tokenizer() -> Any:
     return _fast(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def phi3_tokenizer() -> Any:
     """The Phi-3 SentencePiece vocabulary, rebuilt from llama.cpp's vocab-only GGUF."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
@@ -121,7 +121,7 @@ def phi3_tokenizer() -> Any:
     return _fast(backend, **specials)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mistral_v3_tokenizer() -> Any:
     """Mistral's v3 SentencePiece model (Mistral-7B-Instruct-v0.3) as a BPE fast tokenizer.
 
@@ -143,7 +143,7 @@ def mistral_v3_tokenizer() -> Any:
     return tokenizer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mistral_tekken_tokenizer() -> Any:
     """Mistral's tekken (v7, Mistral Small 3.x) vocabulary from the ``mistral_common`` package."""
     import mistral_common
@@ -159,7 +159,7 @@ def mistral_tekken_tokenizer() -> Any:
     return tokenizer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2_tokenizer(model_dir: str) -> Any:
     """The default model's own tokenizer (SmolLM2), from its Hugging Face folder."""
     from transformers import AutoTokenizer
@@ -167,7 +167,7 @@ def smollm2_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stand_in_tokenizer(family: str, model_dir: str) -> Any:
     """SmolLM2's vocabulary plus ``family``'s special tokens (for families with no small real file)."""
     from transformers import AutoTokenizer

@@ -7,13 +7,11 @@ and names the cause (with the linter's classifier).
 
 from __future__ import annotations
 
-import datetime as dt
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers import drift

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-
 from verbatim.cli import app
 from verbatim.errors import InputError
 from verbatim.renderers import drift
