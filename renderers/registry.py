@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import DependencyError, InputError
 from . import tokenizers
 from .base import ChatFormat
 
@@ -75,7 +75,11 @@ def load_family_tokenizer(fam: Family, model_dir: str | Path | None = None) -> A
         if fam.tokenizer == "smollm2":
             return tokenizers.smollm2_tokenizer(str(model_dir))
         return tokenizers.stand_in_tokenizer(fam.tokenizer.split(":", 1)[1], str(model_dir))
-    return getattr(tokenizers, f"{fam.tokenizer}_tokenizer")()
+    try:
+        return getattr(tokenizers, f"{fam.tokenizer}_tokenizer")()
+    except ImportError as exc:  # tiktoken, sentencepiece/protobuf, gguf, mistral-common
+        raise DependencyError(f"the {fam.name} tokenizer needs the package {exc.name!r}",
+                              hint="pip install 'verbatim-rl[renderers]'") from None
 
 
 def get_renderer(name: str, tokenizer: Any = None, *, model_dir: str | Path | None = None,

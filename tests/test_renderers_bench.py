@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from typer.testing import CliRunner
-
 from verbatim.cli import app
 from verbatim.renderers.bench import bench_render, markdown_table, synthetic_conversation
 from verbatim.renderers.bench_report import SECTION, write_section
