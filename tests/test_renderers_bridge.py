@@ -126,7 +126,11 @@ def test_phi_history_is_stable_but_the_template_appends_eos(family: str, default
     template = drift.TemplateRenderer(text, renderer.tokenizer)
     conversation = next(c for c in load_conversations(CORPUS) if c.note == "two turns with system")
     verdict = drift.analyze(template, conversation, 0)
-    assert [v.cause for v in verdict.violations if v.kind == "history"] == ["eos_in_history"]
+    history = [v for v in verdict.violations if v.kind == "history"]
+    assert [v.cause for v in history] == ["eos_in_history"]
+    earlier = template.render(conversation.messages[:history[0].cut[0]], None, add_generation_prompt=False)
+    at = history[0].first_divergence
+    assert earlier.ids[at:] == renderer.encode(renderer.tokenizer.eos_token)  # the first token that departs
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -202,7 +206,8 @@ HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[Hea
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @HYPOTHESIS
 @given(messages=conversations())
-def test_bridge_is_a_pure_extension(family: str, messages: list[Message], default_model_dir: Path) -> None:
+def test_bridge_is_a_pure_extension(family: str, messages: list[Message], default_model_dir: Path,
+                                    chat_templates_dir: Path) -> None:
     renderer = get_renderer(family, model_dir=default_model_dir)
     ids = replay(renderer, messages)  # prompt, then reply + bridge, turn after turn
     first_reply = next(i for i, m in enumerate(messages) if m.role == "assistant")
@@ -212,8 +217,12 @@ def test_bridge_is_a_pure_extension(family: str, messages: list[Message], defaul
     added = renderer.bridge(history, [Message(role="user", content="one more")])
     assert tuple(ids) == history and added  # nothing before changes; something is appended
     assert renderer.tokenizer.decode(ids + added).startswith(renderer.tokenizer.decode(ids)[:-1])
-    if renderer.prefix_stable:
-        assert ids == list(renderer.render(messages, add_generation_prompt=True).token_ids)
+    if renderer.prefix_stable:  # equal to the official template's full render, not just to ours
+        template = (chat_templates_dir / renderer.templates[0]).read_text(encoding="utf-8")
+        expected = renderer.tokenizer.apply_chat_template(
+            renderer.template_messages(messages), chat_template=template, add_generation_prompt=True,
+            tokenize=True, return_dict=False, **renderer.template_kwargs())
+        assert ids == list(expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3"])
