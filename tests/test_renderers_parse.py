@@ -112,3 +112,17 @@ def test_options_reach_the_renderer(default_model_dir: Path) -> None:
         "<think>\n\n</think>\n\n")
     with pytest.raises(InputError, match="default model"):
         get_renderer("smollm2")
+
+
+def test_renderers_import_no_engine_harness_torch_or_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom verbatim.datamodel import Message\nfrom verbatim.renderers import get_renderer\n"
+            "r = get_renderer('qwen3')\nr.bridge(r.render([Message(role='user', content='hi')], "
+            "add_generation_prompt=True).token_ids, [Message(role='user', content='more')])\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm') "
+            "or m.startswith(('verbatim.engine', 'verbatim.harness'))]\nprint(bad)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
