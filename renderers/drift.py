@@ -160,7 +160,8 @@ class TemplateRenderer:
         return rendered[0]
 
     def pieces(self, ids: Sequence[int]) -> tuple[str, ...]:
-        return tuple(self._backend.id_to_token(i) or "" for i in ids)
+        """Each token decoded on its own (a byte-fallback piece of a longer character may show as U+FFFD)."""
+        return tuple(self._backend.decode([i], skip_special_tokens=False) for i in ids)
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
