@@ -329,6 +329,49 @@ def bench_render(
         console.print(f"wrote {write}")
 
 
+# ---------------------------------------------------------------------------
+# bench prefixflow: training-time prefix reuse versus full sequences
+# ---------------------------------------------------------------------------
+
+
+@bench_app.command("prefixflow")
+def bench_prefixflow(
+    prefix_ratio: list[float] = typer.Option(None, "--prefix-ratio",
+                                             help="Shared-prefix share of each sequence, in (0, 1) "
+                                                  "(repeatable; default 0.5, 0.83, 0.95)."),
+    group_size: list[int] = typer.Option(None, "--group-size",
+                                         help="Sequences per group (repeatable; default 4, 8, 16)."),
+    seq_len: int = typer.Option(1024, "--seq-len", min=2, help="Tokens per sequence."),
+    micro_batch: int = typer.Option(4, "--micro-batch", min=1, help="Sequences per microbatch (both methods)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    offload: bool = typer.Option(True, "--offload/--no-offload",
+                                 help="Also measure peak memory with the prefix activations offloaded to disk."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per configuration, one per line."),
+) -> None:
+    """Actor-side forward+backward time and peak memory: PrefixFlow versus full-sequence training."""
+    import json
+
+    from .engine.models import resolve
+    from .errors import InputError
+    from .trainer.prefixflow_bench import markdown_table, run_bench
+
+    ratios = prefix_ratio or [0.5, 0.83, 0.95]
+    sizes = group_size or [4, 8, 16]
+    if any(not 0 < r < 1 for r in ratios) or any(g < 1 for g in sizes):
+        raise InputError(f"--prefix-ratio must lie in (0, 1) and --group-size be >= 1, got {ratios} and {sizes}")
+
+    def show(result: dict) -> None:
+        if as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
+                              f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
+
+    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, progress=show)
+    if not as_json:
+        console.print(markdown_table(results))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

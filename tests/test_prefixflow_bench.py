@@ -1,0 +1,66 @@
+"""``verbatim bench prefixflow --json``: the shape of its objects and the exactness it reports.
+
+Timings are not tested; a tiny random Llama saved to a folder stands in for the model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from verbatim.cli import app
+from verbatim.trainer.prefixflow_bench import KEYS, Case, markdown_table, peak_rss_mb
+
+from .test_prefixflow import tiny_llama
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(seed=2).save_pretrained(path)
+    return path
+
+
+def test_json_objects_have_the_issue_keys_and_exact_gradients(tiny_model_dir):
+    result = runner.invoke(app, ["bench", "prefixflow", "--json", "--model", str(tiny_model_dir),
+                                 "--seq-len", "40", "--prefix-ratio", "0.5", "--prefix-ratio", "0.83",
+                                 "--group-size", "3", "--micro-batch", "2"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert [(r["prefix_ratio"], r["group_size"]) for r in rows] == [(0.5, 3), (0.83, 3)]
+    for r in rows:
+        assert tuple(r) == KEYS
+        assert r["prefix_tokens"] + r["suffix_tokens"] == 40
+        p, s = r["prefix_tokens"], r["suffix_tokens"]
+        assert r["ideal_speedup"] == pytest.approx(3 * (p + s) / (p + 3 * s), abs=1e-3)
+        assert r["baseline_s"] > 0 and r["prefixflow_s"] > 0
+        assert r["speedup"] == pytest.approx(r["baseline_s"] / r["prefixflow_s"], rel=2e-2)
+        assert 0 <= r["grad_max_rel_err"] <= 1e-5
+        for key in ("peak_mb_baseline", "peak_mb_prefixflow", "peak_mb_prefixflow_offload"):
+            assert isinstance(r[key], float) and r[key] >= 0
+    assert "| r | G |" in markdown_table(rows)
+
+
+def test_bad_ratio_is_a_one_line_input_error(tiny_model_dir):
+    result = runner.invoke(app, ["bench", "prefixflow", "--model", str(tiny_model_dir), "--prefix-ratio", "1.5"])
+    assert result.exit_code == 2
+    assert "--prefix-ratio must lie in (0, 1)" in result.output
+
+
+def test_case_geometry_and_ideal_speedup():
+    case = Case(0.83, 8, 1024)
+    assert (case.prefix_tokens, case.suffix_tokens) == (850, 174)
+    assert case.ideal_speedup == pytest.approx(8 * 1024 / (850 + 8 * 174))
+    assert Case(0.999, 2, 10).suffix_tokens == 1  # every suffix keeps a token
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with peak_rss_mb() as peak:
+        block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+        del block
+    assert peak.mb is not None and 60 <= peak.mb < 200
