@@ -157,11 +157,10 @@ class Harmony(ChatFormat):
     def last_call_name(self, previous_ids: Sequence[int]) -> str | None:
         """The function the last assistant message called, read from its header tokens."""
         start_id = self._token_id(START)
-        begin = max((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id),
-                    default=None)
+        begin = next((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id), None)
         if begin is None:
             return None
-        found = re.search(r"to=functions\.([^\s<]+)", self.tokenizer.decode(previous_ids[begin:]))
+        found = re.search(r"to=functions\.([^\s<]+)", self.tokenizer.decode(list(previous_ids[begin:])))
         return found.group(1) if found else None
 
     def parse_text(self, text: str, *, finished: bool) -> Message:

@@ -235,3 +235,18 @@ def test_qwen3_keep_reasoning_renders_the_bridged_history(family: str, messages:
     messages = [m.model_copy(update={"reasoning": next(replies)}) if m.role == "assistant" else m for m in messages]
     renderer = get_renderer(family, model_dir=default_model_dir, keep_reasoning=True)
     assert replay(renderer, messages) == list(renderer.render(messages, add_generation_prompt=True).token_ids)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bridge_takes_the_ledger_view(family: str, default_model_dir: Path) -> None:
+    """A read-only int32 array (what Ledger.view() returns) works like a list."""
+    import numpy as np
+
+    renderer = get_renderer(family, model_dir=default_model_dir)
+    messages, tools = by_note("single tool call and result")
+    messages = messages[:3] if family not in ("gemma3", "phi3", "phi3.5", "phi4") else by_note("4 turns")[0][:3]
+    history = replay(renderer, messages, tools=tools)
+    view = np.array(history, dtype=np.int32)
+    view.flags.writeable = False
+    follow = [Message(role="user", content="and tomorrow?")]
+    assert renderer.bridge(view, follow, tools=tools) == renderer.bridge(history, follow, tools=tools)
