@@ -92,6 +92,8 @@ class ChatFormat:
     stop_tokens: tuple[str, ...] = ()
     close_text: str = ""
     after_stop: str = ""
+    bridge_roles: tuple[str, ...] = ("user", "tool")
+    """Roles ``bridge`` accepts (Mistral v3 also takes the system message, to repeat it as its template does)."""
     message_dict_options: dict[str, bool] = {}
     """How :meth:`template_messages` writes messages for this family's official template."""
 
@@ -120,7 +122,7 @@ class ChatFormat:
         if not new_messages:
             raise RenderError(f"{self.name}: bridge needs at least one new message")
         for message in new_messages:
-            if message.role in ("assistant", "system"):
+            if message.role not in self.bridge_roles:
                 raise RenderError(f"{self.name}: bridge appends environment messages only, got role "
                                   f"{message.role!r}; render a new prompt to add {message.role} turns")
         closed = previous_ids[-1] in self._stop_ids  # no copy: the cost must not grow with the history

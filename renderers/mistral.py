@@ -7,9 +7,9 @@ after ``[/INST]`` (or ``[/TOOL_RESULTS]``). Roles must alternate user/assistant.
 Where the official templates are not prefix-stable:
 - v3 puts the system prompt into the *last* user turn, and only when the
   conversation ends with that user turn; ``[AVAILABLE_TOOLS]`` also goes before
-  the last user turn. ``bridge`` matches this on the current turn (tools before
-  the newest user message) but cannot move the system prompt, which stays in the
-  first user turn where the first render put it.
+  the last user turn. ``bridge`` matches this on the current turn: tools go before
+  the newest user message, and a system message passed with the new messages is
+  written into it; the copy an earlier render wrote stays where it is.
 - v7-tekken writes the system prompt once at the top (stable) but injects a
   default one that contains today's date when none is given; ``today`` fixes it.
 """
@@ -52,6 +52,7 @@ class MistralV3(ChatFormat):
     prefix_stable = False  # the system prompt and tool list move to the newest user turn
     stop_tokens = (EOS,)
     close_text = EOS
+    bridge_roles = ("user", "tool", "system")
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,
                add_generation_prompt: bool) -> list[Piece]:
@@ -96,9 +97,20 @@ class MistralV3(ChatFormat):
 
     def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
-        users = [m for m in new_messages if m.role == "user"]
-        return [Piece(self.message_text(m, tools if users and m is users[-1] else None, None))
-                for m in new_messages]
+        """Tools go before the newest user message; a system message given here goes into it, when it is last.
+
+        That is the template's current turn. The system prompt already written into an
+        earlier user turn stays there: history is never rewritten.
+        """
+        systems = [m.content for m in new_messages if m.role == "system"]
+        turns = [m for m in new_messages if m.role != "system"]
+        users = [m for m in turns if m.role == "user"]
+        out = []
+        for index, message in enumerate(turns):
+            is_last = index == len(turns) - 1
+            system = systems[-1] if systems and is_last and message.role == "user" else None
+            out.append(Piece(self.message_text(message, tools if users and message is users[-1] else None, system)))
+        return out
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
         problems = [] if finished else ["completion ended without </s> (cut by max tokens?)"]
@@ -152,6 +164,13 @@ class MistralTekken(MistralV3):
     name = "mistral-v7-tekken"
     templates = ("mistral_small_3_2_2506.jinja",)
     prefix_stable = False  # the tool list moves to the newest user turn; the default system prompt has a date
+    bridge_roles = ("user", "tool")
+
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
+                      tools: list[dict] | None) -> list[Piece]:
+        users = [m for m in new_messages if m.role == "user"]
+        return [Piece(self.message_text(m, tools if users and m is users[-1] else None, None))
+                for m in new_messages]
 
     def __init__(self, tokenizer: Any, *, today: str = "2024-07-26") -> None:
         super().__init__(tokenizer)
