@@ -78,9 +78,6 @@ app.add_typer(models_app, name="models")
 lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
                        rich_markup_mode=None)
 app.add_typer(lint_app, name="lint")
-bench_app = typer.Typer(help="Measure verbatim's hot paths and write the numbers down.", no_args_is_help=True,
-                        rich_markup_mode=None)
-app.add_typer(bench_app, name="bench")
 bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
