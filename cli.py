@@ -35,8 +35,10 @@ class _OneLineErrors(typer.core.TyperGroup):
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
         try:
-            return super().main(args=argv, prog_name="verbatim",
-                                complete_var=complete_var, standalone_mode=False, **extra)
+            result = super().main(args=argv, prog_name="verbatim",
+                                  complete_var=complete_var, standalone_mode=False, **extra)
+            # without standalone mode click hands back typer.Exit's code instead of raising it
+            code = result if isinstance(result, int) else 0
         except typer.Exit as exc:
             code = exc.exit_code
         except click_errors.NoArgsIsHelpError as exc:

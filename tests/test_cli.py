@@ -49,3 +49,22 @@ def test_debug_shows_the_traceback():
     result = runner.invoke(app, ["--debug", "models", "prepare", "no-such-model"])
     assert result.exit_code != 0
     assert type(result.exception).__name__ == "UnknownModelError"
+
+
+def test_exit_codes_raised_inside_commands_reach_the_shell():
+    import typer
+
+    from verbatim.cli import _OneLineErrors
+
+    demo = typer.Typer(cls=_OneLineErrors)
+
+    @demo.command()
+    def fail() -> None:
+        raise typer.Exit(3)
+
+    @demo.command()
+    def ok() -> None:
+        pass
+
+    assert runner.invoke(demo, ["fail"]).exit_code == 3
+    assert runner.invoke(demo, ["ok"]).exit_code == 0
