@@ -3,8 +3,9 @@
 For each (prefix ratio r, group size G) on a sequence length N: P = round(r·N) shared
 tokens, G suffixes of S = N − P tokens, the loss on the suffix tokens (an RL-style
 policy-gradient loss with per-sequence advantages). One forward + backward of the G
-whole sequences (the baseline) and one PrefixFlow pass over the same group, in the same
-microbatches, from the same weights; the maximum per-parameter relative gradient error
+whole sequences (the baseline, in microbatches of M sequences) and one PrefixFlow pass
+over the same group from the same weights, its phase B in microbatches of the same token
+budget (as many suffixes as fit in M·N tokens, at least M); the maximum per-parameter relative gradient error
 between them; and the ideal speedup G(P+S)/(P+G·S), the ratio of tokens processed.
 
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
@@ -74,23 +75,29 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool
     lm = prefix_lm(model)
     group, loss_fn = bench_group(case, model.config.vocab_size)
     splits = microbatches(case.group_size, micro_batch)
+    flow_splits = microbatches(case.group_size, suffixes_per_microbatch(case, micro_batch))
 
     baseline_s, peak_base, want = _measure(model, lambda: full_sequence_backward(lm, group, loss_fn, splits))
-    flow_s, peak_flow, got = _measure(model, lambda: prefixflow_backward(lm, group, loss_fn, splits))
+    flow_s, peak_flow, got = _measure(model, lambda: prefixflow_backward(lm, group, loss_fn, flow_splits))
     err = max_rel_err(got, want)
     del want, got
     peak_offload = None
     if offload:
         _, peak_offload, _ = _measure(
-            model, lambda: prefixflow_backward(lm, group, loss_fn, splits, offload="disk"), keep=False)
+            model, lambda: prefixflow_backward(lm, group, loss_fn, flow_splits, offload="disk"), keep=False)
     return {
         "prefix_ratio": case.prefix_ratio, "group_size": case.group_size,
         "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
-        "baseline_s": round(baseline_s, 3), "prefixflow_s": round(flow_s, 3),
-        "speedup": round(baseline_s / flow_s, 3), "ideal_speedup": round(case.ideal_speedup, 3),
+        "baseline_s": round(baseline_s, 6), "prefixflow_s": round(flow_s, 6),
+        "speedup": round(baseline_s / flow_s, 4), "ideal_speedup": round(case.ideal_speedup, 3),
         "grad_max_rel_err": err, "peak_mb_baseline": peak_base, "peak_mb_prefixflow": peak_flow,
         "peak_mb_prefixflow_offload": peak_offload,
     }
+
+
+def suffixes_per_microbatch(case: Case, micro_batch: int) -> int:
+    """Phase B gets the token budget of a baseline microbatch: micro_batch × N tokens of suffixes."""
+    return max(micro_batch, micro_batch * case.seq_len // case.suffix_tokens)
 
 
 def warm_up(model: torch.nn.Module) -> None:
