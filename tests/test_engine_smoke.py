@@ -18,7 +18,7 @@ def test_token_id_prompt_returns_tokens_with_one_logprob_each(engine_runner, def
     assert 1 <= n <= 12
     assert len(completion.logprobs) == n and len(completion.versions) == n
     assert np.isfinite(completion.logprobs).all() and (completion.logprobs <= 0).all()
-    assert (completion.versions == 0).all()
+    assert (completion.versions == engine_runner.engine.version).all()  # other tests may have updated it
     assert completion.prompt_tokens == len(prompt)
     assert 0 <= completion.cached_tokens <= len(prompt)
     assert all(0 <= t < engine_runner.engine.vocab_size for t in completion.token_ids)
