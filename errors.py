@@ -67,3 +67,7 @@ class TrainerError(VerbatimError):
     """Trainer-side input that cannot be corrected or trained on (missing logprobs, mismatched shapes)."""
 
     exit_code = 2
+
+
+class EnvError(VerbatimError):
+    """An environment that cannot be built or cannot play its task (not bad model output: that is an observation)."""
