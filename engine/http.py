@@ -37,7 +37,7 @@ def redact(url: str) -> str:
 class HttpEngine:
     """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints)."""
 
-    def __init__(self, url: str, *, model: str | None = None, block_size: int = 128,
+    def __init__(self, url: str, *, model: str | None = None, block_size: int = 32,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.5, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")

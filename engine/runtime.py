@@ -26,7 +26,8 @@ class EngineConfig(Frozen):
     - ``dtype="float32"``: sampler logprobs feed training; fp32 matches transformers
       closely where bf16 does not (see docs/engine.md).
     - ``enforce_eager=True``: torch.compile start-up costs minutes on 2 cores.
-    - ``block_size=128``: the CPU backend's KV block; prefix-cache hits are whole blocks.
+    - ``block_size=32``: prefix-cache hits come in whole blocks; the CPU attention backend needs a
+      multiple of 32, and small blocks let short agent turns reuse their history.
     - ``kv_cache_gib``: becomes ``VLLM_CPU_KVCACHE_SPACE``; left unset vLLM takes a
       large share of memory.
     """
@@ -34,7 +35,7 @@ class EngineConfig(Frozen):
     model: str = "default"
     dtype: str = "float32"
     max_model_len: int = Field(default=4096, ge=64)
-    block_size: int = Field(default=128, ge=1)
+    block_size: int = Field(default=32, ge=32, multiple_of=32)
     kv_cache_gib: int = Field(default=2, ge=1)
     enforce_eager: bool = True
     enable_prefix_caching: bool = True

@@ -13,7 +13,7 @@ from verbatim.engine.protocol import CachePolicy, Engine, Sampling
 from verbatim.errors import InputError
 
 pytestmark = pytest.mark.engine
-BLOCK = 128
+
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_multi_turn_reuse_hits_the_whole_previous_context(engine_runner):
     observation = scenario_prompts(seed=12, new_len=200)[1]
     turn2 = run(engine_runner, engine.generate(history + observation, Sampling(max_tokens=4), session_id="reuse"))
     assert turn2.prompt_tokens == len(history) + 200
-    assert turn2.cached_tokens >= len(history) // BLOCK * BLOCK
+    assert turn2.cached_tokens >= len(history) // engine.block_size * engine.block_size
     assert turn2.prefill_tokens == turn2.prompt_tokens - turn2.cached_tokens
 
 
@@ -50,7 +50,7 @@ def test_salts_isolate_cache_entries(engine_runner):
     same = run(engine_runner, engine.generate(prompt, short, cache_salt="alpha"))
     other = run(engine_runner, engine.generate(prompt, short, cache_salt="beta"))
     unsalted = run(engine_runner, engine.generate(prompt, short))
-    assert same.cached_tokens == len(prompt) // BLOCK * BLOCK
+    assert same.cached_tokens == len(prompt) // engine.block_size * engine.block_size
     assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
 
 
