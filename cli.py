@@ -190,6 +190,70 @@ def bench_logprobs(
 
 
 # ---------------------------------------------------------------------------
+# run: the main job
+# ---------------------------------------------------------------------------
+
+
+@app.command("run")
+def run(
+    env: str = typer.Option(..., "--env",
+                            help="Built-in env (tools, guess, longdoc, python), module:Class, or entry point."),
+    tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
+    groups: int = typer.Option(2, "--groups", min=1, help="Tasks, one group each."),
+    group_size: int = typer.Option(4, "--group-size", min=1, help="Rollouts per group (G)."),
+    max_turns: int = typer.Option(3, "--max-turns", min=1),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    seed: int = typer.Option(0, "--seed"),
+    out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
+    engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
+    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http)."),
+    cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
+    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=256, help="Context budget per request."),
+    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
+    summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+) -> None:
+    """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
+    from .harness.launch import RunOptions, run_command
+
+    options = RunOptions(env=env, tasks=tasks, model=model, renderer=renderer, groups=groups,
+                         group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
+                         temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
+                         cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
+                         kv_cache_gib=kv_cache_gib, resume=resume)
+    run_command(options, console, summary_json)
+
+
+# ---------------------------------------------------------------------------
+# export: trainer-ready files
+# ---------------------------------------------------------------------------
+
+
+@app.command("export")
+def export(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    fmt: str = typer.Option(..., "--format", help="parquet | jsonl (the native trace) | verl | trl | prime."),
+    out: str = typer.Option(None, "--out", help="Output file or folder (default: RUN_DIR/exports/FORMAT.*)."),
+) -> None:
+    """Write a run's rollouts as one trainer-ready file (schemas in docs/traces.md)."""
+    from .harness.export import default_out, export_rollouts, parse_format
+    from .harness.store import read_run
+
+    fmt = parse_format(fmt)
+    trace = read_run(run_dir)
+    for problem in trace.problems:
+        err_console.print(f"warning: {problem}")
+    result = export_rollouts(trace.rollouts, fmt, out or default_out(run_dir, fmt))
+    left_out = ", ".join(f"{count} with {why}" for why, count in sorted(result.left_out.items()))
+    console.print(f"wrote {result.rows} rollouts ({fmt}) to {result.path}"
+                  + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------
 # serve: a correctly configured vLLM OpenAI server
 # ---------------------------------------------------------------------------
 
@@ -263,6 +327,33 @@ def lint_template(
     # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
     # comes back as a return value and would be lost.
     sys.exit(drift.exit_code(verdicts))
+
+
+# ---------------------------------------------------------------------------
+# lint trace: can a trainer trust this run?
+# ---------------------------------------------------------------------------
+
+
+@lint_app.command("trace")
+def lint_trace(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per rollout (and damaged file) on stdout."),
+    groups: bool = typer.Option(False, "--groups", help="Also check each group's shared prompt was prefilled "
+                                "once (not for resumed runs)."),
+) -> None:
+    """Check every rollout: exact prefix extension, logprobs, versions, prefix-cache hits. Exit 1 if wrong."""
+    import json
+
+    from .harness.trace_lint import lint_run
+    from .harness.trace_report import report_table
+
+    report = lint_run(run_dir, groups=groups)
+    if as_json:
+        for verdict in report.verdicts:
+            print(json.dumps(verdict.as_json(), ensure_ascii=False))
+    else:
+        console.print(report_table(run_dir, report))
+    raise typer.Exit(report.exit_code)
 
 
 def _is_path(value: str) -> bool:

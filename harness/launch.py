@@ -1,0 +1,161 @@
+"""``verbatim run``: build the engine, renderer, env and tasks from options, play, report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..datamodel import Frozen, Rollout
+from ..engine.models import DEFAULT_MODEL, resolve
+from ..engine.protocol import CachePolicy, Sampling
+from ..errors import InputError
+from .rollout import LoopConfig
+from .run import Run, RunPlan
+from .store import RunManifest
+from .summary import RunSummary
+
+
+class RunOptions(Frozen):
+    """Everything `verbatim run` was asked to do (recorded in the manifest)."""
+
+    env: str
+    tasks: str | None = None
+    model: str = "default"
+    renderer: str | None = None
+    groups: int = Field(default=2, ge=1)
+    group_size: int = Field(default=4, ge=1)
+    max_turns: int = Field(default=3, ge=1)
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    seed: int = 0
+    out: str = "runs/latest"
+    engine: str = "inproc"
+    urls: tuple[str, ...] = ()
+    cache_policy: str = "keep"
+    concurrency: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=4096, ge=256)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    resume: bool = False
+
+
+def default_renderer(model: str) -> str:
+    if model in ("default", "", DEFAULT_MODEL):
+        return "smollm2"
+    raise InputError(f"no renderer is known for model {model!r}", hint="pass --renderer NAME (see docs/renderers.md)")
+
+
+def _plan(options: RunOptions, run_id: str) -> RunPlan:
+    return RunPlan(run_id=run_id, groups=options.groups, group_size=options.group_size, seed=options.seed,
+                   concurrency=options.concurrency, batch_size=max(options.group_size, 4))
+
+
+def _make_engine(options: RunOptions) -> Any:
+    if options.engine == "inproc":
+        if options.urls:
+            raise InputError("--url goes with --engine http")
+        from ..engine.inproc import InprocEngine
+        from ..engine.runtime import EngineConfig
+
+        return InprocEngine(EngineConfig(model=options.model, max_model_len=options.max_model_len,
+                                         kv_cache_gib=options.kv_cache_gib, seed=options.seed))
+    if options.engine == "http":
+        if len(options.urls) != 1:
+            raise InputError("--engine http needs exactly one --url here",
+                             hint="several replicas need the router (--route), which is not built yet")
+        from ..engine.http import HttpEngine
+
+        return HttpEngine(options.urls[0])
+    raise InputError(f"unknown engine {options.engine!r}", hint="use inproc or http")
+
+
+def prepare_run(options: RunOptions) -> tuple[Run, Any]:
+    """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
+    from ..envs.registry import load_env, load_tasks
+    from ..renderers.registry import get_renderer
+
+    policy = CachePolicy.parse(options.cache_policy)
+    factory = load_env(options.env)
+    tasks = load_tasks(options.tasks) if options.tasks else list(factory.tasks(options.groups, options.seed))
+    model_dir = resolve(options.model) if options.engine == "inproc" else None
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
+    out = Path(options.out)
+    run_id = _existing_run_id(out) if options.resume else None
+    run_id = run_id or uuid.uuid4().hex[:12]
+    plan = _plan(options, run_id)
+    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
+                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+    engine = _make_engine(options)
+    manifest = RunManifest(
+        run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
+        engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
+                "cache_policy": policy.value, "urls": list(options.urls)},
+        config={"options": options.model_dump(exclude={"resume"}), "plan": plan.model_dump(exclude={"run_id"})},
+    )
+    return Run(plan, loop, engine, renderer, factory, tasks, out, manifest), engine
+
+
+def _existing_run_id(out: Path) -> str | None:
+    from .store import read_manifest
+
+    return read_manifest(out).run_id if (out / "manifest.json").exists() else None
+
+
+async def execute(run: Run, engine: Any, resume: bool, console: Console) -> RunSummary:
+    total = sum(len(g) for g in run.groups)
+    stats = {"prompt": 0, "cached": 0, "generated": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[live]}"), console=console, transient=False) as progress:
+        bar = progress.add_task("rollouts", total=total, live="starting engine…")
+        await engine.start()
+        try:
+            done = len(run.completed_ids()) if resume else 0
+            progress.update(bar, completed=done, live="")
+
+            def tick(rollout: Rollout) -> None:
+                for turn in rollout.turns:
+                    stats["prompt"] += turn.prompt_end
+                    stats["cached"] += turn.cached_tokens
+                    stats["generated"] += turn.completion_tokens
+                elapsed = progress.tasks[0].elapsed or 1e-9
+                hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
+                progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
+
+            run.on_rollout = tick
+            return await run.play(resume=resume)
+        finally:
+            close = getattr(engine, "aclose", None)
+            if close is not None:
+                await close()
+            else:
+                engine.close()
+
+
+def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
+    run, engine = prepare_run(options)
+    summary = asyncio.run(execute(run, engine, options.resume, console))
+    console.print(summary_table(summary, run.out))
+    if summary_json:
+        Path(summary_json).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
+    return summary
+
+
+def summary_table(summary: RunSummary, out: Path) -> Table:
+    table = Table(title=f"run summary ({out})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = summary.model_dump()
+    rows["cache_hit_rate"] = f"{summary.cache_hit_rate:.1%}"
+    for key, value in rows.items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        table.add_row(key, str(value))
+    return table

@@ -1,0 +1,99 @@
+"""Run accounting: prompt, cached and prefill tokens, and what the minimum and a re-render would cost.
+
+``min_prefill_tokens`` is the theoretical minimum: every distinct token prefix of
+every request prefilled once (per group the shared prompt once, then each
+rollout's new tokens per turn). ``rerender_prefill_tokens`` is the same count
+for a harness that re-renders each turn's prompt from messages with the chat
+template: its prefix cache can reuse only up to the first token where a
+re-render departs from what it sent before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import Field
+
+from ..datamodel import Frozen, Message, Rollout
+from ..errors import VerbatimError
+
+
+class RunSummary(Frozen):
+    rollouts: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    min_prefill_tokens: int = 0
+    rerender_prefill_tokens: int | None = None
+    generated_tokens: int = 0
+    block_size: int = 128
+    wall_s: float = 0.0
+    statuses: dict[str, int] = Field(default_factory=dict)
+    mean_reward: float | None = None
+    admission_wait_s: float = 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def distinct_prefix_tokens(sequences: Iterable[Sequence[int]]) -> int:
+    """Number of distinct non-empty prefixes over ``sequences`` (the size of their token trie)."""
+    ordered = sorted(tuple(int(t) for t in s) for s in sequences)
+    total, previous = 0, ()
+    for seq in ordered:
+        shared = 0
+        for a, b in zip(previous, seq):
+            if a != b:
+                break
+            shared += 1
+        total += len(seq) - shared
+        previous = seq
+    return total
+
+
+def request_prompts(rollout: Rollout) -> list[Sequence[int]]:
+    ids = rollout.tokens.token_id
+    return [ids[: turn.prompt_end] for turn in rollout.turns]
+
+
+def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
+    """Each turn's prompt as a re-rendering harness would send it: the template over the messages so far."""
+    messages = [Message.model_validate(m) for m in rollout.info.get("messages", [])]
+    tools = rollout.info.get("tools")
+    ours = request_prompts(rollout)
+    prompts = []
+    for message_end, message in enumerate(messages):
+        if message.role != "assistant" or len(prompts) == len(ours):
+            continue
+        try:
+            prompts.append(renderer.render(messages[:message_end], tools=tools,
+                                           add_generation_prompt=True).token_ids)
+        except VerbatimError:  # the template refuses this history: count the prompt we really sent
+            prompts.append(ours[len(prompts)])
+    return prompts
+
+
+def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0.0,
+              renderer: Any = None, admission_wait_s: float = 0.0) -> RunSummary:
+    turns = [t for r in rollouts for t in r.turns]
+    prompt = sum(t.prompt_end for t in turns)
+    cached = sum(t.cached_tokens for t in turns)
+    statuses: dict[str, int] = {}
+    for r in rollouts:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    rewards = [r.reward for r in rollouts if r.reward is not None]
+    rerender = None
+    if renderer is not None:
+        rerender = distinct_prefix_tokens(p for r in rollouts for p in rerendered_prompts(r, renderer))
+    return RunSummary(
+        rollouts=len(rollouts), turns=len(turns), prompt_tokens=prompt, cached_tokens=cached,
+        prefill_tokens=prompt - cached,
+        min_prefill_tokens=distinct_prefix_tokens(p for r in rollouts for p in request_prompts(r)),
+        rerender_prefill_tokens=rerender,
+        generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
+        statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        admission_wait_s=admission_wait_s,
+    )
