@@ -13,7 +13,7 @@ number is that year.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -78,19 +78,20 @@ class LongDocTask(TaskSpec):
         return self
 
 
-def person_names(rng: random.Random, count: int) -> list[str]:
-    names: list[str] = []
-    while len(names) < count:
+def person_names(rng: random.Random) -> Iterator[str]:
+    """Distinct invented full names, in an order fixed by ``rng``."""
+    seen: set[str] = set()
+    while True:
         name = rng.choice(_FIRST) + rng.choice(_FIRST_END) + " " + rng.choice(_LAST) + rng.choice(_LAST_END)
-        if name not in names:
-            names.append(name)
-    return names
+        if name not in seen:
+            seen.add(name)
+            yield name
 
 
 def build_register(doc_seed: int, words: int) -> tuple[str, list[dict[str, Any]]]:
     """The document (at least ``words`` words) and the facts it states, both fixed by the seed."""
     rng = random.Random(f"longdoc:{doc_seed}")
-    names = iter(person_names(rng, 5000))
+    names = person_names(rng)
     paragraphs = ["Register of the Valley Guilds. Each entry below describes one member."]
     people, count = [], len(paragraphs[0].split())
     while count < words:

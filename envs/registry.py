@@ -86,6 +86,7 @@ def _as_factory(value: Any, options: dict[str, Any], spec: str) -> EnvFactory:
     if inspect.isclass(value) and _is_factory(value):
         return _construct(value, options, spec)
     if inspect.isclass(value) and _is_env(value):
+        _check_options(value, options, spec)
         return EnvClassFactory(value, options)
     if _is_factory(value) and not inspect.isclass(value):
         if options:
@@ -100,13 +101,17 @@ def _as_factory(value: Any, options: dict[str, Any], spec: str) -> EnvFactory:
 
 
 def _construct(builder: Any, options: dict[str, Any], spec: str) -> Any:
+    _check_options(builder, options, spec)
+    return builder(**options)
+
+
+def _check_options(builder: Any, options: dict[str, Any], spec: str) -> None:
     try:
         inspect.signature(builder).bind(**options)
     except TypeError as exc:
         raise InputError(f"env {spec!r} does not take these options: {exc}") from None
     except ValueError:  # no signature (builtins): let the call decide
         pass
-    return builder(**options)
 
 
 def _is_factory(value: Any) -> bool:
