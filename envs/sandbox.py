@@ -46,7 +46,7 @@ class SandboxLimits(Frozen):
     """RLIMIT_NPROC; the kernel enforces it only when the code runs under its own uid."""
     open_files: int = Field(default=64, ge=16)
     output_chars: int = Field(default=2000, ge=100)
-    """Characters of stdout and of stderr kept in the result."""
+    """Characters of stdout and of stderr kept in the result (head and tail when longer)."""
 
 
 class Isolation(Frozen):
@@ -221,12 +221,13 @@ def kill_uid(uid: int) -> None:
 
 
 def _read(path: Path, chars: int) -> tuple[str, bool]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        text = f.read(chars * 4).decode("utf-8", errors="replace")
-    if len(text) <= chars and size <= chars * 4:
+    """The file's text, or its head and tail with a marker between when longer than ``chars``."""
+    data = path.read_bytes()  # bounded: the child cannot write past RLIMIT_FSIZE
+    text = data.decode("utf-8", errors="replace")
+    if len(text) <= chars:
         return text, False
-    return text[:chars] + f"\n[... output truncated: {size} bytes in all]", True
+    half = chars // 2
+    return f"{text[:half]}\n[... {len(data)} bytes in all, middle cut ...]\n{text[-half:]}", True
 
 
 def _cause(status: int, stderr: str, limits: SandboxLimits) -> str | None:

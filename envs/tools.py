@@ -53,8 +53,8 @@ class ToolsEnv:
     def reset(self, task: dict[str, Any], seed: int) -> Reset:
         self.task = parse_task(ToolsTask, task, self.name)
         self.steps = self.calls = 0
-        return Reset(messages=(Message(role="system", content=SYSTEM), Message(role="user", content=self.task.question)),
-                     tools=TOOL_DEFINITIONS)
+        opening = (Message(role="system", content=SYSTEM), Message(role="user", content=self.task.question))
+        return Reset(messages=opening, tools=TOOL_DEFINITIONS)
 
     def step(self, message: Message) -> StepResult:
         if self.task is None:

@@ -11,7 +11,6 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from verbatim.datamodel import Message, ToolCall
 from verbatim.envs import registry
 from verbatim.envs.base import Env, EnvFactory, StepResult
@@ -313,10 +312,10 @@ LIST = re.compile(r"\[.*?\]")
 NUMBER = re.compile(r"\d+")
 SOLUTIONS = {
     "sum": lambda p: "a, b = {}, {}\nprint(sum(range(a, b + 1)))".format(*NUMBER.findall(p)[:2]),
-    "sort": lambda p: "print(sorted({}))".format(LIST.search(p).group()),
+    "sort": lambda p: f"print(sorted({LIST.search(p).group()}))",
     "count": lambda p: "print({1!r}.count({0!r}))".format(*re.findall(r"'(\w+)'", p)),
-    "factorial": lambda p: "import math\nprint(math.factorial({}))".format(NUMBER.search(p).group()),
-    "extremes": lambda p: "v = {}\nprint(max(v) * min(v))".format(LIST.search(p).group()),
+    "factorial": lambda p: f"import math\nprint(math.factorial({NUMBER.search(p).group()}))",
+    "extremes": lambda p: f"v = {LIST.search(p).group()}\nprint(max(v) * min(v))",
 }
 
 
