@@ -68,7 +68,7 @@ class Question(BaseModel):
 class LongDocTask(TaskSpec):
     questions: tuple[Question, ...] = Field(min_length=1)
     doc_seed: int | None = None
-    words: int = Field(default=2500, ge=50)
+    words: int = Field(default=2000, ge=50)
     document: str | None = None
 
     @model_validator(mode="after")
@@ -164,7 +164,7 @@ class LongDocFactory:
 
     name = "longdoc"
 
-    def __init__(self, words: int = 2500, questions: int = 3) -> None:
+    def __init__(self, words: int = 2000, questions: int = 3) -> None:
         if words < 50 or questions < 1:
             raise InputError("longdoc needs words >= 50 and questions >= 1")
         self.words, self.questions = words, questions
