@@ -149,7 +149,7 @@ def run_python(code: str, limits: SandboxLimits | None = None, isolation: Isolat
 
 def _command(limits: SandboxLimits, isolation: Isolation, uid: int) -> list[str]:
     config = limits.model_dump(include={"cpu_seconds", "memory_bytes", "file_bytes", "processes", "open_files"})
-    command = [sys.executable, "-I", str(GUARD), json.dumps(config | {"audit_guard": isolation.audit_guard})]
+    command = [sys.executable, "-I", "-B", str(GUARD), json.dumps(config | {"audit_guard": isolation.audit_guard})]
     if isolation.own_uid:
         command = _setpriv(uid) + command
     if isolation.network_namespace:
@@ -159,7 +159,7 @@ def _command(limits: SandboxLimits, isolation: Isolation, uid: int) -> list[str]
 
 def _execute(command: list[str], workdir: Path, outputs: Path, limits: SandboxLimits) -> SandboxResult:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": str(workdir),
-           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
+           "TMPDIR": str(workdir), **{f"{lib}_NUM_THREADS": "1" for lib in ("OMP", "OPENBLAS", "MKL")}}
     start = time.monotonic()
     with open(outputs / "stdout", "wb") as out, open(outputs / "stderr", "wb") as err:
         try:

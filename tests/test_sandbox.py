@@ -178,3 +178,16 @@ def test_each_reported_os_layer_holds_without_the_audit_hook(listener, tmp_path)
         assert sandbox_pids() == []
     if not (layers.network_namespace or layers.own_uid):  # no OS layer here: the hook alone must hold
         assert "network sockets are not allowed" in run(connect).stderr
+
+
+def test_tempfiles_and_threads_work_inside_the_limits():
+    result = run("""
+        import tempfile, threading, numpy
+        with tempfile.NamedTemporaryFile("w", delete=False) as f:
+            f.write("scratch")
+        print(open(f.name).read(), f.name.startswith(tempfile.gettempdir()))
+        threads = [threading.Thread(target=sum, args=([1, 2],)) for _ in range(4)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        print(numpy.ones((50, 50)).dot(numpy.ones(50)).sum())
+    """)
+    assert result.ok and result.stdout == "scratch True\n2500.0\n", result
