@@ -38,7 +38,7 @@ def numbers_match(got: float | None, want: float, places: int = 2) -> bool:
     """``got`` equals ``want`` to ``places`` decimals (so integer answers must be exact)."""
     if got is None:
         return False
-    return abs(got - want) <= 0.5 * 10 ** -places + 1e-9 * max(1.0, abs(want))
+    return abs(got - want) <= 0.5 * 10 ** -places + 1e-12 * max(1.0, abs(want))
 
 
 def words(text: str) -> list[str]:

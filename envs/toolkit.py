@@ -105,5 +105,5 @@ def _price(item: str, prices: dict[str, float]) -> float:
 
 def format_number(value: float) -> str:
     """A result as a short decimal: integers without ``.0``, others rounded to 6 places."""
-    rounded = round(value, 6)
+    rounded = round(float(value), 6)
     return str(int(rounded)) if rounded.is_integer() else repr(rounded)

@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verbatim.datamodel import Message, ToolCall
 from verbatim.envs import registry
+from verbatim.envs.answers import final_number, numbers_match
 from verbatim.envs.base import Env, EnvFactory, StepResult
 from verbatim.envs.longdoc import TOWNS, build_register
 from verbatim.envs.registry import BUILTIN_ENVS, EnvClassFactory, env_names, load_env
 from verbatim.envs.taskfile import load_tasks
-from verbatim.envs.toolkit import TOOL_DEFINITIONS
+from verbatim.envs.toolkit import TOOL_DEFINITIONS, format_number
 from verbatim.errors import InputError
 from verbatim.renderers.chatml import ChatML
 
@@ -186,6 +187,15 @@ def test_tasks_are_a_pure_function_of_the_seed(name, seed, count):
 def test_different_seeds_give_different_tasks(name):
     factory = load_env(name)
     assert factory.tasks(4, seed=1) != factory.tasks(4, seed=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.integers(-10**9, 10**9), st.decimals(-10**6, 10**6, places=2).map(float)))
+def test_tool_results_read_back_as_the_same_answer(value):
+    written = format_number(value)
+    for reply in (f"Answer: {written}", f"The total is {written}.", f"answer = {written} (I used 2 tools)"):
+        assert numbers_match(final_number(reply), value), reply
+    assert not numbers_match(final_number(f"Answer: {format_number(value + 0.01)}"), value)
 
 
 # -- guess -----------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def test_writes_outside_the_working_directory_are_refused(tmp_path):
                  f"import os\nfd = os.open({str(outside)!r}, os.O_RDONLY)\n"
                  "os.open('f', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
                  f"import os\nos.mkdir({str(outside / 'sub')!r})",
+                 f"import os\nopen('a', 'w').close()\nos.rename('a', {str(target)!r})",
                  f"import shutil\nshutil.rmtree({str(outside)!r})"]:
         result = run(code)
         assert result.exit_code == 1 and "PermissionError: sandbox: " in result.stderr, (code, result)
