@@ -347,3 +347,16 @@ def test_python_wrong_then_right_and_malformed_replies():
     assert "stdout:\n13" in results[1].messages[0].content and "try again" in results[1].messages[0].content
     reward, results = play(factory.make(), task | {"max_attempts": 1}, [assistant("```python\n1/0\n```")])
     assert reward == 0.0 and results[0].done and "ZeroDivisionError" in results[0].messages[0].content
+
+
+def test_envs_import_no_engine_harness_renderers_torch_or_vllm():
+    import subprocess
+
+    code = ("import sys\nfrom verbatim.envs import load_env\n"
+            "for name in ('tools', 'guess', 'longdoc', 'python'):\n"
+            "    factory = load_env(name)\n    factory.make().reset(factory.tasks(1, 0)[0], 0)\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers') "
+            "or m.startswith(('verbatim.engine', 'verbatim.harness', 'verbatim.renderers'))]\nprint(bad)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
