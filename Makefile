@@ -31,9 +31,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed-cpu
 	$(BIN)/pip uninstall --quiet -y $(BROKEN_EXTRAS) || true
 	touch $@
 
+# The main job on the default model: 2 groups x 4 rollouts of the guess game, 3 turns each.
+DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: $(VENV)/.installed-cpu
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim models prepare
-	HF_HUB_OFFLINE=1 $(BIN)/verbatim generate --prompt "What is 2+2? Answer in one sentence." --max-tokens 32
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim run --env guess --groups 2 --group-size 4 --max-turns 3 \
+		--max-tokens 48 --out $(DEMO_OUT) --summary-json $(DEMO_OUT).summary.json
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim lint trace $(DEMO_OUT)
 
 test: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest

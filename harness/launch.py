@@ -84,7 +84,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     policy = CachePolicy.parse(options.cache_policy)
     factory = load_env(options.env)
     tasks = load_tasks(options.tasks) if options.tasks else list(factory.tasks(options.groups, options.seed))
-    model_dir = resolve(options.model) if options.engine == "inproc" else None
+    model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
     renderer_name = options.renderer or default_renderer(options.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
     out = Path(options.out)
@@ -93,14 +93,16 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     plan = _plan(options, run_id)
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
-    engine = _make_engine(options)
+    engine = _make_engine(options)  # constructing starts nothing
     manifest = RunManifest(
         run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
         engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
                 "cache_policy": policy.value, "urls": list(options.urls)},
         config={"options": options.model_dump(exclude={"resume"}), "plan": plan.model_dump(exclude={"run_id"})},
     )
-    return Run(plan, loop, engine, renderer, factory, tasks, out, manifest), engine
+    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest)
+    run.check_out_dir(options.resume)
+    return run, engine
 
 
 def _existing_run_id(out: Path) -> str | None:

@@ -90,14 +90,19 @@ class Run:
             return set()
         return {r.rollout_id for r in read_run(self.out).rollouts}
 
-    async def play(self, *, resume: bool = False) -> RunSummary:
-        if (self.out / "manifest.json").exists() and not resume:
+    def check_out_dir(self, resume: bool) -> None:
+        """Refuse to overwrite a run, or to resume one with a different plan (before anything starts)."""
+        if not (self.out / "manifest.json").exists():
+            return
+        if not resume:
             raise InputError(f"{self.out} already holds a run", hint="pass --resume to finish it, or another --out")
-        if resume and (self.out / "manifest.json").exists():
-            previous = read_manifest(self.out)
-            if previous.config.get("plan") != self.manifest.config.get("plan"):
-                raise InputError(f"--resume: {self.out} was written with a different plan",
-                                 hint="use the same --env/--groups/--group-size/--seed as the first run")
+        previous = read_manifest(self.out)
+        if previous.config.get("plan") != self.manifest.config.get("plan"):
+            raise InputError(f"--resume: {self.out} was written with a different plan",
+                             hint="use the same --env/--groups/--group-size/--seed as the first run")
+
+    async def play(self, *, resume: bool = False) -> RunSummary:
+        self.check_out_dir(resume)
         done = self.completed_ids() if resume else set()
         writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)

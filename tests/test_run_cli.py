@@ -1,0 +1,96 @@
+"""`verbatim run` as a user runs it: a real process, killed mid-run, then resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim.cli import app
+from verbatim.harness.store import read_run
+from verbatim.harness.trace_lint import lint_run
+
+ARGS = ["--env", "guess", "--groups", "3", "--group-size", "4", "--max-turns", "2", "--max-tokens", "24",
+        "--kv-cache-gib", "1", "--max-model-len", "2048", "--concurrency", "4"]
+
+
+def _verbatim(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from verbatim.cli import main; main()", *args]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_killed_run_resumes_with_every_rollout_exactly_once(tmp_path: Path, default_model_dir):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_verbatim("run", *ARGS, "--out", str(out)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not list(out.glob("rollouts-*.parquet")):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process tree dies, engine included
+    proc.wait(30)
+    before = read_run(out)
+    assert 0 < len(before.rollouts) < 12
+    assert before.manifest.status == "running"
+
+    summary_path = tmp_path / "summary.json"
+    resumed = subprocess.run(_verbatim("run", *ARGS, "--out", str(out), "--resume", "--summary-json",
+                                       str(summary_path)), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = read_run(out)
+    assert after.problems == [] or all("unfinished write" in p for p in after.problems)
+    counts = Counter(r.rollout_id for r in after.rollouts)
+    assert len(counts) == 12 and set(counts.values()) == {1}
+    kept = {r.rollout_id: r for r in before.rollouts}
+    assert all(after_r.same_as(kept[after_r.rollout_id]) for after_r in after.rollouts if after_r.rollout_id in kept)
+    assert after.manifest.status == "completed"
+    assert lint_run(out).ok
+    summary = json.loads(summary_path.read_text())
+    for key in ("rollouts", "turns", "prompt_tokens", "cached_tokens", "prefill_tokens", "min_prefill_tokens",
+                "rerender_prefill_tokens", "block_size", "wall_s", "generated_tokens"):
+        assert key in summary, key
+    assert summary["rollouts"] == 12
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--env", "nosuchenv"], "unknown env"),
+    (["run", "--env", "guess", "--cache-policy", "sometimes"], "unknown cache policy"),
+    (["run", "--env", "guess", "--model", "/nonexistent/model"], "unknown model"),
+    (["run", "--env", "guess", "--engine", "http"], "needs exactly one --url"),
+])
+def test_bad_run_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, needle):
+    out = tmp_path / "never"
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert not out.exists()
+
+
+def test_malformed_task_file_names_the_line(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"secret": 3}\n{"secret": 4\n')
+    result = runner.invoke(app, ["run", "--env", "guess", "--tasks", str(tasks), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "line 2" in result.stderr and not (tmp_path / "o").exists()
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, default_model_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"run_id": "x"}))
+    result = runner.invoke(app, ["run", "--env", "guess", "--out", str(out)])
+    assert result.exit_code == 2 and "already holds a run" in result.stderr
+    assert json.loads((out / "manifest.json").read_text()) == {"run_id": "x"}
