@@ -176,6 +176,22 @@ def bench_policies(
     console.print(table)
 
 
+@bench_app.command("rollouts")
+def bench_rollouts(
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    write: str = typer.Option(None, "--write", help="Write the table into this markdown file (docs/benchmarks.md)."),
+) -> None:
+    """verbatim vs a re-rendering harness: a group sharing a long prompt, and 10-turn rollouts."""
+    from pathlib import Path
+
+    from .harness.bench_rollouts import run_bench, write_section
+
+    table = run_bench(model)
+    console.print(table)
+    if write:
+        write_section(Path(write), table)
+
+
 @bench_app.command("logprobs")
 def bench_logprobs(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
@@ -432,7 +448,10 @@ def bench_prefixflow(
     group_size: list[int] = typer.Option(None, "--group-size",
                                          help="Sequences per group (repeatable; default 4, 8, 16)."),
     seq_len: int = typer.Option(1024, "--seq-len", min=2, help="Tokens per sequence."),
-    micro_batch: int = typer.Option(4, "--micro-batch", min=1, help="Sequences per microbatch (both methods)."),
+    micro_batch: int = typer.Option(2, "--micro-batch", min=1,
+                                    help="Sequences per baseline microbatch; PrefixFlow's phase B gets the "
+                                         "same token budget."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     offload: bool = typer.Option(True, "--offload/--no-offload",
                                  help="Also measure peak memory with the prefix activations offloaded to disk."),
@@ -457,7 +476,7 @@ def bench_prefixflow(
             err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
                               f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
 
-    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, progress=show)
+    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, repeats, progress=show)
     if not as_json:
         console.print(markdown_table(results))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefixflow import (

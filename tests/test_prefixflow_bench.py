@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 from typer.testing import CliRunner
-
 from verbatim.cli import app
 from verbatim.trainer.prefixflow_bench import KEYS, Case, markdown_table, peak_rss_mb
 

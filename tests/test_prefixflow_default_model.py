@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward
 

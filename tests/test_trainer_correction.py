@@ -8,7 +8,6 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-
 from verbatim.datamodel import Source, TokenColumns
 from verbatim.errors import TrainerError
 from verbatim.trainer.batch import behaviour_batch

@@ -9,8 +9,8 @@ budget (as many suffixes as fit in M·N tokens, at least M); the maximum per-par
 between them; and the ideal speedup G(P+S)/(P+G·S), the ratio of tokens processed.
 
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
-resident size at the start of the pass, with glibc told to return freed buffers to the
-system; the gradients the pass allocates count. It is reported without offload and with
+resident size at the start of the pass, after glibc has handed its free memory back
+(``malloc_trim``); the gradients the pass allocates count. It is reported without offload and with
 the prefix's dormant activations offloaded to disk (on a CPU, CPU offload moves nothing).
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .causal_lm import prefix_lm
+from .prefix_offload import Offload
 from .prefixflow import LossFn, PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
@@ -70,21 +71,33 @@ def bench_group(case: Case, vocab_size: int, seed: int = 0) -> tuple[PrefixGroup
     return PrefixGroup(prefix, suffixes, tuple(mask for _ in range(g))), loss_fn
 
 
-def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool = True) -> dict:
-    """Time and measure one configuration; returns the JSON object of :data:`KEYS`."""
+def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool = True,
+             repeats: int = 1) -> dict:
+    """Time and measure one configuration; returns the JSON object of :data:`KEYS`.
+
+    Baseline and PrefixFlow passes alternate ``repeats`` times; each time is the fastest of
+    its repeats (other work on the machine only ever slows a pass down). Gradient error and
+    peak memory come from the first repeat.
+    """
     lm = prefix_lm(model)
     group, loss_fn = bench_group(case, model.config.vocab_size)
     splits = microbatches(case.group_size, micro_batch)
     flow_splits = microbatches(case.group_size, suffixes_per_microbatch(case, micro_batch))
 
-    baseline_s, peak_base, want = _measure(model, lambda: full_sequence_backward(lm, group, loss_fn, splits))
-    flow_s, peak_flow, got = _measure(model, lambda: prefixflow_backward(lm, group, loss_fn, flow_splits))
+    def baseline() -> float:
+        return full_sequence_backward(lm, group, loss_fn, splits)
+
+    def flow(offload_to: Offload = "none") -> float:
+        return prefixflow_backward(lm, group, loss_fn, flow_splits, offload=offload_to)
+
+    baseline_s, peak_base, want = _measure(model, baseline)
+    flow_s, peak_flow, got = _measure(model, flow)
     err = max_rel_err(got, want)
     del want, got
-    peak_offload = None
-    if offload:
-        _, peak_offload, _ = _measure(
-            model, lambda: prefixflow_backward(lm, group, loss_fn, flow_splits, offload="disk"), keep=False)
+    for _ in range(repeats - 1):
+        baseline_s = min(baseline_s, _measure(model, baseline, keep=False)[0])
+        flow_s = min(flow_s, _measure(model, flow, keep=False)[0])
+    peak_offload = _measure(model, lambda: flow("disk"), keep=False)[1] if offload else None
     return {
         "prefix_ratio": case.prefix_ratio, "group_size": case.group_size,
         "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
@@ -153,13 +166,6 @@ def peak_rss_mb() -> Iterator[_Peak]:
         peak.mb = round((_status_kb(status, "VmHWM") - start) / 1024, 1)
 
 
-def return_freed_memory_to_os() -> None:
-    """Make glibc map big buffers and unmap them on free, so the resident size tracks live memory."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB (also stops its dynamic growth)
-
-
 def _glibc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -183,16 +189,15 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 
 
 def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
-              micro_batch: int, offload: bool = True,
+              micro_batch: int, offload: bool = True, repeats: int = 1,
               progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Every (ratio, group size) configuration on the model at ``model_path``, in float32."""
-    return_freed_memory_to_os()
     model = load_model(model_path)
     warm_up(model)
     results = []
     for ratio in ratios:
         for size in group_sizes:
-            result = run_case(model, Case(ratio, size, seq_len), micro_batch, offload)
+            result = run_case(model, Case(ratio, size, seq_len), micro_batch, offload, repeats)
             results.append(result)
             if progress is not None:
                 progress(result)
