@@ -1,0 +1,187 @@
+"""``verbatim bench rollouts``: verbatim against a re-rendering baseline, same engine, same sampling.
+
+Two workloads of the prefix-reuse argument, each played by both harnesses on a
+cold prefix cache: a group of G rollouts sharing one long prompt, and rollouts
+of many turns. Prefill tokens are the engine's own numbers (prompt − cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..datamodel import Frozen, Message
+from ..engine.protocol import Sampling
+from ..envs.base import Reset, StepResult
+from ..envs.registry import load_env
+from .baseline import baseline_run
+from .rollout import LoopConfig
+from .run import Run, RunPlan, plan_specs
+from .store import RunManifest
+from .summary import distinct_prefix_tokens
+
+
+class HarnessResult(Frozen):
+    harness: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    min_prefill_tokens: int
+    generated_tokens: int
+    wall_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+
+class Scenario(Frozen):
+    name: str
+    env: str
+    groups: int
+    group_size: int
+    max_turns: int
+    max_tokens: int
+    env_options: dict[str, Any] = {}
+
+
+SCENARIOS = (
+    Scenario(name="group of 16 sharing one long prompt", env="longdoc", groups=1, group_size=16, max_turns=1,
+             max_tokens=16, env_options={"words": 2000}),
+    Scenario(name="rollouts of 10 turns", env="dialogue", groups=2, group_size=2, max_turns=10, max_tokens=24),
+)
+
+
+class _Dialogue:
+    """Workload env: a user who keeps asking short follow-up questions for a fixed number of turns."""
+
+    name = "dialogue"
+    _QUESTIONS = ("Why?", "Give an example.", "Say it more simply.", "What else?", "Is that always true?",
+                  "How would you test it?", "Summarise in one line.", "What is a common mistake?",
+                  "Any exception?", "Thanks. Last point?")
+
+    def __init__(self, turns: int = 10) -> None:
+        self.turns, self.seen = turns, 0
+
+    def reset(self, task: dict[str, Any], seed: int) -> Reset:
+        return Reset(messages=(Message(role="system", content="You are a concise tutor."),
+                               Message(role="user", content=f"Explain {task['topic']} briefly.")))
+
+    def step(self, message: Message) -> StepResult:
+        self.seen += 1
+        reply = Message(role="user", content=self._QUESTIONS[(self.seen - 1) % len(self._QUESTIONS)])
+        return StepResult(messages=(reply,), reward=float(bool(message.content.strip())),
+                          done=self.seen >= self.turns)
+
+
+class DialogueFactory:
+    name = "dialogue"
+    _TOPICS = ("prefix caching", "binary search", "photosynthesis", "compound interest", "hash tables")
+
+    def make(self) -> _Dialogue:
+        return _Dialogue()
+
+    def tasks(self, count: int, seed: int) -> list[dict[str, Any]]:
+        return [{"topic": self._TOPICS[(seed + i) % len(self._TOPICS)]} for i in range(count)]
+
+
+def _factory(scenario: Scenario) -> Any:
+    return DialogueFactory() if scenario.env == "dialogue" else load_env(scenario.env, **scenario.env_options)
+
+
+async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, out: Path) -> HarnessResult:
+    factory = _factory(scenario)
+    plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
+    run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
+              RunManifest(run_id="bench", engine={"block_size": engine.block_size}))
+    summary = await run.play()
+    return HarnessResult(harness="verbatim", requests=summary.turns, prompt_tokens=summary.prompt_tokens,
+                         cached_tokens=summary.cached_tokens, prefill_tokens=summary.prefill_tokens,
+                         min_prefill_tokens=summary.min_prefill_tokens, generated_tokens=summary.generated_tokens,
+                         wall_s=summary.wall_s)
+
+
+async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig) -> HarnessResult:
+    factory = _factory(scenario)
+    plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
+    groups = plan_specs(plan, factory.tasks(scenario.groups, 3))
+    started = time.perf_counter()
+    requests = [r for rollout in await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
+                for r in rollout]
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    cached = sum(r.cached_tokens for r in requests)
+    return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
+                         cached_tokens=cached, prefill_tokens=prompt - cached,
+                         min_prefill_tokens=distinct_prefix_tokens(r.prompt_ids for r in requests),
+                         generated_tokens=sum(r.generated_tokens for r in requests),
+                         wall_s=time.perf_counter() - started)
+
+
+async def measure(engine: Any, renderer: Any, scenarios=SCENARIOS) -> list[tuple[Scenario, list[HarnessResult]]]:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, scenario in enumerate(scenarios):
+            loop = LoopConfig(max_turns=scenario.max_turns, context_budget=engine.config.max_model_len,
+                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7))
+            await engine.reset_prefix_cache()
+            mine = await _verbatim(engine, renderer, scenario, loop, Path(tmp) / f"run{i}")
+            await engine.reset_prefix_cache()
+            theirs = await _baseline(engine, renderer, scenario, loop)
+            results.append((scenario, [mine, theirs]))
+    return results
+
+
+def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
+    lines = ["| workload | harness | requests | prompt tokens | cached | prefill | min prefill | wall s | "
+             "gen tok/s | prefill vs verbatim |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for scenario, rows in results:
+        base = rows[0].prefill_tokens or 1
+        for row in rows:
+            lines.append(f"| {scenario.name} | {row.harness} | {row.requests} | {row.prompt_tokens} | "
+                         f"{row.cached_tokens} | {row.prefill_tokens} | {row.min_prefill_tokens} | "
+                         f"{row.wall_s:.1f} | {row.tokens_per_s:.1f} | {row.prefill_tokens / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def run_bench(model: str = "default") -> str:
+    from ..engine.inproc import InprocEngine
+    from ..engine.runtime import EngineConfig, vllm_version
+    from ..renderers.registry import get_renderer
+
+    engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
+    renderer = get_renderer("smollm2", model_dir=engine.model_dir)
+
+    async def go() -> str:
+        async with engine:
+            return markdown(await measure(engine, renderer))
+
+    table = asyncio.run(go())
+    note = (f"\n\nMeasured by `verbatim bench rollouts` ({time.strftime('%Y-%m-%d')}, vLLM {vllm_version()}, "
+            f"{engine.model_dir.name}, fp32, block size {engine.block_size}, 2-core CPU; temperature 1, "
+            "each harness on a cold prefix cache, one run).")
+    return table + note
+
+
+_BEGIN, _END = "<!-- bench-rollouts:begin -->", "<!-- bench-rollouts:end -->"
+_HEADING = "## Rollouts (verbatim bench rollouts)"
+_INTRO = ("verbatim (append-only token history, a group's first request prefills the shared prompt before the "
+          "others start) against a baseline harness that keeps chat messages, re-renders the whole conversation "
+          "with the chat template before every request and sends a group's rollouts at once. Same engine, same "
+          "sampling; prefill = prompt − engine-reported cached tokens; min prefill = every distinct token "
+          "prefix of the harness's own requests once.")
+
+
+def write_section(doc: Path, table: str) -> None:
+    """Replace (or append) the rollouts section of docs/benchmarks.md."""
+    block = f"{_BEGIN}\n{table}\n{_END}"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if _BEGIN in text:
+        head, rest = text.split(_BEGIN, 1)
+        text = head + block + rest.split(_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n{_HEADING}\n\n{_INTRO}\n\n{block}\n"
+    doc.write_text(text)
