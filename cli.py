@@ -269,6 +269,67 @@ def export(
                   + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)
 
 
+@app.command("mismatch")
+def mismatch_report(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    model: str = typer.Option("default", "--model", help="Weights to recompute π with (name or HF folder)."),
+    trainer_version: int = typer.Option(None, "--trainer-version", help="Default: the newest version in the trace."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
+) -> None:
+    """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
+    import json
+    from pathlib import Path
+
+    from .engine.models import resolve
+    from .harness.store import read_run
+    from .trainer.mismatch import check_vocabulary, load_model, mismatch, plot_histogram, usable_rollouts
+
+    trace = read_run(run_dir)
+    for problem in trace.problems:
+        err_console.print(f"warning: {problem}")
+    rollouts = usable_rollouts(trace.rollouts)
+    model_dir = resolve(model)
+    network = load_model(model_dir)
+    check_vocabulary(rollouts, int(network.config.vocab_size), model_dir.name)
+    report = mismatch(rollouts, network, trainer_version=trainer_version)
+    if plot:
+        plot_histogram(report, Path(plot))
+    if as_json:
+        console.print_json(json.dumps(report.as_dict()))
+        return
+    console.print(_mismatch_table(report))
+
+
+def _mismatch_table(report: Any) -> Table:
+    overall = report.metrics["all"]
+    table = Table(title=f"sampler vs trainer: {report.model_tokens} model tokens, {report.rollouts} rollouts, "
+                        f"trainer version {report.trainer_version}")
+    table.add_column("slice")
+    table.add_column("tokens", justify="right")
+    table.add_column("mean |log π − log μ|", justify="right")
+    table.add_column("ratio p01 / p50 / p99", justify="right")
+    table.add_column("masked (any rule)", justify="right")
+    table.add_column("k3 KL", justify="right")
+
+    def row(name: str, stats: dict) -> None:
+        q = stats["ratio_quantiles"]
+        quantiles = f"{q['p01']:.5f} / {q['p50']:.5f} / {q['p99']:.5f}" if q else "-"
+        mean = stats["mean_abs_log_ratio"]
+        k3 = stats["k3"]
+        table.add_row(name, str(stats["tokens"]), "-" if mean is None else f"{mean:.2e}", quantiles,
+                      f"{stats['dropped'].get('any', 0.0):.2%}", "-" if k3 is None else f"{k3:.2e}")
+
+    row("all", overall)
+    for lag, stats in sorted(report.metrics["by_lag"].items(), key=lambda kv: int(kv[0])):
+        row(f"version lag {lag}", stats)
+    if (report.metrics.get("hybrid") or {}).get("tokens"):
+        row("hybrid (just after an update)", report.metrics["hybrid"])
+    rules = ", ".join(f"{k} {v:.2%}" for k, v in overall["dropped"].items() if k != "any")
+    table.caption = f"masked per rule: {rules}"
+    return table
+
+
 # ---------------------------------------------------------------------------
 # serve: a correctly configured vLLM OpenAI server
 # ---------------------------------------------------------------------------

@@ -126,3 +126,23 @@ def test_env_errors_are_recorded_and_the_others_complete(engine_runner, renderer
     assert all(len(r.turns) == 2 for r in errored)  # the completion that triggered the error is kept
     assert {r.status for r in trace.rollouts if r not in errored} == {"truncated"}
     assert lint_run(out).ok
+
+
+def test_mismatch_report_on_a_real_run(engine_runner, renderer, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from verbatim.cli import app
+
+    out = tmp_path / "for-mismatch"
+    play(engine_runner, renderer, load_env("guess"), out, groups=1, group_size=2, max_turns=2, max_tokens=16)
+    plot = tmp_path / "ratios.png"
+    result = CliRunner().invoke(app, ["mismatch", str(out), "--json", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model_tokens"] > 0 and report["rollouts"] == 2
+    assert report["mean_abs_log_ratio"] < 1e-3  # fp32 engine vs fp32 transformers on the same weights
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = CliRunner().invoke(app, ["mismatch", str(out)])
+    assert table.exit_code == 0 and "version lag 0" in table.stdout
