@@ -92,6 +92,7 @@ class InprocEngine:
             model=str(self.model_dir), dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             block_size=self.config.block_size, enforce_eager=self.config.enforce_eager,
             enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.batched_tokens,
             seed=self.config.seed, disable_log_stats=False,
         )
         try:

