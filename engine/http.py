@@ -111,6 +111,8 @@ class HttpEngine:
                        session_id: str | None = None, group_id: str | None = None,
                        cache_salt: str | None = None) -> Completion:
         sampling = sampling or Sampling()
+        if sampling.regex is not None:
+            raise InputError("regex-constrained sampling is supported by the in-process engine only")
         prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
         if not prompt:
             raise InputError("the prompt is empty")

@@ -150,7 +150,7 @@ class InprocEngine:
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-            logprobs=0, detokenize=False,
+            logprobs=0, detokenize=sampling.regex is not None, structured_outputs=_structured(sampling),
         )
         request: dict[str, Any] = {"prompt_token_ids": prompt.tolist()}
         if cache_salt is not None:
@@ -214,6 +214,14 @@ class InprocEngine:
         c = self._counters
         return EngineStats(kv_cache_usage=c.kv_cache_usage, prefix_cache_queries=c.queries,
                            prefix_cache_hits=c.hits, running=c.running, waiting=c.waiting, version=self.version)
+
+
+def _structured(sampling: Sampling) -> Any:
+    if sampling.regex is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=sampling.regex)
 
 
 def _token_versions(sample: Any, n: int, fallback: int) -> np.ndarray:

@@ -27,6 +27,8 @@ class Sampling(Frozen):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    regex: str | None = None
+    """Constrain the completion's text to this regular expression (structured outputs; in-process engine)."""
 
 
 class CachePolicy(str, enum.Enum):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from ..datamodel import Frozen
+from ..datamodel import Frozen, Message
 from ..envs.base import EnvFactory
 from .rollout import LoopConfig, RolloutSpec
 
@@ -27,8 +27,16 @@ class BaselineRequest(Frozen):
     completion_ids: tuple[int, ...] = Field(default=())
 
 
+class BaselineRollout(Frozen):
+    """A re-rendering rollout: its requests, and the messages a trainer would re-render at the end."""
+
+    requests: tuple[BaselineRequest, ...]
+    messages: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...] | None = None
+
+
 async def baseline_rollout(engine: Any, renderer: Any, factory: EnvFactory, spec: RolloutSpec,
-                           loop: LoopConfig) -> list[BaselineRequest]:
+                           loop: LoopConfig) -> BaselineRollout:
     """Play one rollout the re-rendering way; return what each request cost."""
     env = factory.make()
     reset = await asyncio.to_thread(env.reset, spec.task, spec.seed)
@@ -50,15 +58,16 @@ async def baseline_rollout(engine: Any, renderer: Any, factory: EnvFactory, spec
         if result.done:
             break
         messages.extend(result.messages)
-    return requests
+    return BaselineRollout(requests=tuple(requests), messages=tuple(messages),
+                           tools=tuple(tools) if tools else None)
 
 
 async def baseline_run(engine: Any, renderer: Any, factory: EnvFactory, groups: list[list[RolloutSpec]],
-                       loop: LoopConfig, concurrency: int) -> list[list[BaselineRequest]]:
+                       loop: LoopConfig, concurrency: int) -> list[BaselineRollout]:
     """Every rollout at once (bounded by ``concurrency``), as a message-level harness sends them."""
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(spec: RolloutSpec) -> list[BaselineRequest]:
+    async def one(spec: RolloutSpec) -> BaselineRollout:
         async with limit:
             return await baseline_rollout(engine, renderer, factory, spec, loop)
 

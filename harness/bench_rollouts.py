@@ -20,8 +20,9 @@ from ..envs.registry import load_env
 from .baseline import baseline_run
 from .rollout import LoopConfig
 from .run import Run, RunPlan, plan_specs
-from .store import RunManifest
+from .store import RunManifest, read_run
 from .summary import distinct_prefix_tokens
+from .training_view import baseline_view, verbatim_view
 
 
 class HarnessResult(Frozen):
@@ -33,6 +34,10 @@ class HarnessResult(Frozen):
     min_prefill_tokens: int
     generated_tokens: int
     wall_s: float
+    trained_tokens: int = 0
+    sampled_tokens: int = 0
+    mean_abs_log_ratio: float = 0.0
+    """Trainer (transformers fp32) vs sampler logprob on the sampled tokens the trainer's sequence keeps."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,12 +52,19 @@ class Scenario(Frozen):
     max_turns: int
     max_tokens: int
     env_options: dict[str, Any] = {}
+    renderer: str = "smollm2"
+    regex: str | None = None
 
 
 SCENARIOS = (
     Scenario(name="group of 16 sharing one long prompt", env="longdoc", groups=1, group_size=16, max_turns=1,
              max_tokens=16, env_options={"words": 2000}),
     Scenario(name="rollouts of 10 turns", env="dialogue", groups=2, group_size=2, max_turns=10, max_tokens=24),
+    # The Qwen3 chat format over the default model's tokenizer; a regex makes the small model write a think
+    # block before every answer, as a reasoning model does. The template strips earlier reasoning on re-render.
+    Scenario(name="Qwen3-style template, reasoning in every turn", env="dialogue", groups=2, group_size=2,
+             max_turns=4, max_tokens=64, env_options={"turns": 4}, renderer="qwen3",
+             regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n[A-Za-z0-9 ,.]{1,60}"),
 )
 
 
@@ -82,82 +94,102 @@ class DialogueFactory:
     name = "dialogue"
     _TOPICS = ("prefix caching", "binary search", "photosynthesis", "compound interest", "hash tables")
 
+    def __init__(self, turns: int = 10) -> None:
+        self.turns = turns
+
     def make(self) -> _Dialogue:
-        return _Dialogue()
+        return _Dialogue(self.turns)
 
     def tasks(self, count: int, seed: int) -> list[dict[str, Any]]:
         return [{"topic": self._TOPICS[(seed + i) % len(self._TOPICS)]} for i in range(count)]
 
 
 def _factory(scenario: Scenario) -> Any:
-    return DialogueFactory() if scenario.env == "dialogue" else load_env(scenario.env, **scenario.env_options)
+    if scenario.env == "dialogue":
+        return DialogueFactory(**scenario.env_options)
+    return load_env(scenario.env, **scenario.env_options)
 
 
-async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, out: Path) -> HarnessResult:
+async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, out: Path,
+                   trainer_model: Any) -> HarnessResult:
     factory = _factory(scenario)
     plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
     run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
               RunManifest(run_id="bench", engine={"block_size": engine.block_size}))
     summary = await run.play()
+    view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model)
     return HarnessResult(harness="verbatim", requests=summary.turns, prompt_tokens=summary.prompt_tokens,
                          cached_tokens=summary.cached_tokens, prefill_tokens=summary.prefill_tokens,
                          min_prefill_tokens=summary.min_prefill_tokens, generated_tokens=summary.generated_tokens,
-                         wall_s=summary.wall_s)
+                         wall_s=summary.wall_s, **view.model_dump())
 
 
-async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig) -> HarnessResult:
+async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig,
+                    trainer_model: Any) -> HarnessResult:
     factory = _factory(scenario)
     plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
     groups = plan_specs(plan, factory.tasks(scenario.groups, 3))
     started = time.perf_counter()
-    requests = [r for rollout in await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
-                for r in rollout]
+    rollouts = await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
+    wall_s = time.perf_counter() - started
+    requests = [r for rollout in rollouts for r in rollout.requests]
     prompt = sum(len(r.prompt_ids) for r in requests)
     cached = sum(r.cached_tokens for r in requests)
+    view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids))
     return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
                          cached_tokens=cached, prefill_tokens=prompt - cached,
                          min_prefill_tokens=distinct_prefix_tokens(r.prompt_ids for r in requests),
-                         generated_tokens=sum(r.generated_tokens for r in requests),
-                         wall_s=time.perf_counter() - started)
+                         generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s,
+                         **view.model_dump())
 
 
-async def measure(engine: Any, renderer: Any, scenarios=SCENARIOS) -> list[tuple[Scenario, list[HarnessResult]]]:
+async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
+                  scenarios=SCENARIOS) -> list[tuple[Scenario, list[HarnessResult]]]:
+    from ..renderers.registry import get_renderer
+
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, scenario in enumerate(scenarios):
+            renderer = get_renderer(scenario.renderer, tokenizer=tokenizer)
             loop = LoopConfig(max_turns=scenario.max_turns, context_budget=engine.config.max_model_len,
-                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7))
+                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7,
+                                                regex=scenario.regex))
             await engine.reset_prefix_cache()
-            mine = await _verbatim(engine, renderer, scenario, loop, Path(tmp) / f"run{i}")
+            mine = await _verbatim(engine, renderer, scenario, loop, Path(tmp) / f"run{i}", trainer_model)
             await engine.reset_prefix_cache()
-            theirs = await _baseline(engine, renderer, scenario, loop)
+            theirs = await _baseline(engine, renderer, scenario, loop, trainer_model)
             results.append((scenario, [mine, theirs]))
     return results
 
 
 def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
     lines = ["| workload | harness | requests | prompt tokens | cached | prefill | min prefill | wall s | "
-             "gen tok/s | prefill vs verbatim |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "gen tok/s | prefill vs verbatim | sampled tokens kept for training | mean abs(log π − log μ) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scenario, rows in results:
         base = rows[0].prefill_tokens or 1
         for row in rows:
             lines.append(f"| {scenario.name} | {row.harness} | {row.requests} | {row.prompt_tokens} | "
                          f"{row.cached_tokens} | {row.prefill_tokens} | {row.min_prefill_tokens} | "
-                         f"{row.wall_s:.1f} | {row.tokens_per_s:.1f} | {row.prefill_tokens / base:.2f}x |")
+                         f"{row.wall_s:.1f} | {row.tokens_per_s:.1f} | {row.prefill_tokens / base:.2f}x | "
+                         f"{row.trained_tokens} / {row.sampled_tokens} | {row.mean_abs_log_ratio:.2e} |")
     return "\n".join(lines)
 
 
 def run_bench(model: str = "default") -> str:
+    from transformers import AutoTokenizer
+
     from ..engine.inproc import InprocEngine
     from ..engine.runtime import EngineConfig, vllm_version
-    from ..renderers.registry import get_renderer
+    from ..trainer.mismatch import load_model
 
     engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
-    renderer = get_renderer("smollm2", model_dir=engine.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    trainer_model = load_model(engine.model_dir)
 
     async def go() -> str:
         async with engine:
-            return markdown(await measure(engine, renderer))
+            return markdown(await measure(engine, tokenizer, trainer_model))
 
     table = asyncio.run(go())
     note = (f"\n\nMeasured by `verbatim bench rollouts` ({time.strftime('%Y-%m-%d')}, vLLM {vllm_version()}, "

@@ -14,7 +14,8 @@ def test_table_reports_the_ratio_against_verbatim():
     table = markdown([(SCENARIOS[0], [_row("verbatim", 250), _row("re-render baseline", 1000)])])
     lines = table.splitlines()
     assert len(lines) == 4
-    assert lines[2].endswith("| 1.00x |") and lines[3].endswith("| 4.00x |")
+    assert "| 1.00x |" in lines[2] and "| 4.00x |" in lines[3]
+    assert lines[0].count("|") == lines[2].count("|")
     assert "| 25.0 |" in lines[2]  # generated tokens per second
 
 

@@ -144,6 +144,18 @@ def test_seeded_sampling_on_a_prompt_longer_than_one_default_step(engine_runner)
     assert len(got.token_ids) == 4 and got.token_ids.tolist() == again.token_ids.tolist()
 
 
+def test_regex_constrained_sampling(engine_runner, default_tokenizer):
+    import re
+
+    pattern = r"<think>\n[a-z ]{5,30}\n</think>\n\n[A-Za-z ]{1,20}"
+    prompt = default_tokenizer.encode("Answer:")
+    got = run(engine_runner, engine_runner.engine.generate(prompt, Sampling(max_tokens=64, temperature=1.0, seed=3,
+                                                                            regex=pattern)))
+    text = default_tokenizer.decode(got.token_ids.tolist(), skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
+    assert len(got.logprobs) == len(got.token_ids) and np.isfinite(got.logprobs).all()
+
+
 def test_bad_input_is_refused_with_one_clear_error(engine_runner):
     engine = engine_runner.engine
     with pytest.raises(InputError, match="outside the model's vocabulary"):
