@@ -513,6 +513,7 @@ def bench_prefixflow(
                                     help="Sequences per baseline microbatch; PrefixFlow's phase B gets the "
                                          "same token budget."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
+    threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     offload: bool = typer.Option(True, "--offload/--no-offload",
                                  help="Also measure peak memory with the prefix activations offloaded to disk."),
@@ -537,7 +538,8 @@ def bench_prefixflow(
             err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
                               f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
 
-    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, repeats, progress=show)
+    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, repeats, threads,
+                        progress=show)
     if not as_json:
         console.print(markdown_table(results))
 

@@ -189,9 +189,16 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 
 
 def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
-              micro_batch: int, offload: bool = True, repeats: int = 1,
+              micro_batch: int, offload: bool = True, repeats: int = 1, threads: int | None = None,
               progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every (ratio, group size) configuration on the model at ``model_path``, in float32."""
+    """Every (ratio, group size) configuration on the model at ``model_path``, in float32.
+
+    ``threads`` sets torch's intra-op threads (default: torch's choice). On a machine shared
+    with other work, one thread keeps timings honest: a descheduled worker thread stalls
+    every operation of a multi-threaded pass at its barrier.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = load_model(model_path)
     warm_up(model)
     results = []
