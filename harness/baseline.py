@@ -30,6 +30,7 @@ class BaselineRequest(Frozen):
 class BaselineRollout(Frozen):
     """A re-rendering rollout: its requests, and the messages a trainer would re-render at the end."""
 
+    rollout_id: str
     requests: tuple[BaselineRequest, ...]
     messages: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...] | None = None
@@ -58,7 +59,7 @@ async def baseline_rollout(engine: Any, renderer: Any, factory: EnvFactory, spec
         if result.done:
             break
         messages.extend(result.messages)
-    return BaselineRollout(requests=tuple(requests), messages=tuple(messages),
+    return BaselineRollout(rollout_id=spec.rollout_id, requests=tuple(requests), messages=tuple(messages),
                            tools=tuple(tools) if tools else None)
 
 

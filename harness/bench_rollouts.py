@@ -22,6 +22,7 @@ from .rollout import LoopConfig
 from .run import Run, RunPlan, plan_specs
 from .store import RunManifest, read_run
 from .summary import distinct_prefix_tokens
+from .think_first import ThinkFirst
 from .training_view import baseline_view, verbatim_view
 
 
@@ -53,18 +54,20 @@ class Scenario(Frozen):
     max_tokens: int
     env_options: dict[str, Any] = {}
     renderer: str = "smollm2"
-    regex: str | None = None
+    think_regex: str | None = None
+    """Make every reply open with a think block matching this (see harness/think_first.py)."""
 
 
 SCENARIOS = (
     Scenario(name="group of 16 sharing one long prompt", env="longdoc", groups=1, group_size=16, max_turns=1,
              max_tokens=16, env_options={"words": 2000}),
     Scenario(name="rollouts of 10 turns", env="dialogue", groups=2, group_size=2, max_turns=10, max_tokens=24),
-    # The Qwen3 chat format over the default model's tokenizer; a regex makes the small model write a think
-    # block before every answer, as a reasoning model does. The template strips earlier reasoning on re-render.
+    # The Qwen3 chat format over the default model's tokenizer; a regex makes the small model open every reply
+    # with a think block, as a reasoning model does; the answer after it is sampled freely. The template
+    # strips earlier reasoning on re-render.
     Scenario(name="Qwen3-style template, reasoning in every turn", env="dialogue", groups=2, group_size=2,
              max_turns=4, max_tokens=64, env_options={"turns": 4}, renderer="qwen3",
-             regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n[A-Za-z0-9 ,.]{1,60}"),
+             think_regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n"),
 )
 
 
@@ -117,7 +120,8 @@ async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
               RunManifest(run_id="bench", engine={"block_size": engine.block_size}))
     summary = await run.play()
-    view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model)
+    skip = getattr(engine, "constrained", None)
+    view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model, skip)
     return HarnessResult(harness="verbatim", requests=summary.turns, prompt_tokens=summary.prompt_tokens,
                          cached_tokens=summary.cached_tokens, prefill_tokens=summary.prefill_tokens,
                          min_prefill_tokens=summary.min_prefill_tokens, generated_tokens=summary.generated_tokens,
@@ -135,7 +139,8 @@ async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     requests = [r for rollout in rollouts for r in rollout.requests]
     prompt = sum(len(r.prompt_ids) for r in requests)
     cached = sum(r.cached_tokens for r in requests)
-    view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids))
+    view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
+                                   getattr(engine, "constrained", None))
     return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
                          cached_tokens=cached, prefill_tokens=prompt - cached,
                          min_prefill_tokens=distinct_prefix_tokens(r.prompt_ids for r in requests),
@@ -152,20 +157,20 @@ async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
         for i, scenario in enumerate(scenarios):
             renderer = get_renderer(scenario.renderer, tokenizer=tokenizer)
             loop = LoopConfig(max_turns=scenario.max_turns, context_budget=engine.config.max_model_len,
-                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7,
-                                                regex=scenario.regex))
+                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7))
             await engine.reset_prefix_cache()
-            mine = await _verbatim(engine, renderer, scenario, loop, Path(tmp) / f"run{i}", trainer_model)
+            mine = await _verbatim(_wrap(engine, scenario, renderer), renderer, scenario, loop, Path(tmp) / f"run{i}",
+                                   trainer_model)
             await engine.reset_prefix_cache()
-            theirs = await _baseline(engine, renderer, scenario, loop, trainer_model)
+            theirs = await _baseline(_wrap(engine, scenario, renderer), renderer, scenario, loop, trainer_model)
             results.append((scenario, [mine, theirs]))
     return results
 
 
-def _mismatch_cell(scenario: Scenario, row: HarnessResult) -> str:
-    # Under a regex constraint vLLM reports logprobs of the constrained distribution, so comparing them with
-    # the unconstrained model says nothing about the harness.
-    return "n/a (constrained μ)" if scenario.regex else f"{row.mean_abs_log_ratio:.2e}"
+def _wrap(engine: Any, scenario: Scenario, renderer: Any) -> Any:
+    if scenario.think_regex is None:
+        return engine
+    return ThinkFirst(engine, scenario.think_regex, tuple(renderer.stop_token_ids))
 
 
 def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
@@ -178,7 +183,7 @@ def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
             lines.append(f"| {scenario.name} | {row.harness} | {row.requests} | {row.prompt_tokens} | "
                          f"{row.cached_tokens} | {row.prefill_tokens} | {row.min_prefill_tokens} | "
                          f"{row.wall_s:.1f} | {row.tokens_per_s:.1f} | {row.prefill_tokens / base:.2f}x | "
-                         f"{row.trained_tokens} / {row.sampled_tokens} | {_mismatch_cell(scenario, row)} |")
+                         f"{row.trained_tokens} / {row.sampled_tokens} | {row.mean_abs_log_ratio:.2e} |")
     return "\n".join(lines)
 
 

@@ -33,10 +33,14 @@ def _logprobs(model: Any, ids: Sequence[int]) -> np.ndarray:
     return trainer_logprobs(model, np.asarray(ids, dtype=np.int64))
 
 
-def verbatim_view(rollouts: Sequence[Rollout], model: Any) -> ViewMismatch:
+def verbatim_view(rollouts: Sequence[Rollout], model: Any,
+                  skip: dict[str, list[int]] | None = None) -> ViewMismatch:
+    """``skip``: per rollout, how many leading tokens of each turn's completion to leave out (constrained)."""
     diffs, sampled = [], 0
     for rollout in rollouts:
         model_tokens = rollout.tokens.source == Source.MODEL
+        for turn, count in zip(rollout.turns, (skip or {}).get(rollout.rollout_id, [])):
+            model_tokens[turn.prompt_end:turn.prompt_end + count] = False
         sampled += int(model_tokens.sum())
         if not model_tokens.any():
             continue
@@ -54,7 +58,7 @@ def _find(haystack: Sequence[int], needle: Sequence[int]) -> int:
 
 
 def baseline_view(rollouts: Sequence[BaselineRollout], renderer: Any, model: Any,
-                  stop_ids: Sequence[int]) -> ViewMismatch:
+                  stop_ids: Sequence[int], skip: dict[str, list[int]] | None = None) -> ViewMismatch:
     """Align each request's sampled tokens with the final re-render, longest surviving tail first."""
     diffs, sampled = [], 0
     for rollout in rollouts:
@@ -63,9 +67,11 @@ def baseline_view(rollouts: Sequence[BaselineRollout], renderer: Any, model: Any
         ids, owner = list(final.token_ids), np.asarray(final.message_index)
         pi = _logprobs(model, ids)
         assistant = [i for i, m in enumerate(rollout.messages) if m.role == "assistant"]
-        for request, message_index in zip(rollout.requests, assistant):
-            completion = list(request.completion_ids)
-            mu = np.asarray(request.logprobs, dtype=np.float32)
+        skips = (skip or {}).get(rollout.rollout_id, [])
+        for k, (request, message_index) in enumerate(zip(rollout.requests, assistant)):
+            cut = skips[k] if k < len(skips) else 0
+            completion = list(request.completion_ids)[cut:]
+            mu = np.asarray(request.logprobs, dtype=np.float32)[cut:]
             while completion and completion[-1] in stop_ids:
                 completion, mu = completion[:-1], mu[:-1]
             sampled += len(completion)
