@@ -37,6 +37,15 @@ def tiny_llama(tied: bool = True, seed: int = 0, dtype: torch.dtype = torch.floa
     return LlamaForCausalLM(config).to(dtype)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()

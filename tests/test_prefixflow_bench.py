@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from verbatim.cli import app
 from verbatim.trainer.prefixflow_bench import KEYS, Case, markdown_table, peak_rss_mb
 
-from .test_prefixflow import tiny_llama
+from .test_prefixflow import one_thread, tiny_llama  # noqa: F401
 
 runner = CliRunner()
 
