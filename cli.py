@@ -305,7 +305,7 @@ def _mismatch_table(report: Any) -> Table:
     overall = report.metrics["all"]
     table = Table(title=f"sampler vs trainer: {report.model_tokens} model tokens, {report.rollouts} rollouts, "
                         f"trainer version {report.trainer_version}")
-    table.add_column("slice")
+    table.add_column("slice", no_wrap=True)
     table.add_column("tokens", justify="right")
     table.add_column("mean |log π − log μ|", justify="right")
     table.add_column("ratio p01 / p50 / p99", justify="right")
@@ -322,11 +322,12 @@ def _mismatch_table(report: Any) -> Table:
 
     row("all", overall)
     for lag, stats in sorted(report.metrics["by_lag"].items(), key=lambda kv: int(kv[0])):
-        row(f"version lag {lag}", stats)
+        row(f"lag {lag}", stats)
     if (report.metrics.get("hybrid") or {}).get("tokens"):
-        row("hybrid (just after an update)", report.metrics["hybrid"])
+        row("hybrid", report.metrics["hybrid"])
     rules = ", ".join(f"{k} {v:.2%}" for k, v in overall["dropped"].items() if k != "any")
-    table.caption = f"masked per rule: {rules}"
+    table.caption = (f"masked per rule: {rules}. lag = trainer version − sampling version; "
+                     "hybrid = sampled just after a weight update inside its sequence")
     return table
 
 
