@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 import shutil
 import time
 from collections.abc import Sequence
@@ -266,6 +267,4 @@ def _with_kv_versions(completion: Completion, writers: list[int], cache_salt: st
     kv = tuple(sorted(set(writers) | ({named} if named is not None and completion.cached_tokens else set())))
     if completion.cached_tokens and not kv:
         kv = (int(completion.versions[0]) if len(completion.versions) else 0,)
-    from dataclasses import replace
-
     return replace(completion, kv_versions=kv)
