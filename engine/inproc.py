@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import replace
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

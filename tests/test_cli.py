@@ -53,7 +53,6 @@ def test_debug_shows_the_traceback():
 
 def test_exit_codes_raised_inside_commands_reach_the_shell():
     import typer
-
     from verbatim.cli import _OneLineErrors
 
     demo = typer.Typer(cls=_OneLineErrors)

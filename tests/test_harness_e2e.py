@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from verbatim.datamodel import Message, Source
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
@@ -132,7 +131,6 @@ def test_mismatch_report_on_a_real_run(engine_runner, renderer, tmp_path):
     import json
 
     from typer.testing import CliRunner
-
     from verbatim.cli import app
 
     out = tmp_path / "for-mismatch"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-
 from verbatim.cli import app
 from verbatim.harness.store import read_run
 from verbatim.harness.trace_lint import lint_run

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from verbatim.harness.summary import distinct_prefix_tokens
 
 sequences = st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=8)
