@@ -14,8 +14,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
-"""Version of the trace schema written by this code (rollouts and manifests)."""
+SCHEMA_VERSION = 2
+"""Version of the trace schema written by this code (rollouts and manifests).
+
+1: first release. 2: turns record the replica that served them and the admission wait.
+Readers accept every version up to their own."""
 
 
 class Frozen(BaseModel):
@@ -145,6 +148,10 @@ class Completion:
     queue_s: float = 0.0
     first_token_s: float = 0.0
     total_s: float = 0.0
+    replica: str | None = None
+    """The replica that served the request (set by the router)."""
+    admission_wait_s: float = 0.0
+    """Time a new rollout's first request was held by admission control."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -190,6 +197,8 @@ class Turn(Frozen):
     first_token_s: float = 0.0
     total_s: float = 0.0
     reward: float | None = None
+    replica: str | None = None
+    admission_wait_s: float = 0.0
 
     @model_validator(mode="after")
     def _ordered(self) -> Turn:

@@ -167,6 +167,7 @@ class HttpEngine:
             running=int(metrics.get("vllm:num_requests_running", 0)),
             waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
             version=self.version,
+            capacity_tokens=capacity_tokens(text if isinstance(text, str) else ""),
         )
 
 
@@ -181,6 +182,20 @@ def parse_prometheus(text: str) -> dict[str, float]:
         if match:
             totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
     return totals
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def capacity_tokens(text: str) -> int:
+    """KV cache size in tokens from ``vllm:cache_config_info`` (its num_gpu_blocks and block_size labels)."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL.findall(line))
+            blocks, block = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+            if blocks.isdigit() and block.isdigit():
+                return int(blocks) * int(block)
+    return 0
 
 
 def _detail(response: httpx.Response) -> str:

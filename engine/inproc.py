@@ -40,6 +40,7 @@ class _Counters:
         self.waiting = 0
         self.queries = 0
         self.hits = 0
+        self.capacity_tokens = 0
 
     def logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -48,7 +49,7 @@ class _Counters:
 
         class _Sink(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                self.cache_config = vllm_config.cache_config
 
             def record(self, scheduler_stats: Any, iteration_stats: Any = None, *args: Any, **kw: Any) -> None:
                 if scheduler_stats is None:
@@ -60,7 +61,8 @@ class _Counters:
                 counters.hits += int(scheduler_stats.prefix_cache_stats.hits)
 
             def log_engine_initialized(self) -> None:
-                pass
+                blocks = self.cache_config.num_gpu_blocks or 0
+                counters.capacity_tokens = int(blocks) * int(self.cache_config.block_size)
 
         return _Sink
 
@@ -94,6 +96,7 @@ class InprocEngine:
             block_size=self.config.block_size, enforce_eager=self.config.enforce_eager,
             enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.batched_tokens,
+            num_gpu_blocks_override=self.config.kv_blocks,
             seed=self.config.seed, disable_log_stats=False,
         )
         try:
@@ -214,7 +217,8 @@ class InprocEngine:
     async def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(kv_cache_usage=c.kv_cache_usage, prefix_cache_queries=c.queries,
-                           prefix_cache_hits=c.hits, running=c.running, waiting=c.waiting, version=self.version)
+                           prefix_cache_hits=c.hits, running=c.running, waiting=c.waiting, version=self.version,
+                           capacity_tokens=c.capacity_tokens)
 
 
 def _structured(sampling: Sampling) -> Any:

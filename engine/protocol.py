@@ -77,6 +77,8 @@ class EngineStats(Frozen):
     running: int = 0
     waiting: int = 0
     version: int = 0
+    capacity_tokens: int = 0
+    """KV cache size in tokens (blocks × block size); 0 when the engine does not say."""
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @property

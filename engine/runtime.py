@@ -37,6 +37,8 @@ class EngineConfig(Frozen):
     max_model_len: int = Field(default=4096, ge=64)
     block_size: int = Field(default=32, ge=32, multiple_of=32)
     kv_cache_gib: int = Field(default=2, ge=1)
+    kv_blocks: int | None = Field(default=None, ge=2)
+    """Cap the KV cache at this many blocks (vLLM's ``num_gpu_blocks_override``): a small cache on purpose."""
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=64, ge=1)

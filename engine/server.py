@@ -60,6 +60,8 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
     argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.kv_blocks:
+        argv += ["--num-gpu-blocks-override", str(config.kv_blocks)]
     return argv, env
 
 

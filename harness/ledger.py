@@ -110,6 +110,8 @@ class Ledger:
             first_token_s=completion.first_token_s,
             total_s=completion.total_s,
             reward=reward,
+            replica=completion.replica,
+            admission_wait_s=completion.admission_wait_s,
         )
         self._turns.append(turn)
         return turn

@@ -311,7 +311,9 @@ def shortfall_cause(rollout: Rollout, k: int, settings: CacheSettings) -> str:
 
 
 def turn_replicas(rollout: Rollout) -> list[Any] | None:
-    """Per-turn replica ids from ``info["replicas"]`` (one entry per turn), if the run recorded them."""
+    """Per-turn replica ids: each turn's ``replica`` (written by the router), else ``info["replicas"]``."""
+    if rollout.turns and all(t.replica is not None for t in rollout.turns):
+        return [t.replica for t in rollout.turns]
     replicas = rollout.info.get("replicas")
     if isinstance(replicas, list) and len(replicas) >= len(rollout.turns):
         return replicas

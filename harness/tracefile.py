@@ -27,6 +27,8 @@ _TURN_TYPE = pa.struct([
     ("first_token_s", pa.float64()),
     ("total_s", pa.float64()),
     ("reward", pa.float64()),
+    ("replica", pa.string()),
+    ("admission_wait_s", pa.float64()),
 ])
 
 ROLLOUT_SCHEMA = pa.schema(
