@@ -91,10 +91,15 @@ class RolloutPlayer:
             status, reason = "error", exc.one_line()
         except Exception as exc:  # noqa: BLE001 - a failed rollout is data
             status, reason = "error", f"{type(exc).__name__}: {exc}"
-        info = _jsonable({"session_id": spec.rollout_id, "seed": spec.seed, "start_version": start_version,
+        finally:
+            await self._end_session(spec.rollout_id)
+        info = {"session_id": spec.rollout_id, "seed": spec.seed, "start_version": start_version,
                 "stop_reason": state["stop"] if status == "ok" else reason, "env": state["env_info"],
                 "messages": [m.model_dump(mode="json", exclude_defaults=True) for m in state["messages"]],
-                "tools": state.get("tools")})
+                "tools": state.get("tools")}
+        if state.get("routes"):  # the router's decision per turn: reason, migration, expected cache loss
+            info["routes"] = state["routes"]
+        info = _jsonable(info)
         return ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
                                  task=spec.task, reward=state["reward"], status=status, error=reason, info=info)
 
@@ -114,6 +119,8 @@ class RolloutPlayer:
             if turn == 0 and self.on_first_request:
                 self.on_first_request(spec.group_id)
             ledger.append_completion(completion)
+            if "route" in completion.extra:
+                state.setdefault("routes", []).append(completion.extra["route"])
             message = self.renderer.parse_completion(completion.token_ids.tolist())
             state["messages"].append(message)
             result: StepResult = await _in_thread(lambda m=message: env.step(m), timeout, "env.step")
@@ -128,6 +135,15 @@ class RolloutPlayer:
             self._check_budget(len(ledger) + len(bridge), f"the prompt of turn {turn + 1}")
             state["messages"].extend(result.messages)
             ledger.append_observation(bridge)
+
+    async def _end_session(self, session_id: str) -> None:
+        """Tell a router the session is over, so admission stops counting its context."""
+        end = getattr(self.engine, "end_session", None)
+        if end is not None:
+            try:
+                await end(session_id)
+            except Exception:  # noqa: BLE001 - bookkeeping must not turn a finished rollout into a failure
+                pass
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
         need = prompt_tokens + self.sampling.max_tokens
