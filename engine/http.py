@@ -76,6 +76,14 @@ class HttpEngine:
         else:
             loop.create_task(self.aclose())
 
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        """One quick ``/health`` probe, no retries (the router asks this after a failure)."""
+        try:
+            response = await self._client.get(self.url + "/health", timeout=timeout_s)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return response.status_code == 200
+
     # -- transport -------------------------------------------------------------
 
     async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None) -> Any:

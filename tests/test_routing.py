@@ -1,0 +1,232 @@
+"""The routing decision core: every policy, stickiness, migration, group co-routing and admission."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verbatim.engine.routing import (
+    Decision,
+    Pins,
+    ReplicaState,
+    RouteConfig,
+    RoutePolicy,
+    RouteRequest,
+    admit,
+    least_loaded,
+    ring_choice,
+    route,
+)
+from verbatim.errors import EngineError, InputError
+
+
+def fleet(*loads: float, down: tuple[int, ...] = ()) -> list[ReplicaState]:
+    return [ReplicaState(f"r{i}", load=load, healthy=i not in down) for i, load in enumerate(loads)]
+
+
+def config(policy: str, **kw) -> RouteConfig:
+    return RouteConfig.parse(policy, **kw)
+
+
+def play(cfg: RouteConfig, pins: Pins, replicas: list[ReplicaState], request: RouteRequest) -> Decision:
+    decision = route(cfg, pins, replicas, request)
+    pins.apply(request, decision)
+    return decision
+
+
+def first(session: str, group: str | None = None, context: int = 100) -> RouteRequest:
+    return RouteRequest(session, group, new_session=True, context_tokens=context)
+
+
+def later(session: str, group: str | None = None, context: int = 300) -> RouteRequest:
+    return RouteRequest(session, group, new_session=False, context_tokens=context)
+
+
+# -- parsing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "policy", "group"), [
+    ("round_robin", RoutePolicy.ROUND_ROBIN, False),
+    ("least_loaded", RoutePolicy.LEAST_LOADED, False),
+    ("session_hash+group", RoutePolicy.SESSION_HASH, True),
+    ("sticky_least_loaded+group", RoutePolicy.STICKY_LEAST_LOADED, True),
+    ("group", RoutePolicy.STICKY_LEAST_LOADED, True),
+])
+def test_parse(spec, policy, group):
+    cfg = RouteConfig.parse(spec)
+    assert (cfg.policy, cfg.group) == (policy, group)
+    assert RouteConfig.parse(cfg.label) == cfg
+
+
+@pytest.mark.parametrize("spec", ["sticky", "round_robin+least_loaded", "hash"])
+def test_parse_refuses_unknown_or_double_policies(spec):
+    with pytest.raises(InputError):
+        RouteConfig.parse(spec)
+
+
+# -- the four policies --------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_over_healthy_replicas_every_turn():
+    cfg, pins = config("round_robin"), Pins()
+    replicas = fleet(0, 0, 0, down=(1,))
+    chosen = [play(cfg, pins, replicas, first(f"s{i}")).replica for i in range(4)]
+    assert chosen == ["r0", "r2", "r0", "r2"]
+    moved = play(cfg, pins, replicas, later("s0"))  # turn counter 4 → r0, s0 was on r0: no move
+    assert moved.replica == "r0" and moved.migrated_from is None
+    moved = play(cfg, pins, replicas, later("s0"))
+    assert moved.replica == "r2" and moved.migrated_from == "r0" and moved.lost_tokens == 300
+
+
+def test_least_loaded_follows_load_each_turn_and_breaks_ties_by_pressure_then_order():
+    cfg, pins = config("least_loaded"), Pins()
+    assert play(cfg, pins, fleet(3, 1, 2), first("s")).replica == "r1"
+    assert play(cfg, pins, fleet(0, 5, 2), later("s")).migrated_from == "r1"
+    tied = [ReplicaState("a", load=1, kv_usage=0.5), ReplicaState("b", load=1, kv_usage=0.2),
+            ReplicaState("c", load=1, kv_usage=0.2)]
+    assert least_loaded(tied).name == "b"
+
+
+def test_session_hash_is_stable_and_ignores_load():
+    cfg, pins = config("session_hash"), Pins()
+    a = play(cfg, pins, fleet(0, 0, 0, 0), first("session-42")).replica
+    assert play(cfg, pins, fleet(*[100 if f"r{i}" == a else 0 for i in range(4)]), later("session-42")).replica == a
+    assert route(cfg, Pins(), fleet(9, 9, 9, 9), first("session-42")).replica == a
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=60, unique=True),
+       st.integers(min_value=2, max_value=8), st.data())
+def test_consistent_hashing_moves_only_the_removed_replicas_sessions(sessions, n, data):
+    names = [f"r{i}" for i in range(n)]
+    gone = data.draw(st.sampled_from(names))
+    before = {s: ring_choice(names, s) for s in sessions}
+    after = {s: ring_choice([x for x in names if x != gone], s) for s in sessions}
+    for s in sessions:
+        assert after[s] != gone
+        if before[s] != gone:
+            assert after[s] == before[s]
+
+
+def test_sticky_pins_to_least_loaded_and_stays_under_moderate_imbalance():
+    cfg, pins = config("sticky_least_loaded", overload_factor=2.0, overload_slack=4), Pins()
+    assert play(cfg, pins, fleet(2, 0, 1), first("s")).replica == "r1"
+    stay = play(cfg, pins, fleet(0, 4, 0), later("s"))  # 4 ≤ 2·0 + 4
+    assert (stay.replica, stay.reason, stay.migrated_from) == ("r1", "sticky", None)
+
+
+def test_sticky_migrates_when_overloaded_and_records_the_cache_it_gives_up():
+    cfg, pins = config("sticky_least_loaded", overload_factor=2.0, overload_slack=4), Pins()
+    play(cfg, pins, fleet(2, 0, 1), first("s"))
+    moved = play(cfg, pins, fleet(1, 7, 0), later("s", context=640))  # 7 > 2·0 + 4
+    assert (moved.replica, moved.reason, moved.migrated_from, moved.lost_tokens) == (
+        "r2", "migrate:overload", "r1", 640)
+    assert pins.sessions["s"] == "r2"
+    assert play(cfg, pins, fleet(1, 0, 3), later("s")).replica == "r2"  # sticky again at its new home
+
+
+@pytest.mark.parametrize("policy", ["sticky_least_loaded", "session_hash"])
+def test_a_dead_replicas_sessions_migrate_with_their_loss(policy):
+    cfg, pins = config(policy), Pins()
+    home = play(cfg, pins, fleet(0, 0, 0), first("s")).replica
+    dead = int(home[1:])
+    moved = play(cfg, pins, fleet(0, 0, 0, down=(dead,)), later("s", context=512))
+    assert moved.replica != home and moved.migrated_from == home and moved.lost_tokens == 512
+    assert moved.reason == "migrate:replica down"
+
+
+def test_no_healthy_replica_is_an_engine_error():
+    with pytest.raises(EngineError):
+        route(config("least_loaded"), Pins(), fleet(0, 0, down=(0, 1)), first("s"))
+
+
+# -- group co-routing ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "session_hash", "sticky_least_loaded"])
+def test_group_members_start_where_their_group_started(policy):
+    cfg, pins = config(policy + "+group"), Pins()
+    home = play(cfg, pins, fleet(0, 0, 0), first("g-r0", "g")).replica
+    assert pins.groups["g"] == home
+    for i in range(1, 8):  # load elsewhere is lower, but the shared prompt is cached at home
+        loads = [2 if f"r{j}" == home else 0 for j in range(3)]
+        decision = play(cfg, pins, fleet(*loads), first(f"g-r{i}", "g"))
+        assert (decision.replica, decision.reason) == (home, "group")
+
+
+def test_without_group_flag_members_spread_by_load():
+    cfg, pins = config("sticky_least_loaded"), Pins()
+    homes = {play(cfg, pins, fleet(*[1 if j == i else 0 for j in range(3)]), first(f"g-r{i}", "g")).replica
+             for i in range(3)}
+    assert len(homes) > 1 and not pins.groups
+
+
+def test_an_overloaded_group_home_places_the_next_member_afresh():
+    cfg, pins = config("sticky_least_loaded+group", overload_factor=2.0, overload_slack=4), Pins()
+    play(cfg, pins, fleet(0, 0), first("a", "g"))
+    decision = play(cfg, pins, fleet(9, 0), first("b", "g"))
+    assert decision.replica == "r1" and decision.pin_group and pins.groups["g"] == "r1"
+
+
+def test_groups_of_a_dead_replica_are_forgotten():
+    cfg, pins = config("sticky_least_loaded+group"), Pins()
+    play(cfg, pins, fleet(0, 0), first("a", "g"))
+    pins.forget("r0")
+    assert "g" not in pins.groups
+    assert play(cfg, pins, fleet(0, 0, down=(0,)), first("b", "g")).replica == "r1"
+
+
+# -- admission ------------------------------------------------------------------------------------
+
+
+FULL = ReplicaState("r0", kv_usage=0.95, capacity_tokens=1000)
+PROJECTED_FULL = ReplicaState("r0", kv_usage=0.1, live_tokens=950, capacity_tokens=1000)
+ROOMY = ReplicaState("r0", kv_usage=0.5, live_tokens=200, capacity_tokens=1000)
+
+
+@pytest.mark.parametrize(("replica", "new", "others_live", "enabled", "admitted"), [
+    (FULL, True, True, True, False),             # a new rollout waits for room
+    (PROJECTED_FULL, True, True, True, False),   # live sessions' contexts count even between their turns
+    (FULL, False, True, True, True),             # the next turn of a live rollout is never held
+    (FULL, True, False, True, True),             # nothing else is live: waiting would never end
+    (FULL, True, True, False, True),             # admission off
+    (ROOMY, True, True, True, True),
+])
+def test_admission_holds_only_new_rollouts_above_high_water(replica, new, others_live, enabled, admitted):
+    cfg = RouteConfig(high_water=0.9, admission=enabled)
+    request = RouteRequest("s", new_session=new)
+    assert admit(cfg, replica, request, others_live=others_live) is admitted
+
+
+def test_pressure_is_the_larger_of_measured_and_projected_usage():
+    assert FULL.pressure == 0.95 and PROJECTED_FULL.pressure == 0.95 and ROOMY.pressure == 0.5
+    assert ReplicaState("x", kv_usage=0.3, live_tokens=10_000).pressure == 0.3  # unknown capacity
+
+
+# -- invariants over random traffic ------------------------------------------------------------------------
+
+POLICIES = [a + b for a, b in itertools.product(
+    ["round_robin", "least_loaded", "session_hash", "sticky_least_loaded"], ["", "+group"])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(POLICIES),
+       st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(0, 12), min_size=4, max_size=4),
+                          st.sets(st.integers(0, 3), max_size=3)), min_size=1, max_size=40))
+def test_decisions_are_healthy_and_moves_are_always_recorded(policy, steps):
+    cfg, pins = config(policy), Pins()
+    for session, loads, down in steps:
+        replicas = fleet(*loads, down=tuple(down))
+        sid = f"s{session}"
+        previous = pins.sessions.get(sid)
+        request = RouteRequest(sid, f"g{session % 3}", new_session=previous is None, context_tokens=50)
+        decision = play(cfg, pins, replicas, request)
+        assert decision.replica in {r.name for r in replicas if r.healthy}
+        if previous is not None:
+            moved = decision.replica != previous
+            assert moved == (decision.migrated_from == previous)
+            assert decision.lost_tokens == (50 if moved else 0)
+            if cfg.policy is RoutePolicy.STICKY_LEAST_LOADED and moved:
+                assert decision.reason.startswith("migrate:")
