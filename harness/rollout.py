@@ -5,12 +5,17 @@ as sampled → parse it → env.step → bridge the observation and the next
 generation prompt → append. History is never re-rendered. A failure anywhere
 (engine, env, renderer) ends the rollout with status ``error`` and the reason;
 it never escapes as an exception.
+
+Env calls run in their own daemon threads under ``step_timeout_s``: an env that
+hangs ends its rollout as ``error`` and its thread is abandoned, so it neither
+holds a worker other rollouts need nor keeps the process from exiting. What an
+env returns is checked (:mod:`.env_output`) before it is used.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +23,14 @@ from pydantic import Field
 
 from ..datamodel import Frozen, Rollout
 from ..engine.protocol import CachePolicy, Engine, Sampling, cache_salt
-from ..envs.base import Env, Reset, StepResult
+from ..envs.base import Env
 from ..errors import VerbatimError
+from .env_output import checked_reset, checked_step, describe_failure, jsonable
 from .ledger import Ledger
+
+MAX_CHARS_PER_TOKEN = 256
+"""No tokenizer verbatim renders for packs more characters into one token; text longer than
+``tokens left × this`` cannot fit and is not tokenized at all."""
 
 
 class LoopConfig(Frozen):
@@ -51,19 +61,42 @@ class _Ended(Exception):
 
 
 async def _in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``call()`` in a fresh daemon thread; a timeout abandons the thread, an exception becomes the reason."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def work() -> None:
+        try:
+            outcome = (call(), None)
+        except Exception as exc:  # noqa: BLE001 - handed to the loop as the rollout's reason
+            outcome = (None, exc)
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() in an env must not stop the run
+            outcome = (None, _Ended("error", f"{what} raised {type(exc).__name__}: {exc}"))
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop closed while this env was hanging: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=f"verbatim-{what}", daemon=True).start()
     try:
-        return await asyncio.wait_for(asyncio.to_thread(call), timeout_s)
+        return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
         raise _Ended("error", f"{what} timed out after {timeout_s:g}s") from None
     except _Ended:
         raise
+    except VerbatimError as exc:
+        raise _Ended("error", f"{what}: {exc.one_line()}") from exc
     except Exception as exc:  # an env's own bug is data, not a crash
-        raise _Ended("error", f"{what} raised {type(exc).__name__}: {exc}") from exc
+        raise _Ended("error", f"{what} {describe_failure(exc)}") from exc
 
 
-def _jsonable(value: Any) -> Any:
-    """Env info must survive the trace's JSON columns; anything else becomes its repr."""
-    return json.loads(json.dumps(value, default=repr))
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():  # timed out or cancelled already
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 class RolloutPlayer:
@@ -77,6 +110,7 @@ class RolloutPlayer:
         stops = tuple(sorted(set(config.sampling.stop_token_ids) | set(renderer.stop_token_ids)))
         self.sampling = config.sampling.model_copy(update={"stop_token_ids": stops})
         self.on_first_request = on_first_request
+        self._tokenizing = threading.Lock()  # renderers run off the event loop, one call at a time
 
     async def play(self, spec: RolloutSpec, env: Env) -> Rollout:
         ledger = Ledger()
@@ -90,26 +124,28 @@ class RolloutPlayer:
         except VerbatimError as exc:
             status, reason = "error", exc.one_line()
         except Exception as exc:  # noqa: BLE001 - a failed rollout is data
-            status, reason = "error", f"{type(exc).__name__}: {exc}"
+            status, reason = "error", " ".join(f"{type(exc).__name__}: {exc}".split())
         finally:
             await self._end_session(spec.rollout_id)
         info = {"session_id": spec.rollout_id, "seed": spec.seed, "start_version": start_version,
-                "stop_reason": state["stop"] if status == "ok" else reason, "env": state["env_info"],
+                "stop_reason": state["stop"] if status == "ok" else reason, "env": jsonable(state["env_info"]),
                 "messages": [m.model_dump(mode="json", exclude_defaults=True) for m in state["messages"]],
                 "tools": state.get("tools")}
         if state.get("routes"):  # the router's decision per turn: reason, migration, expected cache loss
             info["routes"] = state["routes"]
-        info = _jsonable(info)
         return ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
-                                 task=spec.task, reward=state["reward"], status=status, error=reason, info=info)
+                                 task=jsonable(spec.task), reward=state["reward"], status=status, error=reason,
+                                 info=jsonable(info))
 
     async def _turns(self, spec: RolloutSpec, env: Env, ledger: Ledger, state: dict, start_version: int) -> None:
         timeout = self.config.step_timeout_s
-        reset: Reset = await _in_thread(lambda: env.reset(spec.task, spec.seed), timeout, "env.reset")
+        reset = checked_reset(await _in_thread(lambda: env.reset(spec.task, spec.seed), timeout, "env.reset"))
         tools = list(reset.tools) if reset.tools else None
         state["tools"] = tools
         state["messages"].extend(reset.messages)
-        prompt = self.renderer.render(list(reset.messages), tools=tools, add_generation_prompt=True)
+        self._check_text(reset.messages, 0, "the opening prompt")
+        prompt = await self._off_loop(lambda: self.renderer.render(list(reset.messages), tools=tools,
+                                                                   add_generation_prompt=True), "render")
         self._check_budget(len(prompt.token_ids), "the opening prompt")
         ledger.append_prompt(prompt.token_ids)
         for turn in range(self.config.max_turns):
@@ -123,7 +159,7 @@ class RolloutPlayer:
                 state.setdefault("routes", []).append(completion.extra["route"])
             message = self.renderer.parse_completion(completion.token_ids.tolist())
             state["messages"].append(message)
-            result: StepResult = await _in_thread(lambda m=message: env.step(m), timeout, "env.step")
+            result = checked_step(await _in_thread(lambda m=message: env.step(m), timeout, "env.step"))
             ledger.set_turn_reward(result.reward)
             state["reward"] += float(result.reward)
             state["env_info"] = result.info
@@ -131,10 +167,20 @@ class RolloutPlayer:
                 return
             if turn == self.config.max_turns - 1:
                 raise _Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
-            bridge = self.renderer.bridge(ledger.view(), list(result.messages), tools=tools)
-            self._check_budget(len(ledger) + len(bridge), f"the prompt of turn {turn + 1}")
+            what = f"the prompt of turn {turn + 1}"
+            self._check_text(result.messages, len(ledger), what)
+            bridge = await self._off_loop(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),
+                                                                                tools=tools), "bridge")
+            self._check_budget(len(ledger) + len(bridge), what)
             state["messages"].extend(result.messages)
             ledger.append_observation(bridge)
+
+    async def _off_loop(self, call: Callable[[], Any], what: str) -> Any:
+        """A renderer call in a worker thread, so a long text does not stall the other rollouts."""
+        def locked() -> Any:
+            with self._tokenizing:
+                return call()
+        return await _in_thread(locked, self.config.step_timeout_s, what)
 
     async def _end_session(self, session_id: str) -> None:
         """Tell a router the session is over, so admission stops counting its context."""
@@ -144,6 +190,15 @@ class RolloutPlayer:
                 await end(session_id)
             except Exception:  # noqa: BLE001 - bookkeeping must not turn a finished rollout into a failure
                 pass
+
+    def _check_text(self, messages: Any, used: int, what: str) -> None:
+        """End before tokenizing text that cannot fit whatever the tokenizer (an enormous observation)."""
+        chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
+        room = self.config.context_budget - self.sampling.max_tokens - used
+        if chars > max(room, 0) * MAX_CHARS_PER_TOKEN:
+            raise _Ended("truncated", f"context budget: {what} adds {chars} characters, more than the "
+                                      f"{max(room, 0)} tokens left in the {self.config.context_budget}-token "
+                                      f"context can hold")
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
         need = prompt_tokens + self.sampling.max_tokens
