@@ -50,8 +50,11 @@ class SandboxLimits(Frozen):
 
 
 class Isolation(Frozen):
-    """Which OS layers wrap the guard: a network namespace, a throwaway uid, the audit hook."""
+    """Which OS layers wrap the guard: the jail, a network namespace, a throwaway uid, the audit hook."""
 
+    jail: bool = False
+    """Mount, PID, network, IPC and UTS namespaces and a read-only root of bind mounts (root only):
+    the code sees the Python installation, system libraries and its own directory, nothing else."""
     network_namespace: str | None = None
     """The ``unshare`` flags that worked (``-n`` as root, ``-rn`` through a user namespace) or None."""
     own_uid: bool = False
@@ -59,8 +62,10 @@ class Isolation(Frozen):
 
     def describe(self) -> str:
         layers = ["rlimits", "process group kill"]
+        layers += ["jail (mount, pid, net, ipc, uts namespaces; read-only bind-mounted root)"] if self.jail else []
         layers += [f"network namespace (unshare {self.network_namespace})"] if self.network_namespace else []
-        layers += ["own uid (setpriv, read-only capability)"] if self.own_uid else []
+        own = "own uid (no capabilities)" if self.jail else "own uid (setpriv, read-only capability)"
+        layers += [own] if self.own_uid else []
         layers += ["audit hook"] if self.audit_guard else []
         return ", ".join(layers)
 
@@ -95,7 +100,39 @@ class SandboxResult(Frozen):
 @functools.cache
 def probe_isolation() -> Isolation:
     """The strongest layers that work on this machine (probed once per process)."""
+    if _probe_jail():
+        return Isolation(jail=True, own_uid=True)
     return Isolation(network_namespace=_probe_unshare(), own_uid=_probe_setpriv())
+
+
+def _probe_jail() -> bool:
+    if os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        result = run_python("import numpy\nprint('jailed', open('/proc/1/cmdline', 'rb').read()[:6] != b'')",
+                            SandboxLimits(wall_seconds=20), Isolation(jail=True, own_uid=True))
+    except EnvError:
+        return False
+    return result.ok and result.stdout == "jailed True\n"
+
+
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                "/etc/localtime", "/etc/alternatives")
+"""What the jail shows of the host besides the Python installation (read-only)."""
+
+
+def jail_binds() -> list[str]:
+    """Paths bind-mounted read-only into the jail: system libraries and this Python's prefixes."""
+    wanted = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    for prefix in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix):
+        path = os.path.realpath(prefix)
+        if path != "/" and path not in wanted:
+            wanted.append(path)
+    kept: list[str] = []
+    for path in sorted(wanted, key=len):  # a path inside one already bound comes with it
+        if not any(path.startswith(other.rstrip("/") + "/") for other in kept if not os.path.islink(other)):
+            kept.append(path)
+    return kept
 
 
 def _quiet(command: list[str]) -> bool:
@@ -135,21 +172,26 @@ def run_python(code: str, limits: SandboxLimits | None = None, isolation: Isolat
         workdir, outputs = Path(scratch, "work"), Path(scratch, "out")
         workdir.mkdir(mode=0o700)
         outputs.mkdir(mode=0o700)
+        Path(scratch, "root").mkdir(mode=0o700)
         (workdir / "main.py").write_text(code, encoding="utf-8")
         if isolation.own_uid:
             os.chown(workdir, uid, uid)
             os.chown(workdir / "main.py", uid, uid)
         try:
-            return _execute(_command(limits, isolation, uid), workdir, outputs, limits)
+            return _execute(_command(limits, isolation, uid, Path(scratch, "root")), workdir, outputs, limits)
         finally:
             if isolation.own_uid:
                 kill_uid(uid)
             _make_removable(workdir)
 
 
-def _command(limits: SandboxLimits, isolation: Isolation, uid: int) -> list[str]:
+def _command(limits: SandboxLimits, isolation: Isolation, uid: int, jail_root: Path) -> list[str]:
     config = limits.model_dump(include={"cpu_seconds", "memory_bytes", "file_bytes", "processes", "open_files"})
-    command = [sys.executable, "-I", "-B", str(GUARD), json.dumps(config | {"audit_guard": isolation.audit_guard})]
+    config["audit_guard"] = isolation.audit_guard
+    if isolation.jail:  # the guard enters the jail itself: namespaces, binds, chroot, then the uid
+        config["jail"] = {"root": str(jail_root), "binds": jail_binds(), "uid": uid if isolation.own_uid else None}
+        return [sys.executable, "-I", "-B", str(GUARD), json.dumps(config)]
+    command = [sys.executable, "-I", "-B", str(GUARD), json.dumps(config)]
     if isolation.own_uid:
         command = _setpriv(uid) + command
     if isolation.network_namespace:

@@ -7,9 +7,12 @@ processes, non-local sockets, ctypes library loading, symbol lookup and raw
 memory reads (``import ctypes`` stays allowed: numpy needs it), and opening for writing,
 creating, deleting or renaming any path outside the working directory.
 This is a best-effort second layer: audit hooks stop Python code, not native
-code, and the OS layers (own uid, network namespace, rlimits) do the rest.
+code, and the OS layers (the jail of ``sandbox_jail.py``, own uid, network
+namespace, rlimits) do the rest. With ``"jail"`` in the config the guard first
+enters that jail (it needs root); everything after runs inside it.
 """
 
+import importlib.util
 import json
 import os
 import resource
@@ -123,9 +126,19 @@ def _stacks(report):
         report = report.__cause__ or report.__context__
 
 
+def load_jail():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_jail.py")
+    spec = importlib.util.spec_from_file_location("sandbox_jail", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main():
     config = json.loads(sys.argv[1])
     root = os.path.realpath(os.getcwd())
+    if config.get("jail"):
+        load_jail().enter(config["jail"], root)
     set_limits(config)
     if config.get("audit_guard", True):
         sys.addaudithook(make_hook(root))
