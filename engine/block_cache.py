@@ -1,0 +1,151 @@
+"""A replica's prefix cache, as the simulator models it: hashed full blocks, LRU eviction.
+
+The model follows the documented behaviour of vLLM's v1 prefix cache (automatic
+prefix caching): the KV cache is cut into blocks of ``block_size`` tokens; a *full*
+block is identified by a hash of its parent block's hash, its token ids and extra
+keys (here: the cache salt), so equal hashes mean equal prefixes; a request's cache
+hit is the longest run of its leading full blocks that are present; at least one
+prompt token is always computed, so a prompt that is entirely cached still
+recomputes its last block; blocks held by running requests are never evicted;
+when a request finishes its blocks become evictable, tail block first, and eviction
+takes the least recently freed block.
+
+Simplifications (stated, not hidden): a request reserves all the blocks it will use
+(prompt plus completion) when it is scheduled, where vLLM grows its allocation one
+block at a time and may preempt; a full block that another request already
+registered under the same hash is kept as a private duplicate rather than merged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_ROOT = 0x5EED  # the parent "hash" of a sequence's first block
+
+
+def chain_hashes(keys: Iterable[object], salt: int = 0) -> list[int]:
+    """Block hashes of a sequence whose full blocks have these content keys, each chained to its parent."""
+    hashes, parent = [], _ROOT
+    for key in keys:
+        parent = hash((parent, key, salt))
+        hashes.append(parent)
+    return hashes
+
+
+def token_block_hashes(token_ids: np.ndarray, block_size: int, salt: int = 0) -> list[int]:
+    """Hashes of the full blocks of a real token sequence (a trailing partial block has none)."""
+    full = len(token_ids) // block_size
+    rows = np.asarray(token_ids[:full * block_size], dtype=np.int64).reshape(full, block_size)
+    return chain_hashes((tuple(row) for row in rows.tolist()), salt)
+
+
+def cacheable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Leading full blocks a prompt may take from the cache (its last token is always computed)."""
+    return max(prompt_tokens - 1, 0) // block_size
+
+
+@dataclass
+class Allocation:
+    """The blocks one running request holds: a hash per registered block, ``None`` per private block."""
+
+    blocks: list[int | None] = field(default_factory=list)
+    registered: int = 0
+    """How many leading entries are the request's full prompt blocks (hit or newly registered)."""
+
+
+class BlockCache:
+    """Finite block pool of one replica; ``capacity`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        if capacity < 1 or block_size < 1:
+            raise ValueError("a block cache needs at least one block of at least one token")
+        self.capacity, self.block_size = capacity, block_size
+        self._refs: dict[int, int] = {}
+        """Registered blocks held by running requests, with their holder counts."""
+        self._free: OrderedDict[int, None] = OrderedDict()
+        """Registered blocks nobody holds, least recently freed first (the eviction order)."""
+        self.in_use = 0
+        """Blocks held by running requests (registered or private)."""
+        self.evictions = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._refs or block_hash in self._free
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._refs) + len(self._free)
+
+    def free_order(self) -> list[int]:
+        """Evictable blocks, next victim first."""
+        return list(self._free)
+
+    def hit_blocks(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """Leading blocks of this prompt that are cached (the longest present chain)."""
+        limit = min(len(hashes), cacheable_blocks(prompt_tokens, self.block_size))
+        n = 0
+        while n < limit and (hashes[n] in self._refs or hashes[n] in self._free):
+            n += 1
+        return n
+
+    def allocate(self, hashes: Sequence[int], hit: int, prompt_blocks: int, total_blocks: int) -> Allocation | None:
+        """Hold ``total_blocks`` for a request: its first ``hit`` blocks from the cache, the rest new.
+
+        The new full prompt blocks ``hashes[hit:prompt_blocks]`` are registered at once, so a request
+        scheduled after this one hits them. ``None`` (and nothing changed) when the pool is too full.
+        """
+        revived = sum(1 for h in hashes[:hit] if h in self._free)
+        new = total_blocks - hit
+        if self.capacity - self.in_use - revived < new:
+            return None
+        blocks: list[int | None] = []
+        for h in hashes[:hit]:
+            if h in self._free:
+                del self._free[h]
+                self._refs[h] = 1
+                self.in_use += 1
+            else:
+                self._refs[h] += 1
+            blocks.append(h)
+        self._make_room(new)
+        self.in_use += new
+        for h in hashes[hit:prompt_blocks]:
+            blocks.append(self._claim(h))
+        blocks.extend([None] * (total_blocks - len(blocks)))
+        return Allocation(blocks, registered=prompt_blocks)
+
+    def release(self, allocation: Allocation, hashes: Sequence[int], computed_blocks: int) -> None:
+        """A request finished: register the blocks its completion filled, then free all, tail first."""
+        blocks = allocation.blocks
+        for i in range(allocation.registered, min(computed_blocks, len(blocks), len(hashes))):
+            if blocks[i] is None:
+                blocks[i] = self._claim(hashes[i])
+        for h in reversed(blocks):
+            if h is None:
+                self.in_use -= 1
+                continue
+            left = self._refs[h] - 1
+            if left:
+                self._refs[h] = left
+            else:
+                del self._refs[h]
+                self._free[h] = None
+                self.in_use -= 1
+        blocks.clear()
+
+    def _claim(self, block_hash: int) -> int | None:
+        """Register a newly computed block under its hash (a private duplicate if already registered)."""
+        if block_hash in self._refs or block_hash in self._free:
+            return None
+        self._refs[block_hash] = 1
+        return block_hash
+
+    def _make_room(self, new: int) -> None:
+        empty = self.capacity - self.in_use - len(self._free)
+        while empty < new and self._free:
+            self._free.popitem(last=False)
+            self.evictions += 1
+            empty += 1
