@@ -85,11 +85,18 @@ class BlockCache:
 
     def hit_blocks(self, hashes: Sequence[int], prompt_tokens: int) -> int:
         """Leading blocks of this prompt that are cached (the longest present chain)."""
+        refs, free = self._refs, self._free
         limit = min(len(hashes), cacheable_blocks(prompt_tokens, self.block_size))
-        n = 0
-        while n < limit and (hashes[n] in self._refs or hashes[n] in self._free):
-            n += 1
-        return n
+        for n in range(limit):
+            h = hashes[n]
+            if h not in refs and h not in free:
+                return n
+        return limit
+
+    def fits(self, total_blocks: int, prompt_tokens: int) -> bool:
+        """Could a request of this size be held now, if all of its cacheable blocks were hits? (a cheap bound)"""
+        best_hit = cacheable_blocks(prompt_tokens, self.block_size)
+        return self.capacity - self.in_use >= total_blocks - best_hit
 
     def allocate(self, hashes: Sequence[int], hit: int, prompt_blocks: int, total_blocks: int) -> Allocation | None:
         """Hold ``total_blocks`` for a request: its first ``hit`` blocks from the cache, the rest new.
@@ -97,43 +104,50 @@ class BlockCache:
         The new full prompt blocks ``hashes[hit:prompt_blocks]`` are registered at once, so a request
         scheduled after this one hits them. ``None`` (and nothing changed) when the pool is too full.
         """
-        revived = sum(1 for h in hashes[:hit] if h in self._free)
+        refs, free = self._refs, self._free
+        reused = hashes[:hit]
+        revived = sum(1 for h in reused if h in free)
         new = total_blocks - hit
         if self.capacity - self.in_use - revived < new:
             return None
-        blocks: list[int | None] = []
-        for h in hashes[:hit]:
-            if h in self._free:
-                del self._free[h]
-                self._refs[h] = 1
-                self.in_use += 1
+        for h in reused:
+            if h in free:
+                del free[h]
+                refs[h] = 1
             else:
-                self._refs[h] += 1
-            blocks.append(h)
+                refs[h] += 1
+        self.in_use += revived
         self._make_room(new)
         self.in_use += new
-        for h in hashes[hit:prompt_blocks]:
-            blocks.append(self._claim(h))
+        blocks: list[int | None] = list(reused)
+        for h in hashes[hit:prompt_blocks]:  # register each new full block (inlined _claim: the hot path)
+            if h in refs or h in free:
+                blocks.append(None)
+            else:
+                refs[h] = 1
+                blocks.append(h)
         blocks.extend([None] * (total_blocks - len(blocks)))
         return Allocation(blocks, registered=prompt_blocks)
 
     def release(self, allocation: Allocation, hashes: Sequence[int], computed_blocks: int) -> None:
         """A request finished: register the blocks its completion filled, then free all, tail first."""
-        blocks = allocation.blocks
+        blocks, refs, free = allocation.blocks, self._refs, self._free
         for i in range(allocation.registered, min(computed_blocks, len(blocks), len(hashes))):
             if blocks[i] is None:
                 blocks[i] = self._claim(hashes[i])
+        freed = 0
         for h in reversed(blocks):
             if h is None:
-                self.in_use -= 1
+                freed += 1
                 continue
-            left = self._refs[h] - 1
+            left = refs[h] - 1
             if left:
-                self._refs[h] = left
+                refs[h] = left
             else:
-                del self._refs[h]
-                self._free[h] = None
-                self.in_use -= 1
+                del refs[h]
+                free[h] = None
+                freed += 1
+        self.in_use -= freed
         blocks.clear()
 
     def _claim(self, block_hash: int) -> int | None:
@@ -144,8 +158,8 @@ class BlockCache:
         return block_hash
 
     def _make_room(self, new: int) -> None:
-        empty = self.capacity - self.in_use - len(self._free)
-        while empty < new and self._free:
-            self._free.popitem(last=False)
-            self.evictions += 1
-            empty += 1
+        free = self._free
+        evict = min(new - (self.capacity - self.in_use - len(free)), len(free))
+        for _ in range(evict):
+            free.popitem(last=False)
+        self.evictions += max(evict, 0)

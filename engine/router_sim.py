@@ -190,8 +190,10 @@ class _Replica:
         tokens = 0
         while self.waiting and len(self.running) + len(self.prefill) < self.config.max_batch:
             req = self.waiting[0]
-            hit = self.cache.hit_blocks(req.hashes, req.prompt)
             total = math.ceil((req.prompt + req.completion) / block)
+            if not self.cache.fits(total, req.prompt):
+                break
+            hit = self.cache.hit_blocks(req.hashes, req.prompt)
             allocation = self.cache.allocate(req.hashes, hit, req.prompt // block, total)
             if allocation is None:
                 break

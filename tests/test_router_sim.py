@@ -27,6 +27,8 @@ from verbatim.engine.sim_workload import (
 from verbatim.errors import InputError
 from verbatim.harness import bench_router
 from verbatim.harness.ledger import Ledger
+from verbatim.harness.router_replay import replay_check
+from verbatim.harness.store import RunManifest, TraceWriter
 
 COSTS = CostModel(prefill_base_s=0.01, prefill_token_s=0.001, decode_token_s=0.02)
 SHAPES = [GroupShape(shared=96, rollouts=(RolloutShape(prompt=110, completions=(40, 30, 20), observations=(20, 25)),
@@ -194,14 +196,22 @@ def test_a_session_longer_than_the_cache_is_an_input_error():
 # ---------------------------------------------------------------------------
 
 
-def _rollout(rid: str, prompt: np.ndarray, seed: int, turns: int = 3, sampled: int = 21, obs: int = 9) -> Rollout:
+def _rollout(rid: str, prompt: np.ndarray, seed: int, turns: int = 3, sampled: int = 21, obs: int = 9,
+             first_cached: int = 0) -> Rollout:
+    """A rollout as an engine with 16-token blocks serves it: turn 0 from ``first_cached``, later turns from
+    the whole previous context (full blocks, never the last token)."""
     rng = np.random.default_rng(seed)
     ledger = Ledger()
     ledger.append_prompt(prompt)
+    previous_end = 0
     for k in range(turns):
+        n = len(ledger)
+        cached = min(previous_end - 1, n - 1) // 16 * 16 if k else first_cached
         ledger.append_completion(Completion(
             token_ids=rng.integers(0, 50_000, sampled + k), logprobs=-rng.exponential(1.0, sampled + k),
-            versions=np.zeros(sampled + k), finish_reason="stop", prompt_tokens=len(ledger), cached_tokens=0))
+            versions=np.zeros(sampled + k), finish_reason="stop", prompt_tokens=n, cached_tokens=cached,
+            first_token_s=0.1 + 0.001 * (n - cached), total_s=0.5 + 0.01 * (sampled + k)))
+        previous_end = len(ledger)
         if k < turns - 1:
             ledger.append_observation(rng.integers(0, 50_000, obs + k))
     return ledger.to_rollout(run_id="run", group_id="g0", rollout_id=rid)
@@ -236,6 +246,17 @@ def test_replay_with_a_changed_salt_misses():
     result = simulate(workload_from_rollouts([rollout.model_copy(update={"turns": turns})]),
                       config("round_robin", replicas=1), record_turns=True)
     assert [cached for *_, cached in result.turn_cached] == [0, 0]
+
+
+def test_replay_check_of_a_run_directory_agrees_turn_by_turn(tmp_path: Path):
+    prompt = np.random.default_rng(0).integers(0, 50_000, 70)
+    rollouts = [_rollout("g0-r01", prompt, 2, first_cached=64), _rollout("g0-r00", prompt, 1)]  # completion order
+    writer = TraceWriter(tmp_path / "run", RunManifest(run_id="run", engine={"block_size": 16},
+                                                       config={"options": {"concurrency": 4}}))
+    writer.write_batch(rollouts)
+    check = replay_check(tmp_path / "run")
+    assert check.replicas == 1 and check.turns == 6
+    assert check.same_cached_turns == 6 and check.sim_hit_rate == check.real_hit_rate
 
 
 # ---------------------------------------------------------------------------
