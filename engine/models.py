@@ -10,6 +10,7 @@ is accepted as a model too.
 
 from __future__ import annotations
 
+import difflib
 import fcntl
 import hashlib
 import importlib.util
@@ -95,7 +96,10 @@ def resolve(model: str | os.PathLike[str] | None = None) -> Path:
             raise UnknownModelError(f"{path} is a folder but not a Hugging Face model (no config.json)")
         return path
     known = ", ".join(sorted(BUNDLED))
-    raise UnknownModelError(f"unknown model {name!r}", hint=f"use one of: {known}, or a Hugging Face folder path")
+    close = difflib.get_close_matches(name, ["default", *BUNDLED], n=1, cutoff=0.5)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    raise UnknownModelError(f"unknown model {name!r}",
+                            hint=f"{guess}use one of: {known}, or a Hugging Face folder path")
 
 
 def prepare(name: str = DEFAULT_MODEL) -> Path:
