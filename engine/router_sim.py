@@ -26,7 +26,14 @@ batch for the same work, so that a replica given more work shows more busy time.
 A session plays its turns in order: request → completion → ``think_s`` (exponential,
 the env's time) → next request, whose prompt is the whole history. With
 ``leader_first`` (what ``verbatim run`` does) a group's other members start when the
-first member's first turn is answered.
+first member's first turn is answered. A first turn that ``admit`` refuses is held in a
+FIFO, tried again whenever a request finishes, and let in after ``admission_timeout_s``
+as the real router does; later turns are never held.
+
+Metrics: hit rate = cached / prompt tokens; queueing = time from reaching a replica to
+being scheduled; admission wait = time held; migrations and tokens lost are the
+decisions' own ``migrated_from`` and ``lost_tokens``; throughput = generated tokens (and
+requests) over the time from the first arrival to the last completion.
 """
 
 from __future__ import annotations

@@ -242,24 +242,41 @@ INTRO = (
 
 
 def router_command(traces: list[Path], replicas: list[int], sessions: list[int], group_sizes: list[int], seed: int,
-                   write: bool, json_path: Path | None, console: Any, *, policies: Sequence[str] = POLICIES,
+                   write: bool, as_json: bool, console: Any, *, policies: Sequence[str] = POLICIES,
                    settings: FleetSettings | None = None, doc: Path | None = None) -> list[Row]:
     """Simulate the routing policies on a fleet of replicas with finite prefix caches.
 
     Sessions are drawn from real `verbatim run` traces (the committed workload, or
     --trace RUN_DIR); for each policy, with and without +group: prefix-cache hit rate,
     prefill tokens, load imbalance, p50/p99 queueing, throughput, migrations.
-    --write puts the table and a plot into docs/benchmarks.md.
+    --json prints one JSON object per row as it is measured; --write puts the table
+    and a plot into docs/benchmarks.md.
     """
-    from rich.table import Table
-
     settings = settings or FleetSettings()
     for spec in policies:
         RouteConfig.parse(spec)
     workload = load_workload(traces)
     started = time.perf_counter()
-    rows = run_grid(workload, replicas, sessions, group_sizes, settings, policies, seed)
-    table = Table(title=f"router simulation ({time.perf_counter() - started:.0f} s)")
+
+    def show(row: Row) -> None:
+        if as_json:
+            print(json.dumps(row.model_dump(exclude={"turn_cached"})), flush=True)
+
+    rows = run_grid(workload, replicas, sessions, group_sizes, settings, policies, seed, progress=show)
+    if not as_json:
+        console.print(rich_table(rows, f"router simulation ({time.perf_counter() - started:.0f} s)"))
+    if write:
+        doc = doc or _DOCS / "benchmarks.md"
+        plot(rows, doc.parent / PLOT_NAME)
+        command = _command_line(traces, replicas, sessions, group_sizes, seed)
+        write_section(doc, section(rows, workload, settings, command), INTRO)
+    return rows
+
+
+def rich_table(rows: Sequence[Row], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
     for column in ("replicas", "sessions", "G", "policy", "hit rate", "prefill tok", "imbalance", "queue p50",
                    "queue p99", "gen tok/s", "migrations", "adm. wait"):
         table.add_column(column, justify="left" if column == "policy" else "right")
@@ -267,17 +284,7 @@ def router_command(traces: list[Path], replicas: list[int], sessions: list[int],
         table.add_row(str(r.replicas), str(r.sessions), str(r.group_size), r.policy, f"{r.hit_rate:.1%}",
                       f"{r.prefill_tokens:,}", f"{r.imbalance:.2f}", f"{r.queue_p50_s:.2f}", f"{r.queue_p99_s:.2f}",
                       f"{r.tokens_per_s:,.0f}", f"{r.migrations:,}", f"{r.admission_wait_mean_s:.2f}")
-    console.print(table)
-    if json_path is not None:
-        payload = {"settings": settings.model_dump(), "workload": {"runs": workload.runs, "costs": workload.costs},
-                   "rows": [r.model_dump() for r in rows]}
-        json_path.write_text(json.dumps(payload, indent=1) + "\n")
-    if write:
-        doc = doc or _DOCS / "benchmarks.md"
-        plot(rows, doc.parent / PLOT_NAME)
-        command = _command_line(traces, replicas, sessions, group_sizes, seed)
-        write_section(doc, section(rows, workload, settings, command), INTRO)
-    return rows
+    return table
 
 
 def _command_line(traces: Sequence[Path], replicas: Sequence[int], sessions: Sequence[int],
