@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 import typer.core
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -22,6 +23,13 @@ try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover - older typer on plain click
     from click import exceptions as click_errors  # type: ignore[no-redef]
+
+def _validation_line(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"invalid {exc.title} setting{' ' + where if where else ''}: {message}"
+
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False)
@@ -58,6 +66,11 @@ class _OneLineErrors(typer.core.TyperGroup):
                 raise
             err_console.print(f"error: {exc.one_line()}")
             code = exc.exit_code
+        except ValidationError as exc:  # options that pass the parser but not a settings model
+            if debug:
+                raise
+            err_console.print(f"error: {_validation_line(exc)}")
+            code = 2
         except KeyboardInterrupt:
             err_console.print("error: interrupted")
             code = 130
@@ -83,6 +96,9 @@ app.add_typer(lint_app, name="lint")
 bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
+fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
+                        no_args_is_help=True)
+app.add_typer(fleet_app, name="fleet")
 
 
 def _version(value: bool) -> None:
@@ -225,7 +241,13 @@ def run(
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
     engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
-    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http)."),
+    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
+    route: str = typer.Option(None, "--route", help="Routing over several --url replicas: round_robin | "
+                              "least_loaded | session_hash | sticky_least_loaded, optionally +group "
+                              "(default with several: sticky_least_loaded+group)."),
+    high_water: float = typer.Option(0.9, "--high-water", min=0.01, max=1.0,
+                                     help="Hold new rollouts while a replica's KV usage is at or above this."),
+    admission: bool = typer.Option(True, "--admission/--no-admission", help="KV admission control (router)."),
     cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
     concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
     max_model_len: int = typer.Option(4096, "--max-model-len", min=256, help="Context budget per request."),
@@ -239,6 +261,7 @@ def run(
     options = RunOptions(env=env, tasks=tasks, model=model, renderer=renderer, groups=groups,
                          group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
                          temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
+                         route=route, high_water=high_water, admission=admission,
                          cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
                          kv_cache_gib=kv_cache_gib, resume=resume)
     run_command(options, console, summary_json)
@@ -359,6 +382,50 @@ def serve(
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
     os.execvpe(argv[0], argv, env)
+
+
+@fleet_app.command("up")
+def fleet_up(
+    replicas: int = typer.Option(2, "--replicas", min=1, help="Number of vllm serve processes."),
+    file: str = typer.Option("fleet.json", "--file", help="Where to write the fleet file (URLs, pids, logs)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", min=1, help="KV cache space per replica, GiB."),
+    kv_blocks: int = typer.Option(None, "--kv-blocks", min=2, help="Cap each replica's KV cache at this many blocks."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
+) -> None:
+    """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
+    from pathlib import Path
+
+    from .engine.fleet import fleet_up as start_fleet
+    from .engine.runtime import EngineConfig
+    from .engine.server import check_bind
+
+    warning = check_bind(host, allow_remote)
+    if warning:
+        err_console.print(warning)
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len)
+    err_console.print(f"starting {replicas} replicas of {config.model}…")
+    record = start_fleet(config, replicas, Path(file), host=host)
+    for replica in record.replicas:
+        console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}")
+    flags = " ".join(f"--url {u}" for u in record.urls)
+    console.print(f"wrote {file}; use: verbatim run --engine http {flags} --route sticky_least_loaded+group",
+                  soft_wrap=True)
+
+
+@fleet_app.command("down")
+def fleet_down(
+    file: str = typer.Option("fleet.json", "--file", help="The fleet file written by 'fleet up'."),
+) -> None:
+    """Stop every replica of a fleet (SIGTERM, then SIGKILL after 30 s) and remove the fleet file."""
+    from pathlib import Path
+
+    from .engine.fleet import fleet_down as stop_fleet
+
+    stopped = stop_fleet(Path(file))
+    console.print(f"stopped {len(stopped)} replicas" + (f" ({', '.join(stopped)})" if stopped else ""))
 
 
 # ---------------------------------------------------------------------------

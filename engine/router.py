@@ -122,18 +122,19 @@ class Router:
 
     async def _place(self, request: RouteRequest) -> tuple[Replica, Decision, float]:
         """Decide, holding a new rollout while admission says its replica is too full."""
-        started = time.monotonic()
+        waited = 0.0
         while True:
             decision = route(self.config, self.pins, self._states(), request)
             replica = self._by_name(decision.replica)
             if request.new_session:
                 await self._poll(replica, fresh=True)
-            state = replica.state()
             others_live = any(s != request.session_id for s in replica.live)
-            waited = time.monotonic() - started
-            if admit(self.config, state, request, others_live=others_live) or waited >= self.admission_timeout_s:
+            admitted = admit(self.config, replica.state(), request, others_live=others_live)
+            if admitted or waited >= self.admission_timeout_s:
                 break
+            held = time.monotonic()
             await self._wait_for_change(self.poll_s)
+            waited += time.monotonic() - held
         self.admission_wait_s += waited
         return self._pin(request, decision), decision, waited
 

@@ -100,7 +100,11 @@ class ReplicaState:
     @property
     def pressure(self) -> float:
         """The larger of the measured KV usage and the live sessions' projected share of the cache."""
-        projected = self.live_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+        return self.pressure_with(0)
+
+    def pressure_with(self, new_tokens: int) -> float:
+        """Pressure if a new session of ``new_tokens`` context joined the live ones."""
+        projected = (self.live_tokens + new_tokens) / self.capacity_tokens if self.capacity_tokens else 0.0
         return max(self.kv_usage, projected)
 
 
@@ -225,7 +229,11 @@ def ring_choice(names: Sequence[str], key: str, virtual_nodes: int = 64) -> str:
 
 
 def admit(config: RouteConfig, replica: ReplicaState, request: RouteRequest, *, others_live: bool) -> bool:
-    """May this request start now? Only new rollouts are ever held, and only while something else is live."""
+    """May this request start now? Only new rollouts are ever held, and only while something else is live.
+
+    A new rollout is held while the replica's pressure, counting the newcomer's own context, would reach
+    the high-water mark: live rollouts grow every turn, and their cached history must stay resident.
+    """
     if not config.admission or not request.new_session or not others_live:
         return True
-    return replica.pressure < config.high_water
+    return replica.pressure_with(request.context_tokens) < config.high_water

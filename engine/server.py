@@ -83,22 +83,35 @@ class ServerProcess:
         return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 600.0) -> ServerProcess:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> ServerProcess:
+        """Start the process (in its own session, so it outlives a CLI that only launched it)."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ServerProcess:
+        """Wait until ``/health`` answers; stop the process and fail if it exits or takes too long."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(f"vllm serve exited with code {self.proc.returncode} during start-up",
-                                  hint=f"see {self.log_path}" if self.log_path else None)
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self.ready():
+                return self
             time.sleep(1.0)
         self.stop()
         raise EngineError(f"vllm serve did not become healthy within {timeout_s:.0f}s")
+
+    def ready(self) -> bool:
+        """True once ``/health`` answers 200; raises if the process has exited."""
+        assert self.proc is not None, "launch() first"
+        if self.proc.poll() is not None:
+            raise EngineError(f"vllm serve exited with code {self.proc.returncode} during start-up",
+                              hint=f"see {self.log_path}" if self.log_path else None)
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..datamodel import Frozen, Rollout
+from ..engine.http import redact
 from ..engine.models import DEFAULT_MODEL, resolve
 from ..engine.protocol import CachePolicy, Sampling
 from ..errors import InputError
@@ -39,6 +40,10 @@ class RunOptions(Frozen):
     out: str = "runs/latest"
     engine: str = "inproc"
     urls: tuple[str, ...] = ()
+    route: str | None = None
+    """Routing policy over the --url replicas (default sticky_least_loaded+group when there are several)."""
+    high_water: float = Field(default=0.9, gt=0, le=1)
+    admission: bool = True
     cache_policy: str = "keep"
     concurrency: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=4096, ge=256)
@@ -59,20 +64,28 @@ def _plan(options: RunOptions, run_id: str) -> RunPlan:
 
 def _make_engine(options: RunOptions) -> Any:
     if options.engine == "inproc":
-        if options.urls:
-            raise InputError("--url goes with --engine http")
+        if options.urls or options.route:
+            raise InputError("--url and --route go with --engine http")
         from ..engine.inproc import InprocEngine
         from ..engine.runtime import EngineConfig
 
         return InprocEngine(EngineConfig(model=options.model, max_model_len=options.max_model_len,
                                          kv_cache_gib=options.kv_cache_gib, seed=options.seed))
     if options.engine == "http":
-        if len(options.urls) != 1:
-            raise InputError("--engine http needs exactly one --url here",
-                             hint="several replicas need the router (--route), which is not built yet")
+        if not options.urls:
+            raise InputError("--engine http needs --url (one per replica)",
+                             hint="start servers with 'verbatim fleet up'")
         from ..engine.http import HttpEngine
 
-        return HttpEngine(options.urls[0])
+        engines = [HttpEngine(url) for url in options.urls]
+        if len(engines) == 1 and options.route is None:
+            return engines[0]
+        from ..engine.router import Router
+        from ..engine.routing import RouteConfig
+
+        config = RouteConfig.parse(options.route or "sticky_least_loaded+group", high_water=options.high_water,
+                                   admission=options.admission)
+        return Router(engines, config)
     raise InputError(f"unknown engine {options.engine!r}", hint="use inproc or http")
 
 
@@ -94,11 +107,14 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
     engine = _make_engine(options)  # constructing starts nothing
+    urls = [redact(u) for u in options.urls]  # no credentials in traces
+    route = getattr(getattr(engine, "config", None), "label", None)
     manifest = RunManifest(
         run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
         engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
-                "cache_policy": policy.value, "urls": list(options.urls)},
-        config={"options": options.model_dump(exclude={"resume"}), "plan": plan.model_dump(exclude={"run_id"})},
+                "cache_policy": policy.value, "urls": urls, "route": route},
+        config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
+                "plan": plan.model_dump(exclude={"run_id"})},
     )
     run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest)
     run.check_out_dir(options.resume)

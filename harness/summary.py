@@ -33,6 +33,12 @@ class RunSummary(Frozen):
     statuses: dict[str, int] = Field(default_factory=dict)
     mean_reward: float | None = None
     admission_wait_s: float = 0.0
+    """Time new rollouts were held by the router's admission control, summed."""
+    migrations: int = 0
+    """Turns the router sent to another replica than the session's previous turn."""
+    migration_lost_tokens: int = 0
+    """Cached context those migrations gave up (the expected cache loss)."""
+    turns_per_replica: dict[str, int] = Field(default_factory=dict)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -76,8 +82,26 @@ def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
     return prompts
 
 
+def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
+    """Admission wait, migrations and their lost context, and turns per replica, from the turns and routes."""
+    per_replica: dict[str, int] = {}
+    migrations = lost = 0
+    wait = 0.0
+    for rollout in rollouts:
+        for turn in rollout.turns:
+            wait += turn.admission_wait_s
+            if turn.replica is not None:
+                per_replica[turn.replica] = per_replica.get(turn.replica, 0) + 1
+        for decision in rollout.info.get("routes") or ():
+            if isinstance(decision, dict) and decision.get("migrated_from") is not None:
+                migrations += 1
+                lost += int(decision.get("lost_tokens") or 0)
+    return {"admission_wait_s": wait, "migrations": migrations, "migration_lost_tokens": lost,
+            "turns_per_replica": dict(sorted(per_replica.items()))}
+
+
 def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0.0,
-              renderer: Any = None, admission_wait_s: float = 0.0) -> RunSummary:
+              renderer: Any = None) -> RunSummary:
     turns = [t for r in rollouts for t in r.turns]
     prompt = sum(t.prompt_end for t in turns)
     cached = sum(t.cached_tokens for t in turns)
@@ -95,5 +119,5 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         rerender_prefill_tokens=rerender,
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
-        admission_wait_s=admission_wait_s,
+        **routing_totals(rollouts),
     )

@@ -184,9 +184,11 @@ def test_groups_of_a_dead_replica_are_forgotten():
 FULL = ReplicaState("r0", kv_usage=0.95, capacity_tokens=1000)
 PROJECTED_FULL = ReplicaState("r0", kv_usage=0.1, live_tokens=950, capacity_tokens=1000)
 ROOMY = ReplicaState("r0", kv_usage=0.5, live_tokens=200, capacity_tokens=1000)
+NEWCOMER_TOO_BIG = ReplicaState("r0", kv_usage=0.2, live_tokens=600, capacity_tokens=1000)
 
 
 @pytest.mark.parametrize(("replica", "new", "others_live", "enabled", "admitted"), [
+    (NEWCOMER_TOO_BIG, True, True, True, False),  # 600 live + 300 new reaches 0.9
     (FULL, True, True, True, False),             # a new rollout waits for room
     (PROJECTED_FULL, True, True, True, False),   # live sessions' contexts count even between their turns
     (FULL, False, True, True, True),             # the next turn of a live rollout is never held
@@ -196,13 +198,14 @@ ROOMY = ReplicaState("r0", kv_usage=0.5, live_tokens=200, capacity_tokens=1000)
 ])
 def test_admission_holds_only_new_rollouts_above_high_water(replica, new, others_live, enabled, admitted):
     cfg = RouteConfig(high_water=0.9, admission=enabled)
-    request = RouteRequest("s", new_session=new)
+    request = RouteRequest("s", new_session=new, context_tokens=300)
     assert admit(cfg, replica, request, others_live=others_live) is admitted
 
 
 def test_pressure_is_the_larger_of_measured_and_projected_usage():
     assert FULL.pressure == 0.95 and PROJECTED_FULL.pressure == 0.95 and ROOMY.pressure == 0.5
     assert ReplicaState("x", kv_usage=0.3, live_tokens=10_000).pressure == 0.3  # unknown capacity
+    assert ROOMY.pressure_with(400) == 0.6 and ROOMY.pressure_with(0) == 0.5
 
 
 # -- invariants over random traffic ------------------------------------------------------------------------

@@ -67,7 +67,10 @@ runner = CliRunner()
     (["run", "--env", "nosuchenv"], "unknown env"),
     (["run", "--env", "guess", "--cache-policy", "sometimes"], "unknown cache policy"),
     (["run", "--env", "guess", "--model", "/nonexistent/model"], "unknown model"),
-    (["run", "--env", "guess", "--engine", "http"], "needs exactly one --url"),
+    (["run", "--env", "guess", "--engine", "http"], "needs --url"),
+    (["run", "--env", "guess", "--route", "round_robin"], "go with --engine http"),
+    (["run", "--env", "guess", "--engine", "http", "--url", "http://127.0.0.1:9", "--route", "sticky"],
+     "unknown routing policy"),
 ])
 def test_bad_run_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, needle):
     out = tmp_path / "never"

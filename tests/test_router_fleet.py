@@ -1,0 +1,184 @@
+"""The router on a real fleet: two ``vllm serve`` replicas on 127.0.0.1 with a small KV cache each.
+
+Workload: 2 groups × 4 rollouts × 3 turns of ``longdoc`` (a shared document, three questions).
+The tests run in order; the last one kills a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from verbatim.engine.fleet import kill_replica, read_fleet
+from verbatim.engine.http import HttpEngine
+from verbatim.engine.protocol import Sampling
+from verbatim.engine.router import Router
+from verbatim.engine.routing import RouteConfig
+from verbatim.envs.registry import load_env
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan
+from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.summary import RunSummary
+from verbatim.harness.trace_lint import lint_run
+from verbatim.renderers.registry import get_renderer
+
+pytestmark = pytest.mark.engine
+
+MAX_MODEL_LEN = 1024
+KV_BLOCKS = 40  # 1,280 tokens per replica: room for two or three live rollouts of this workload, not eight
+BLOCK = 32
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Started and stopped through the CLI: `verbatim fleet up` / `verbatim fleet down`."""
+    file = tmp_path_factory.mktemp("fleet") / "fleet.json"
+    up = cli("fleet", "up", "--replicas", "2", "--file", str(file), "--kv-blocks", str(KV_BLOCKS),
+             "--max-model-len", str(MAX_MODEL_LEN))
+    assert up.returncode == 0, up.stderr
+    record = read_fleet(file)
+    try:
+        assert len(record.replicas) == 2 and all(r.url.startswith("http://127.0.0.1:") for r in record.replicas)
+        yield record
+    finally:
+        down = cli("fleet", "down", "--file", str(file))
+        assert down.returncode == 0 and "stopped" in down.stdout, down.stderr
+        assert not file.exists()
+        assert all(not Path(f"/proc/{r.pid}").exists() or b"vllm" not in Path(f"/proc/{r.pid}/cmdline").read_bytes()
+                   for r in record.replicas)
+
+
+@pytest.fixture(scope="module")
+def renderer(default_model_dir):
+    return get_renderer("smollm2", model_dir=default_model_dir)
+
+
+async def _reset(urls: list[str]) -> None:
+    for url in urls:
+        async with HttpEngine(url) as engine:
+            await engine.reset_prefix_cache()
+
+
+def play(urls: list[str], route: str, renderer, out: Path, *, seed: int, words: int = 120, groups: int = 2,
+         group_size: int = 4, admission: bool = True, high_water: float = 0.9, max_tokens: int = 24,
+         on_turn=None) -> tuple[RunSummary, Router]:
+    """One run through a fresh Router over the fleet (prefix caches emptied first)."""
+    factory = load_env("longdoc", words=words, questions=3)
+    plan = RunPlan(run_id=out.name, groups=groups, group_size=group_size, seed=seed, concurrency=16)
+    loop = LoopConfig(max_turns=3, context_budget=MAX_MODEL_LEN, step_timeout_s=60,
+                      sampling=Sampling(max_tokens=max_tokens, temperature=1.0))
+    router = Router([HttpEngine(u, retries=1, backoff_s=0.2) for u in urls],
+                    RouteConfig.parse(route, admission=admission, high_water=high_water))
+    manifest = RunManifest(run_id=out.name, model="smollm2-135m-instruct", renderer="smollm2",
+                           engine={"kind": "http", "block_size": BLOCK, "cache_policy": "keep", "route": route},
+                           config={"plan": plan.model_dump(exclude={"run_id"})})
+    run = Run(plan, loop, router, renderer, factory, factory.tasks(groups, seed), out, manifest)
+
+    async def go() -> RunSummary:
+        await _reset(urls)
+        await router.start()
+        if on_turn is not None:
+            on_turn(router)
+        try:
+            return await run.play()
+        finally:
+            await router.aclose()
+
+    return asyncio.run(go()), router
+
+
+def floor_block(n: int) -> int:
+    return n // BLOCK * BLOCK
+
+
+def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_prompt_once(fleet, renderer, tmp_path):
+    summary, router = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "sticky", seed=3)
+    trace = read_run(tmp_path / "sticky")
+    assert len(trace.rollouts) == 8 and all(r.status != "error" for r in trace.rollouts), trace.rollouts
+    for rollout in trace.rollouts:
+        assert len({t.replica for t in rollout.turns}) == 1  # pinned
+        for previous, turn in zip(rollout.turns, rollout.turns[1:]):
+            assert turn.cached_tokens >= floor_block(previous.completion_end - 1), (rollout.rollout_id, turn)
+    for group in ("g0000", "g0001"):
+        members = sorted((r for r in trace.rollouts if r.group_id == group), key=lambda r: r.rollout_id)
+        assert len({m.turns[0].replica for m in members}) == 1  # co-routed
+        prompt = members[0].turns[0].prompt_end
+        first_turn_prefill = sum(m.turns[0].prompt_end - m.turns[0].cached_tokens for m in members)
+        assert first_turn_prefill <= prompt + (len(members) - 1) * BLOCK, first_turn_prefill  # prefilled once
+    assert summary.migrations == 0 and set(summary.turns_per_replica) == {"r0", "r1"}
+    assert lint_run(tmp_path / "sticky").ok
+    print(f"\nsticky_least_loaded+group: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens} "
+          f"(minimum {summary.min_prefill_tokens}), turns per replica {summary.turns_per_replica}")
+
+
+def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, renderer, tmp_path):
+    summary, _ = play(fleet.urls, "round_robin", renderer, tmp_path / "rr", seed=3)
+    sticky, _ = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "sticky", seed=3)
+    assert summary.migrations > 0 and summary.migration_lost_tokens > 0
+    assert summary.prefill_tokens > sticky.prefill_tokens
+    report = lint_run(tmp_path / "rr")
+    causes = [p.cause for v in report.verdicts for p in v.problems if getattr(p, "cause", None)]
+    assert "replica" in causes, causes
+    print(f"\nround_robin: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens}, "
+          f"{summary.migrations} migrations losing {summary.migration_lost_tokens} cached tokens; "
+          f"sticky+group on the same workload: cached {sticky.cache_hit_rate:.1%}, prefill {sticky.prefill_tokens}")
+
+
+def full_reuse(out: Path) -> tuple[int, int]:
+    """Turns after the first that found their whole previous context cached, and all such turns."""
+    pairs = [(turn, previous) for r in read_run(out).rollouts for previous, turn in zip(r.turns, r.turns[1:])]
+    return sum(t.cached_tokens >= floor_block(p.completion_end - 1) for t, p in pairs), len(pairs)
+
+
+def test_admission_keeps_the_cache_when_the_kv_space_cannot_hold_every_rollout(fleet, renderer, tmp_path):
+    # 8 rollouts of ~350–550 tokens each with distinct documents: ~4,000 tokens of live context against
+    # 2 × 1,280 tokens of KV. Without admission they evict each other's history between turns.
+    settings = dict(seed=5, words=200, groups=8, group_size=1, high_water=0.75, max_tokens=48)
+    without, _ = play(fleet.urls, "sticky_least_loaded", renderer, tmp_path / "off", admission=False, **settings)
+    with_, _ = play(fleet.urls, "sticky_least_loaded", renderer, tmp_path / "on", admission=True, **settings)
+    reused_off, reused_on = full_reuse(tmp_path / "off"), full_reuse(tmp_path / "on")
+    print(f"\nKV too small for all rollouts: without admission cached {without.cache_hit_rate:.1%} "
+          f"(whole previous context reused on {reused_off[0]}/{reused_off[1]} turns); with admission "
+          f"cached {with_.cache_hit_rate:.1%} ({reused_on[0]}/{reused_on[1]}), held {with_.admission_wait_s:.0f} s")
+    assert with_.admission_wait_s > 0 and without.admission_wait_s == 0
+    assert with_.statuses == {"ok": 8} and without.statuses == {"ok": 8}
+    assert reused_on[0] == reused_on[1]  # every live rollout kept its history
+    assert with_.cache_hit_rate > without.cache_hit_rate + 0.15
+
+
+def test_a_replica_killed_mid_run_moves_its_sessions_and_loses_nothing(fleet, renderer, tmp_path):
+    victim = fleet.replicas[1]
+    calls = {"n": 0}
+
+    def arm(router: Router) -> None:
+        engine = router.replicas[1].engine
+        forward = engine.generate
+
+        async def generate(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 6:  # some turns done, others in flight: the replica dies
+                await asyncio.to_thread(kill_replica, victim)
+            return await forward(*args, **kwargs)
+
+        engine.generate = generate
+
+    summary, router = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "kill", seed=7, on_turn=arm)
+    trace = read_run(tmp_path / "kill")
+    ids = [r.rollout_id for r in trace.rollouts]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 8  # none lost, none duplicated
+    assert trace.problems == [] and all(r.status == "ok" for r in trace.rollouts), [r.error for r in trace.rollouts]
+    assert not router.replicas[1].healthy and calls["n"] >= 6
+    moved = [d for r in trace.rollouts for d in r.info.get("routes", []) if d.get("migrated_from") == "r1"]
+    assert moved and all(d["reason"] == "migrate:replica down" and d["lost_tokens"] > 0 for d in moved)
+    assert summary.migrations == len(moved) and summary.migration_lost_tokens == sum(d["lost_tokens"] for d in moved)
+    after = [t for r in trace.rollouts for t in r.turns if t.replica == "r0"]
+    assert len(after) > 12  # r0 took over r1's share
+    print(f"\nreplica r1 killed: {len(moved)} sessions moved to r0, {summary.migration_lost_tokens} cached tokens "
+          f"lost; {summary.turns_per_replica}")
