@@ -1,8 +1,12 @@
 """Run accounting: prompt, cached and prefill tokens, and what the minimum and a re-render would cost.
 
-``min_prefill_tokens`` is the theoretical minimum: every distinct token prefix of
-every request prefilled once (per group the shared prompt once, then each
-rollout's new tokens per turn). ``rerender_prefill_tokens`` is the same count
+``min_prefill_tokens`` is the minimum for a cache that reuses whole prompts:
+every distinct token prefix of every request prefilled once (per group the
+shared prompt once, then each rollout's new tokens per turn). It counts the
+model's own sampled tokens as prompt tokens of the next turn; an engine that
+keeps the KV it computed while decoding them (vLLM caches full blocks of
+generated tokens too) can prefill fewer, so ``prefill_tokens`` may come in
+slightly under it on a run that reuses everything. ``rerender_prefill_tokens`` is the same count
 for a harness that re-renders each turn's prompt from messages with the chat
 template: its prefix cache can reuse only up to the first token where a
 re-render departs from what it sent before.
