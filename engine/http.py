@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import httpx
 import numpy as np
@@ -25,37 +25,79 @@ from ..datamodel import Completion
 from ..errors import EngineError, InputError
 from .protocol import CachePolicy, EngineStats, Sampling, WeightSource
 
+SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
+"""A query parameter whose name contains one of these carries a secret (``api_key``, ``access_token``…)."""
+
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+_BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
+
 
 def redact(url: str) -> str:
-    """A URL without user:password."""
-    parts = urlsplit(url)
+    """A URL without ``user:password@`` and without the values of secret query parameters."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # not a URL we can take apart: keep nothing that could be a secret
+        return "***"
     if parts.username or parts.password:
-        parts = parts._replace(netloc=f"***@{parts.hostname}{':' + str(parts.port) if parts.port else ''}")
+        parts = parts._replace(netloc=f"***@{parts.hostname or ''}{':' + str(port) if port else ''}")
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query="&".join(
+            f"{name}={'***' if _secret_param(name) else value}" for name, value in pairs))
     return urlunsplit(parts)
 
 
+def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
+    """``text`` with every URL redacted, ``Bearer``/``Basic`` credentials and the given secrets masked."""
+    text = _URL.sub(lambda m: redact(m.group(0)), text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)} ***", text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _secret_param(name: str) -> bool:
+    name = name.lower()
+    return any(word in name for word in SECRET_PARAMS)
+
+
 class HttpEngine:
-    """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints)."""
+    """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints).
+
+    Each call gets ``retries`` more attempts after a connection failure, a timeout, a 5xx answer or a
+    body that is not JSON, with exponential backoff, all within ``budget_s`` of wall time: an attempt
+    never outlives the budget, even against a server that trickles its answer. Credentials in the URL
+    (``user:password@``, ``?api_key=…``) are sent but never printed: errors name :func:`redact`'s URL.
+    """
 
     def __init__(self, url: str, *, model: str | None = None, block_size: int = 32,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.5, api_key: str | None = None) -> None:
-        self.url = url.rstrip("/")
+                 backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None) -> None:
+        base, params, auth = _split_url(url)
+        self.url = base  # no credentials: they live in the client
+        self.label = redact(url)
         self.model = model
         self.block_size = block_size
         self.version = 0
         self.retries = retries
         self.backoff_s = backoff_s
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.budget_s = budget_s if budget_s is not None else 2 * timeout_s
+        self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if _secret_param(k))) if v]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), headers=headers)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                         headers=headers, params=params or None,
+                                         auth=httpx.BasicAuth(*auth) if auth and not api_key else None)
 
     async def start(self) -> HttpEngine:
         """Check the server and learn its model name."""
         models = await self._call("GET", "/v1/models")
-        names = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
+        names = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)] \
+            if isinstance(models, dict) else []
         if not names:
-            raise EngineError(f"{redact(self.url)} does not look like a vLLM server (no models listed)")
+            raise EngineError(f"{self.label} does not look like a vLLM server (no models listed)")
         self.model = self.model or names[0]
         return self
 
@@ -79,29 +121,38 @@ class HttpEngine:
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         """One quick ``/health`` probe, no retries (the router asks this after a failure)."""
         try:
-            response = await self._client.get(self.url + "/health", timeout=timeout_s)
-        except (httpx.TransportError, httpx.TimeoutException):
+            response = await asyncio.wait_for(self._client.get(self.url + "/health", timeout=timeout_s),
+                                              timeout_s + 1)
+        except (httpx.TransportError, httpx.TimeoutException, asyncio.TimeoutError):
             return False
         return response.status_code == 200
 
     # -- transport -------------------------------------------------------------
 
     async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None) -> Any:
-        last: Exception | None = None
+        deadline = time.monotonic() + self.budget_s
+        last, attempts = "no attempt fitted in the budget", 0
         for attempt in range(self.retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                pause = self.backoff_s * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= deadline:
+                    break
+                await asyncio.sleep(pause)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
             try:
-                response = await self._client.request(method, self.url + path, json=json, params=params)
-            except (httpx.TransportError, httpx.TimeoutException) as exc:
-                last = exc
+                response = await self._request(method, path, json, params, left)
+            except _Retry as retry:
+                last = retry.reason
                 continue
             if response.status_code >= 500:
-                last = EngineError(f"{response.status_code} from {path}: {_detail(response)}")
+                last = f"{response.status_code} {response.reason_phrase}: {self._detail(response)}"
                 continue
             if response.status_code >= 400:
-                raise InputError(f"{redact(self.url)}{path} refused the request ({response.status_code}): "
-                                 f"{_detail(response)}")
+                raise InputError(self._scrub(f"{self.label}{path} refused the request ({response.status_code}): "
+                                             f"{self._detail(response)}"))
             if not response.content:
                 return {}
             try:
@@ -109,9 +160,35 @@ class HttpEngine:
             except ValueError:
                 if path == "/metrics":
                     return response.text
-                last = EngineError(f"malformed JSON from {path}")
-                continue
-        raise EngineError(f"{redact(self.url)}{path} failed after {self.retries + 1} attempts: {last}")
+                last = f"malformed JSON ({len(response.content)} bytes, not JSON)"
+        raise EngineError(self._scrub(f"{self.label}{path} failed after {attempts} attempts "
+                                      f"(budget {self.budget_s:g}s): {last}"))
+
+    async def _request(self, method: str, path: str, json: Any, params: Any, left: float) -> httpx.Response:
+        """One attempt: the whole answer within ``timeout_s`` (and the budget ``left``); httpx's own
+        timeouts bound each read, not the answer, which a server can trickle forever."""
+        bound = min(self.timeout_s, left)
+        timeout = httpx.Timeout(bound, connect=min(self.connect_timeout_s, bound))
+        try:
+            return await asyncio.wait_for(
+                self._client.request(method, self.url + path, json=json, params=params, timeout=timeout), bound)
+        except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+            what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "an answer"
+            raise _Retry(f"timed out waiting for {what} ({bound:.3g}s)") from exc
+        except httpx.RemoteProtocolError as exc:
+            raise _Retry(f"the server broke off the answer ({_short(exc)})") from exc
+        except httpx.ConnectError as exc:
+            raise _Retry(f"cannot connect ({_short(exc)})") from exc
+        except httpx.TransportError as exc:
+            raise _Retry(f"connection lost ({type(exc).__name__}: {_short(exc)})") from exc
+
+    def _scrub(self, text: str) -> str:
+        return redact_text(text, self._secrets)
+
+    def _detail(self, response: httpx.Response) -> str:
+        """What the server said, scrubbed before it is shortened (a cut secret would not be found)."""
+        text = self._scrub(_message(response))
+        return text if len(text) <= 300 else text[:297] + "..."
 
     # -- requests -----------------------------------------------------------------
 
@@ -206,14 +283,45 @@ def capacity_tokens(text: str) -> int:
     return 0
 
 
-def _detail(response: httpx.Response) -> str:
+class _Retry(Exception):
+    """Internal: an attempt failed in a way worth another attempt; ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _split_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | None]:
+    """(base URL without credentials or query, the query's parameters, (user, password) or None)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise InputError(f"{redact(url)} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"{redact(url)} is not an http(s) URL", hint="use e.g. http://127.0.0.1:8000")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = f"{host}:{port}" if port else host
+    base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+    auth = (unquote(parts.username or ""), unquote(parts.password or "")) if parts.username or parts.password \
+        else None
+    return base, parse_qsl(parts.query, keep_blank_values=True), auth
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return (text[:160] + "…") if len(text) > 160 else text or type(exc).__name__
+
+
+def _message(response: httpx.Response) -> str:
+    """The error message of an answer's body (vLLM's ``{"error": {"message": …}}``), or its text."""
     try:
         body = response.json()
     except ValueError:
-        return " ".join(response.text.split())[:200]
+        return " ".join(response.text.split())
     error = body.get("error", body) if isinstance(body, dict) else body
     message = error.get("message", error) if isinstance(error, dict) else error
-    return " ".join(str(message).split())[:300]
+    return " ".join(str(message).split())
 
 
 def _completion(answer: Any, prompt_len: int, version: int, cache_salt: str | None, total_s: float) -> Completion:
