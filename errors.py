@@ -71,3 +71,11 @@ class TrainerError(VerbatimError):
 
 class EnvError(VerbatimError):
     """An environment that cannot be built or cannot play its task (not bad model output: that is an observation)."""
+
+
+class RunInterrupted(VerbatimError):
+    """A run stopped by a signal: the exit code is 128 + the signal's number (130 SIGINT, 143 SIGTERM)."""
+
+    def __init__(self, message: str, *, exit_code: int = 130, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.exit_code = exit_code
