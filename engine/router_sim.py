@@ -26,9 +26,11 @@ batch for the same work, so that a replica given more work shows more busy time.
 A session plays its turns in order: request → completion → ``think_s`` (exponential,
 the env's time) → next request, whose prompt is the whole history. With
 ``leader_first`` (what ``verbatim run`` does) a group's other members start when the
-first member's first turn is answered. A first turn that ``admit`` refuses is held in a
-FIFO, tried again whenever a request finishes, and let in after ``admission_timeout_s``
-as the real router does; later turns are never held.
+first member's first turn is answered. A first turn that ``admit`` refuses is held and,
+as in the real router, routed and tried again whenever a request finishes, and let in
+after ``admission_timeout_s``; later turns are never held. A retry pass goes through the
+held sessions in arrival order and ends after ``4 × replicas`` refusals in a row, or at
+once while every replica is at its high-water mark (the bound that keeps it fast).
 
 Metrics: hit rate = cached / prompt tokens; queueing = time from reaching a replica to
 being scheduled; admission wait = time held; migrations and tokens lost are the
@@ -226,7 +228,7 @@ class _Simulation:
         self.now = 0.0
         self.followers: dict[str, list[SimSession]] = {}
         self.queued: deque[SimSession] = deque()
-        self.held: deque[_Request] = deque()
+        self.held: dict[int, _Request] = {}
         self.live = 0
         self.done: list[_Request] = []
         self.waits: list[float] = []
@@ -246,7 +248,7 @@ class _Simulation:
             elif kind == "turn":
                 self.issue(payload)
             elif kind == "timeout":
-                self.retry_held()
+                self.let_in(payload)
             else:
                 replica, version = payload
                 if version == replica.version:
@@ -275,18 +277,24 @@ class _Simulation:
         if salt not in session.hashes:
             session.hashes[salt] = spec.block_hashes(self.config.block_size, salt)
         req = _Request(session, turn, spec.prompts[turn], spec.completions[turn], session.hashes[salt], self.now)
-        if (turn == 0 and self.held) or not self.dispatch(req):
-            self.held.append(req)
+        if not self.dispatch(req):
+            self.serial += 1
+            self.held[self.serial] = req
             self.held_requests += 1
-            self.push(self.now + self.config.admission_timeout_s, "timeout", None)
+            self.push(self.now + self.config.admission_timeout_s, "timeout", self.serial)
 
-    def dispatch(self, req: _Request) -> bool:
+    def let_in(self, key: int) -> None:
+        """A held session's admission timed out: it goes where it is routed, full or not."""
+        req = self.held.pop(key, None)
+        if req is not None:
+            self.dispatch(req, force=True)
+
+    def dispatch(self, req: _Request, *, force: bool = False) -> bool:
         spec = req.session.spec
         request = RouteRequest(spec.session_id, spec.group_id, new_session=req.turn == 0, context_tokens=req.prompt)
         decision = route(self.config.route, self.pins, [r.state() for r in self.replicas], request)
         replica = self.by_name[decision.replica]
-        timed_out = self.now - req.issued >= self.config.admission_timeout_s - _EPS
-        if not timed_out and not admit(self.config.route, replica.state(), request,
+        if not force and not admit(self.config.route, replica.state(), request,
                                        others_live=replica.live_sessions > 0):
             return False
         self.pins.apply(request, decision)
@@ -343,10 +351,26 @@ class _Simulation:
             self.ready(self.queued.popleft())
 
     def retry_held(self) -> None:
-        while self.held:
-            if not self.dispatch(self.held[0]):
-                return
-            self.held.popleft()
+        if not self.held or not self._room_somewhere():
+            return
+        refusals, budget = 0, 4 * len(self.replicas)
+        for key in list(self.held):
+            req = self.held.get(key)
+            if req is None:
+                continue  # let in by a nested pass
+            if self.dispatch(req):
+                self.held.pop(key, None)
+                refusals = 0
+            else:
+                refusals += 1
+                if refusals >= budget or not self._room_somewhere():
+                    return
+
+    def _room_somewhere(self) -> bool:
+        """Could admission let anything in? (No replica with live sessions below the high-water mark: no.)"""
+        high = self.config.route.high_water
+        return not self.config.route.admission or any(
+            r.live_sessions == 0 or r.state().pressure < high for r in self.replicas)
 
     def result(self, label: str, record_turns: bool) -> SimResult:
         done = self.done

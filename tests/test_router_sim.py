@@ -186,6 +186,16 @@ def test_admission_holds_new_sessions_on_a_full_replica():
     assert result.requests == sum(len(s.prompts) for g in workload.groups for s in g.sessions)
 
 
+def test_a_held_session_is_let_in_when_its_admission_times_out():
+    sessions = tuple(SimSession(session_id=f"s{i}", group_id=f"g{i}", index=i, group_index=i, shared=0,
+                                prompts=(100,), completions=(500,)) for i in range(4))
+    workload = Workload(tuple(SimGroup(f"g{i}", 0.0, (s,)) for i, s in enumerate(sessions)))
+    strict = RouteConfig.parse("least_loaded", high_water=0.01)
+    result = simulate(workload, config("least_loaded", route=strict, replicas=1, admission_timeout_s=1.0))
+    assert result.held_requests == 3  # each one's context would put the busy replica over the mark
+    assert result.admission_wait_mean_s == pytest.approx(0.75) and result.admission_wait_p99_s == pytest.approx(1.0)
+
+
 def test_a_session_longer_than_the_cache_is_an_input_error():
     with pytest.raises(InputError, match="does not fit"):
         simulate(_one_group(prompt=2000), config("round_robin", kv_blocks=20))
