@@ -1,10 +1,19 @@
-"""``verbatim run``: build the engine, renderer, env and tasks from options, play, report."""
+"""``verbatim run``: build the engine, renderer, env and tasks from options, play, report.
+
+SIGINT and SIGTERM stop a playing run gracefully (:meth:`Run.stop`): the first one starts no
+more rollouts and gives the playing ones ``stop_grace_s`` to finish, a second one cuts them at
+once; either way every rollout in flight is written (as ``interrupted`` if it did not finish),
+the manifest says ``interrupted``, the summary is printed and the exit code is 130 (SIGINT) or
+143 (SIGTERM).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +26,9 @@ from ..datamodel import Frozen, Rollout
 from ..engine.http import redact
 from ..engine.models import DEFAULT_MODEL, resolve
 from ..engine.protocol import CachePolicy, Sampling
-from ..errors import InputError
+from ..errors import InputError, VerbatimError
 from .rollout import LoopConfig
-from .run import Run, RunPlan
+from .run import Run, RunPlan, StopRequest
 from .store import RunManifest
 from .summary import RunSummary
 
@@ -48,6 +57,8 @@ class RunOptions(Frozen):
     concurrency: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=4096, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
     resume: bool = False
 
 
@@ -127,13 +138,40 @@ def _existing_run_id(out: Path) -> str | None:
     return read_manifest(out).run_id if (out / "manifest.json").exists() else None
 
 
-async def execute(run: Run, engine: Any, resume: bool, console: Console) -> RunSummary:
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], None]:
+    """Route SIGINT/SIGTERM to ``run.stop`` while it plays; returns the function that undoes it."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if run.stopped is None:
+            console.print(f"{name}: no new rollouts; the playing ones get {grace_s:g}s to finish "
+                          f"({name} again stops them now)")
+        else:
+            console.print(f"{name} again: stopping the playing rollouts now")
+        run.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum), grace_s)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def undo() -> None:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    return undo
+
+
+async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
     total = sum(len(g) for g in run.groups)
     stats = {"prompt": 0, "cached": 0, "generated": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[live]}"), console=console, transient=False) as progress:
         bar = progress.add_task("rollouts", total=total, live="starting engine…")
         await engine.start()
+        undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             done = len(run.completed_ids()) if resume else 0
             progress.update(bar, completed=done, live="")
@@ -150,6 +188,7 @@ async def execute(run: Run, engine: Any, resume: bool, console: Console) -> RunS
             run.on_rollout = tick
             return await run.play(resume=resume)
         finally:
+            undo_signals()
             close = getattr(engine, "aclose", None)
             if close is not None:
                 await close()
@@ -159,11 +198,21 @@ async def execute(run: Run, engine: Any, resume: bool, console: Console) -> RunS
 
 def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
     run, engine = prepare_run(options)
-    summary = asyncio.run(execute(run, engine, options.resume, console))
+    try:
+        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s))
+    except VerbatimError:  # a stopped run: what it wrote is summarised before the one-line reason
+        if run.summary is not None:
+            console.print(summary_table(run.summary, run.out))
+            _write_summary(run.summary, summary_json)
+        raise
     console.print(summary_table(summary, run.out))
-    if summary_json:
-        Path(summary_json).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
+    _write_summary(summary, summary_json)
     return summary
+
+
+def _write_summary(summary: RunSummary, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
 
 
 def summary_table(summary: RunSummary, out: Path) -> Table:

@@ -3,6 +3,15 @@
 Group members share their task prompt. The first member of a group sends its
 first request alone; the others start once it has been answered, so the shared
 prompt is prefilled once and every other member reads it from the prefix cache.
+
+Stopping (:meth:`Run.stop`: a signal, or an engine that fails every request): no
+new rollout starts; those playing get ``grace_s`` to finish, then their engine
+calls are cut (:class:`~.gate.EngineGate`) and they are written as
+``interrupted`` with the tokens they have; one stuck in an env call a few seconds
+later still is written as ``interrupted``, without tokens. The manifest says
+``interrupted`` (signal) or ``failed`` (engine), and ``play`` raises the matching
+error after everything is written. ``--resume`` plays the rollouts that never
+started; a written rollout, interrupted or not, is never played twice.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +27,9 @@ from pydantic import Field
 
 from ..datamodel import Frozen, Rollout
 from ..envs.base import EnvFactory
-from ..errors import InputError
+from ..errors import EngineError, InputError, RunInterrupted, VerbatimError
+from .env_output import jsonable
+from .gate import FAILURES_TO_STOP, EngineGate
 from .rollout import LoopConfig, RolloutPlayer, RolloutSpec
 from .store import RunManifest, TraceWriter, read_manifest, read_run
 from .summary import RunSummary, summarize
@@ -74,16 +86,45 @@ class _Batcher:
             await asyncio.to_thread(self.writer.write_batch, batch)
 
 
+LATE_S = 5.0
+"""After the cut, how long a rollout inside an env or renderer call has to reach its next engine call."""
+
+UNFINISHED_PREFIX = ".tmp-"
+"""Temporary names of writes in progress (``harness.store``); a killed writer leaves them behind."""
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why a run stops, what its manifest then says, and its exit code."""
+
+    reason: str
+    status: str  # manifest status: "interrupted" (a signal) or "failed" (the engine)
+    exit_code: int = 1
+
+
+def clear_unfinished_writes(out: Path) -> None:
+    """Remove the temporary files of writes a killed run never finished (a run has one writer: this one)."""
+    if out.is_dir():
+        for path in out.glob(f"{UNFINISHED_PREFIX}*"):
+            path.unlink(missing_ok=True)
+
+
 class Run:
     """Plays a plan's rollouts on an engine and writes them to ``out``."""
 
     def __init__(self, plan: RunPlan, loop: LoopConfig, engine: Any, renderer: Any, env: EnvFactory,
-                 tasks: Sequence[dict[str, Any]], out: Path, manifest: RunManifest) -> None:
+                 tasks: Sequence[dict[str, Any]], out: Path, manifest: RunManifest,
+                 failures_to_stop: int = FAILURES_TO_STOP) -> None:
         self.plan, self.loop, self.engine, self.renderer, self.env = plan, loop, engine, renderer, env
         self.groups = plan_specs(plan, tasks)
         self.out, self.manifest = Path(out), manifest
         self._first_answer: dict[str, asyncio.Event] = {}
         self.on_rollout: Callable[[Rollout], None] | None = None
+        self.stopped: StopRequest | None = None
+        self.summary: RunSummary | None = None
+        self.gate = EngineGate(engine, self._engine_failing, failures_to_stop)
+        self._playing: set[str] = set()
+        self._interrupted = 0
 
     def completed_ids(self) -> set[str]:
         if not (self.out / "manifest.json").exists():
@@ -101,28 +142,87 @@ class Run:
             raise InputError(f"--resume: {self.out} was written with a different plan",
                              hint="use the same --env/--groups/--group-size/--seed as the first run")
 
+    # -- stopping -------------------------------------------------------------------
+
+    def stop(self, request: StopRequest, grace_s: float = 30.0) -> None:
+        """Start no more rollouts; cut the playing ones after ``grace_s`` (at once on a second request)."""
+        if self.stopped is not None:
+            self.gate.cut()
+            return
+        self.stopped = request
+        self.gate.begin_stop(request.reason)
+        for event in self._first_answer.values():
+            event.set()  # followers waiting for their leader: wake up and see the stop
+        if grace_s <= 0:
+            self.gate.cut()
+        else:
+            asyncio.get_running_loop().call_later(grace_s, self.gate.cut)
+
+    def _engine_failing(self, reason: str) -> None:
+        self.stop(StopRequest(reason, "failed"), grace_s=0)
+
+    # -- playing ----------------------------------------------------------------------
+
     async def play(self, *, resume: bool = False) -> RunSummary:
         self.check_out_dir(resume)
+        clear_unfinished_writes(self.out)
         done = self.completed_ids() if resume else set()
         writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)
         limit = asyncio.Semaphore(self.plan.concurrency)
-        player = RolloutPlayer(self.engine, self.renderer, self.loop, on_first_request=self._answered)
+        player = RolloutPlayer(self.gate, self.renderer, self.loop, on_first_request=self._answered)
         started = time.perf_counter()
-        tasks = []
+        tasks: dict[asyncio.Task, str] = {}
         for group in self.groups:
             todo = [s for s in group if s.rollout_id not in done]
             self._first_answer[group[0].group_id] = asyncio.Event()
             for index, spec in enumerate(todo):
-                tasks.append(asyncio.create_task(self._one(player, spec, index > 0, limit, batcher)))
+                task = asyncio.create_task(self._one(player, spec, index > 0, limit, batcher))
+                tasks[task] = spec.rollout_id
         try:
-            await asyncio.gather(*tasks)
+            await self._settle(tasks)
         finally:
             await batcher.flush()
-        writer.write_manifest(self.manifest.model_copy(update={"status": "completed"}))
         trace = read_run(self.out)
-        return summarize(trace.rollouts, block_size=getattr(self.engine, "block_size", 128),
-                         wall_s=time.perf_counter() - started, renderer=self.renderer)
+        whole = len({r.rollout_id for r in trace.rollouts}) == self.total and not self._interrupted
+        status = self.stopped.status if self.stopped and not whole else "completed"
+        writer.write_manifest(self.manifest.model_copy(update={"status": status}))
+        self.summary = summarize(trace.rollouts, block_size=getattr(self.engine, "block_size", 128),
+                                 wall_s=time.perf_counter() - started, renderer=self.renderer)
+        if self.stopped:
+            raise self._stop_error(len(trace.rollouts))
+        return self.summary
+
+    async def _settle(self, tasks: dict[asyncio.Task, str]) -> None:
+        """Wait for every rollout; once the gate is cut, give the stragglers ``LATE_S`` and then cancel them."""
+        if not tasks:
+            return
+        everything = asyncio.ensure_future(asyncio.wait(tasks))
+        cut = asyncio.ensure_future(self.gate.wait_cut())
+        await asyncio.wait({everything, cut}, return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if not everything.done():
+            _, late = await asyncio.wait(tasks, timeout=LATE_S)
+            for task in late:
+                if tasks[task] in self._playing:  # stuck in an env or renderer call
+                    task.cancel()
+            await everything
+        for task in tasks:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    @property
+    def total(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def _stop_error(self, written: int) -> VerbatimError:
+        stop = self.stopped
+        text = (f"{stop.reason}; the run stopped with {written} of {self.total} rollouts written "
+                f"({self._interrupted} of them interrupted)")
+        hint = "rerun the same command with --resume to play the rest" if written < self.total else None
+        if stop.status == "failed":
+            return EngineError(text, hint=f"check the engine; then {hint}" if hint else "check the engine")
+        return RunInterrupted(text, exit_code=stop.exit_code, hint=hint)
 
     def _answered(self, group_id: str) -> None:
         self._first_answer[group_id].set()
@@ -136,9 +236,34 @@ class Run:
             except asyncio.TimeoutError:
                 pass
         async with limit:
-            rollout = await player.play(spec, self.env.make())
+            if self.stopped:
+                return  # never started: --resume plays it
+            rollout = await self._play_one(player, spec)
         if not self._first_answer[spec.group_id].is_set():
             self._first_answer[spec.group_id].set()  # the leader failed before answering: release the group
         await batcher.add(rollout)
         if self.on_rollout:
             self.on_rollout(rollout)
+
+    async def _play_one(self, player: RolloutPlayer, spec: RolloutSpec) -> Rollout:
+        self._playing.add(spec.rollout_id)
+        try:
+            rollout = await player.play(spec, self.env.make())
+        except asyncio.CancelledError:
+            if not self.gate.is_cut:
+                raise
+            rollout = self._stuck_record(spec)  # cancelled by _settle: stuck past the cut
+        finally:
+            self._playing.discard(spec.rollout_id)
+        if spec.rollout_id in self.gate.cut_ids and rollout.status == "error":
+            rollout = rollout.model_copy(update={"status": "interrupted"})
+        if rollout.status == "interrupted":
+            self._interrupted += 1
+        return rollout
+
+    def _stuck_record(self, spec: RolloutSpec) -> Rollout:
+        """An interrupted rollout whose tokens are out of reach (it was inside an env call)."""
+        reason = f"{self.stopped.reason if self.stopped else 'the run stopped'} (inside an env or renderer call)"
+        return Rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
+                       task=jsonable(spec.task), status="interrupted", error=reason,
+                       info={"session_id": spec.rollout_id, "seed": spec.seed, "stop_reason": reason})

@@ -1,0 +1,222 @@
+"""Stopping a run (what SIGINT/SIGTERM do): nothing new starts, the playing rollouts finish or are cut.
+
+``Run.stop`` is what the signal handlers of ``verbatim run`` call; here a scripted engine makes
+"still playing when the grace ends" exact (its requests wait until the test lets them go). The same
+path through real signals, a real CLI process and a real vLLM server is in tests/test_kill_resume.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from verbatim.datamodel import Completion, Message
+from verbatim.engine.protocol import Sampling
+from verbatim.envs.base import Reset, StepResult
+from verbatim.errors import EngineError, RunInterrupted
+from verbatim.harness import run as run_module
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan, StopRequest
+from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.trace_lint import lint_run
+
+STOP = 1
+SIGINT_STOP = StopRequest("interrupted by SIGINT", "interrupted", exit_code=130)
+
+
+class CharRenderer:
+    """One token per character (code point + 10); the stop token ends each assistant turn."""
+
+    stop_token_ids = (STOP,)
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) + 10 for c in text]
+
+    def render(self, messages, *, tools=None, add_generation_prompt):
+        text = "".join(f"<{m.role}>{m.content}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return SimpleNamespace(token_ids=self.encode(text))
+
+    def bridge(self, previous_ids, new_messages, *, tools=None):
+        return self.encode("".join(f"<{m.role}>{m.content}" for m in new_messages) + "<assistant>")
+
+    def parse_completion(self, token_ids):
+        return Message(role="assistant", content="".join(chr(t - 10) for t in token_ids if t != STOP))
+
+
+class GatedEngine:
+    """Answers "ok" + stop; from turn ``hold_from`` on, a request waits until ``release`` is set."""
+
+    block_size = 32
+    version = 0
+
+    def __init__(self, hold_from: int = 99, fail_after_hold: bool = False) -> None:
+        self.hold_from, self.fail_after_hold = hold_from, fail_after_hold
+        self.release = asyncio.Event()
+        self.calls = 0
+        self.held = 0
+
+    async def generate(self, prompt_ids, sampling=None, *, session_id=None, group_id=None, cache_salt=None):
+        self.calls += 1
+        turn = int(np.count_nonzero(np.asarray(prompt_ids) == ord(">") + 10)) // 2 - 1  # <user> tags so far - 1
+        if turn >= self.hold_from:
+            self.held += 1
+            await self.release.wait()
+            if self.fail_after_hold:
+                raise EngineError("the engine core died (it got the terminal's SIGINT too)")
+        ids = [ord("o") + 10, ord("k") + 10, STOP]
+        return Completion(token_ids=np.asarray(ids, np.int32), logprobs=np.full(3, -0.5, np.float32),
+                          versions=np.zeros(3, np.int32), finish_reason="stop", prompt_tokens=len(prompt_ids),
+                          cached_tokens=0)
+
+
+class TurnsEnv:
+    """Three turns; ``hang_step`` makes the second step block until ``unblock`` is set (a stuck env)."""
+
+    def __init__(self, unblock: threading.Event | None = None) -> None:
+        self.unblock = unblock
+
+    def reset(self, task, seed):
+        self.turns = 0
+        return Reset(messages=(Message(role="user", content=f"task {task['n']}"),))
+
+    def step(self, message):
+        self.turns += 1
+        if self.unblock is not None and self.turns == 2:
+            self.unblock.wait(30)
+        return StepResult(messages=(Message(role="user", content="more"),), reward=0.5, done=self.turns == 3)
+
+
+class Factory:
+    def __init__(self, unblock: threading.Event | None = None) -> None:
+        self.unblock = unblock
+
+    def make(self):
+        return TurnsEnv(self.unblock)
+
+
+def make_run(out: Path, engine, *, groups=4, group_size=2, concurrency=4, unblock=None) -> Run:
+    plan = RunPlan(run_id="stop", groups=groups, group_size=group_size, concurrency=concurrency, batch_size=3)
+    loop = LoopConfig(max_turns=4, context_budget=4096, sampling=Sampling(max_tokens=8), step_timeout_s=30)
+    manifest = RunManifest(run_id="stop", format="jsonl", config={"plan": plan.model_dump()})
+    return Run(plan, loop, engine, CharRenderer(), Factory(unblock), [{"n": i} for i in range(groups)], out,
+               manifest)
+
+
+async def stop_when_held(run: Run, engine: GatedEngine, held: int, request: StopRequest, grace_s: float) -> None:
+    while engine.held < held:
+        await asyncio.sleep(0.01)
+    run.stop(request, grace_s)
+
+
+def play(run: Run, *during, resume: bool = False) -> Exception | None:
+    """``run.play()`` with helper coroutines beside it; returns the exception it raised, if any."""
+    async def go():
+        helpers = [asyncio.ensure_future(h) for h in during]
+        try:
+            await run.play(resume=resume)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return exc
+        finally:
+            for helper in helpers:
+                helper.cancel()
+        return None
+
+    return asyncio.run(go())
+
+
+def test_rollouts_still_playing_after_the_grace_are_cut_and_kept_as_interrupted(tmp_path):
+    engine = GatedEngine(hold_from=1)  # every rollout's second request waits for ever
+    run = make_run(tmp_path / "run", engine)
+    error = play(run, stop_when_held(run, engine, 4, SIGINT_STOP, grace_s=0.3))
+    assert isinstance(error, RunInterrupted) and error.exit_code == 130
+    assert "interrupted by SIGINT; the run stopped with 4 of 8 rollouts written (4 of them interrupted)" in \
+        error.one_line()
+    trace = read_run(tmp_path / "run")
+    assert trace.manifest.status == "interrupted" and trace.problems == []
+    assert len(trace.rollouts) == 4
+    for rollout in trace.rollouts:
+        assert rollout.status == "interrupted" and rollout.error == "interrupted by SIGINT"
+        assert len(rollout.turns) == 1 and len(rollout.tokens) > rollout.turns[0].completion_end  # turn 0 + env
+    assert lint_run(tmp_path / "run").ok
+    assert engine.calls == 8, "a rollout started after the stop"
+
+
+def test_rollouts_that_finish_within_the_grace_are_kept_whole_and_resume_plays_the_rest(tmp_path):
+    engine = GatedEngine(hold_from=2)
+
+    async def stop_then_release():
+        await stop_when_held(run, engine, 4, SIGINT_STOP, grace_s=10)
+        await asyncio.sleep(0.1)
+        engine.release.set()
+
+    run = make_run(tmp_path / "run", engine)
+    error = play(run, stop_then_release())
+    assert isinstance(error, RunInterrupted) and "4 of 8 rollouts written (0 of them interrupted)" in error.one_line()
+    first = read_run(tmp_path / "run")
+    assert [r.status for r in first.rollouts] == ["ok"] * 4 and first.manifest.status == "interrupted"
+
+    assert play(make_run(tmp_path / "run", GatedEngine()), resume=True) is None
+    after = read_run(tmp_path / "run")
+    counts = Counter(r.rollout_id for r in after.rollouts)
+    assert len(counts) == 8 and set(counts.values()) == {1} and after.manifest.status == "completed"
+    assert lint_run(tmp_path / "run").ok
+
+
+def test_a_second_stop_cuts_at_once(tmp_path):
+    engine = GatedEngine(hold_from=1)
+
+    async def twice():
+        await stop_when_held(run, engine, 4, SIGINT_STOP, grace_s=60)
+        await asyncio.sleep(0.1)
+        run.stop(SIGINT_STOP)
+
+    run = make_run(tmp_path / "run", engine)
+    started = time.monotonic()
+    error = play(run, twice())
+    assert isinstance(error, RunInterrupted)
+    assert time.monotonic() - started < 10, "the second stop waited for the 60 s grace"
+    assert [r.status for r in read_run(tmp_path / "run").rollouts] == ["interrupted"] * 4
+
+
+def test_a_rollout_stuck_in_its_env_past_the_cut_is_still_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "LATE_S", 0.3)
+    unblock = threading.Event()
+    engine = GatedEngine()
+    run = make_run(tmp_path / "run", engine, groups=1, group_size=2, concurrency=2, unblock=unblock)
+
+    async def stop_when_stuck():
+        while engine.calls < 4:  # both rollouts are in their second env step, which hangs
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        run.stop(SIGINT_STOP, grace_s=0.2)
+
+    try:
+        error = play(run, stop_when_stuck())
+    finally:
+        unblock.set()
+    assert isinstance(error, RunInterrupted)
+    trace = read_run(tmp_path / "run")
+    assert sorted(r.rollout_id for r in trace.rollouts) == ["g0000-r00", "g0000-r01"]
+    for rollout in trace.rollouts:
+        assert rollout.status == "interrupted" and "inside an env or renderer call" in rollout.error
+        assert len(rollout.tokens) == 0
+    assert lint_run(tmp_path / "run").ok
+
+
+def test_an_engine_failure_while_stopping_is_an_interruption_not_an_error(tmp_path):
+    engine = GatedEngine(hold_from=1, fail_after_hold=True)
+
+    async def stop_then_fail():
+        await stop_when_held(run, engine, 4, SIGINT_STOP, grace_s=10)
+        engine.release.set()
+
+    run = make_run(tmp_path / "run", engine)
+    error = play(run, stop_then_fail())
+    assert isinstance(error, RunInterrupted)
+    assert [r.status for r in read_run(tmp_path / "run").rollouts] == ["interrupted"] * 4
