@@ -139,8 +139,8 @@ class _Request:
 
 
 class _Replica:
-    def __init__(self, name: str, config: SimConfig) -> None:
-        self.name, self.config = name, config
+    def __init__(self, index: int, config: SimConfig) -> None:
+        self.index, self.name, self.config = index, f"r{index}", config
         self.cache = BlockCache(config.kv_blocks, config.block_size)
         self.waiting: deque[_Request] = deque()
         self.running: list[tuple[float, int, _Request]] = []
@@ -149,19 +149,19 @@ class _Replica:
         self.decoded = self.last = self.busy = 0.0
         self.version = self.serial = 0
         self.live_sessions = self.live_tokens = 0
-        self._state: tuple[tuple[int, int, int, int], ReplicaState] | None = None
+        self.fresh: ReplicaState | None = None
+        """The state as last built; ``None`` once anything the router sees has changed."""
 
     @property
     def load(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.prefill)
 
     def state(self) -> ReplicaState:
-        key = (self.load, self.cache.in_use, self.live_tokens, self.live_sessions)
-        if self._state is None or self._state[0] != key:
+        if self.fresh is None:
             capacity = self.cache.capacity
-            self._state = (key, ReplicaState(self.name, load=float(key[0]), kv_usage=key[1] / capacity,
-                                             live_tokens=key[2], capacity_tokens=capacity * self.cache.block_size))
-        return self._state[1]
+            self.fresh = ReplicaState(self.name, load=float(self.load), kv_usage=self.cache.in_use / capacity,
+                                      live_tokens=self.live_tokens, capacity_tokens=capacity * self.cache.block_size)
+        return self.fresh
 
     def advance(self, now: float) -> None:
         dt = now - self.last
@@ -220,7 +220,9 @@ class _Simulation:
     def __init__(self, workload: Workload, config: SimConfig) -> None:
         self.workload, self.config = workload, config
         self.rng = np.random.default_rng(config.seed)
-        self.replicas = [_Replica(f"r{i}", config) for i in range(config.replicas)]
+        self.replicas = [_Replica(i, config) for i in range(config.replicas)]
+        self.states = [r.state() for r in self.replicas]
+        self.stale: set[int] = set()
         self.by_name = {r.name: r for r in self.replicas}
         self.pins = Pins()
         self.events: list[tuple[float, int, str, object]] = []
@@ -292,7 +294,7 @@ class _Simulation:
     def dispatch(self, req: _Request, *, force: bool = False) -> bool:
         spec = req.session.spec
         request = RouteRequest(spec.session_id, spec.group_id, new_session=req.turn == 0, context_tokens=req.prompt)
-        decision = route(self.config.route, self.pins, [r.state() for r in self.replicas], request)
+        decision = route(self.config.route, self.pins, self.current_states(), request)
         replica = self.by_name[decision.replica]
         if not force and not admit(self.config.route, replica.state(), request,
                                        others_live=replica.live_sessions > 0):
@@ -309,19 +311,32 @@ class _Simulation:
         self.settle(replica)
         return True
 
+    def current_states(self) -> list[ReplicaState]:
+        for i in self.stale:
+            self.states[i] = self.replicas[i].state()
+        self.stale.clear()
+        return self.states
+
+    def touch(self, replica: _Replica) -> None:
+        replica.fresh = None
+        self.stale.add(replica.index)
+
     def place(self, session: _Session, replica: _Replica | None, context: int) -> None:
         """Move a session's live-context tally to ``replica`` (``None``: the session ended)."""
         if session.replica is not None:
             session.replica.live_sessions -= 1
             session.replica.live_tokens -= session.context
+            self.touch(session.replica)
         session.replica, session.context = replica, context
         if replica is not None:
             replica.live_sessions += 1
             replica.live_tokens += context
+            self.touch(replica)
 
     def settle(self, replica: _Replica) -> None:
         replica.advance(self.now)
         finished = replica.step(self.now)
+        self.touch(replica)
         replica.version += 1
         wake = replica.next_wake(self.now)
         if wake is not None:
