@@ -78,6 +78,7 @@ class HttpEngine:
         base, params, auth = _split_url(url)
         self.url = base  # no credentials: they live in the client
         self.label = redact(url)
+        self._query = urlsplit(url.strip()).query
         self.model = model
         self.block_size = block_size
         self.version = 0
@@ -151,7 +152,7 @@ class HttpEngine:
                 last = f"{response.status_code} {response.reason_phrase}: {self._detail(response)}"
                 continue
             if response.status_code >= 400:
-                raise InputError(self._scrub(f"{self.label}{path} refused the request ({response.status_code}): "
+                raise InputError(self._scrub(f"{self._where(path)} refused the request ({response.status_code}): "
                                              f"{self._detail(response)}"))
             if not response.content:
                 return {}
@@ -161,7 +162,7 @@ class HttpEngine:
                 if path == "/metrics":
                     return response.text
                 last = f"malformed JSON ({len(response.content)} bytes, not JSON)"
-        raise EngineError(self._scrub(f"{self.label}{path} failed after {attempts} attempts "
+        raise EngineError(self._scrub(f"{self._where(path)} failed after {attempts} attempts "
                                       f"(budget {self.budget_s:g}s): {last}"))
 
     async def _request(self, method: str, path: str, json: Any, params: Any, left: float) -> httpx.Response:
@@ -181,6 +182,10 @@ class HttpEngine:
             raise _Retry(f"cannot connect ({_short(exc)})") from exc
         except httpx.TransportError as exc:
             raise _Retry(f"connection lost ({type(exc).__name__}: {_short(exc)})") from exc
+
+    def _where(self, path: str) -> str:
+        """The redacted URL of a request to ``path``."""
+        return redact(self.url + path + (f"?{self._query}" if self._query else ""))
 
     def _scrub(self, text: str) -> str:
         return redact_text(text, self._secrets)

@@ -68,10 +68,15 @@ class _Counters:
 
 
 class InprocEngine:
-    """vLLM ``AsyncLLM`` with prefix caching (engine core in a child process)."""
+    """vLLM ``AsyncLLM`` with prefix caching (engine core in a child process).
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    A request that has not finished after ``request_timeout_s`` is aborted in vLLM and fails with an
+    ``EngineError`` (a wedged engine core must not hang the run).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, request_timeout_s: float = 600.0) -> None:
         self.config = config or EngineConfig()
+        self.request_timeout_s = request_timeout_s
         self.model_dir = resolve(self.config.model)
         self.block_size = self.config.block_size
         self.version = 0
@@ -162,14 +167,22 @@ class InprocEngine:
         request_id = f"{session_id or 'req'}-{next(self._ids)}"
         kv_writers = sorted(self._kv_writers.get(cache_salt, ()))
         started = time.perf_counter()
-        first_token_s, final = 0.0, None
-        try:
+        seen = {"first_token_s": 0.0, "final": None}
+
+        async def consume() -> None:
             async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id):
-                if not first_token_s and output.outputs and output.outputs[0].token_ids:
-                    first_token_s = time.perf_counter() - started
-                final = output
+                if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
+                    seen["first_token_s"] = time.perf_counter() - started
+                seen["final"] = output
+
+        try:  # a timeout cancels the stream, and vLLM aborts a request whose stream is cancelled
+            await asyncio.wait_for(consume(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"vLLM request {request_id} did not finish within {self.request_timeout_s:g}s; "
+                              "aborted") from None
         except Exception as exc:
             raise EngineError(f"vLLM request {request_id} failed: {exc}") from exc
+        first_token_s, final = seen["first_token_s"], seen["final"]
         completion = _completion(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
                                  self.version)
         reused = kv_writers if completion.cached_tokens else []
