@@ -8,6 +8,8 @@ path through real signals, a real CLI process and a real vLLM server is in tests
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -220,3 +222,42 @@ def test_an_engine_failure_while_stopping_is_an_interruption_not_an_error(tmp_pa
     error = play(run, stop_then_fail())
     assert isinstance(error, RunInterrupted)
     assert [r.status for r in read_run(tmp_path / "run").rollouts] == ["interrupted"] * 4
+
+
+KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+import verbatim.harness.store as store
+
+def stall(fd):  # the batch is in its temporary file; the process is killed before the rename
+    print("writing", flush=True)
+    time.sleep(60)
+
+out = Path(sys.argv[1])
+writer = store.TraceWriter(out, store.read_manifest(out))
+store.os.fsync = stall
+writer.write_batch(store.read_run(out).rollouts[:2])
+"""
+
+
+def test_a_batch_write_killed_half_way_leaves_nothing_behind_after_resume(tmp_path):
+    """SIGKILL in the middle of a real batch write, then a resume: the temporary file is gone, nothing twice."""
+    out = tmp_path / "run"
+    engine = GatedEngine(hold_from=1)
+    stopped = make_run(out, engine)
+    assert isinstance(play(stopped, stop_when_held(stopped, engine, 4, SIGINT_STOP, grace_s=0)), RunInterrupted)
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+    finally:
+        writer.kill()
+        writer.wait(30)
+    assert [p.name.split("-", 2)[2] for p in out.glob(".tmp-*")] == ["rollouts-000003.jsonl"]
+    assert "an unfinished write" in read_run(out).problems[0]
+
+    assert play(make_run(out, GatedEngine()), resume=True) is None
+    assert list(out.glob(".tmp-*")) == []
+    after = read_run(out)
+    counts = Counter(r.rollout_id for r in after.rollouts)
+    assert after.problems == [] and len(counts) == 8 and set(counts.values()) == {1}
+    assert lint_run(out).ok
