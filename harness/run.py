@@ -178,6 +178,7 @@ class Run:
             self._first_answer[group[0].group_id] = asyncio.Event()
             for index, spec in enumerate(todo):
                 task = asyncio.create_task(self._one(player, spec, index > 0, limit, batcher))
+                task.add_done_callback(self._crashed)
                 tasks[task] = spec.rollout_id
         try:
             await self._settle(tasks)
@@ -210,6 +211,11 @@ class Run:
         for task in tasks:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
+
+    def _crashed(self, task: asyncio.Task) -> None:
+        """A rollout task that raised (a batch that cannot be written): end the others, then re-raise."""
+        if not task.cancelled() and task.exception() is not None:
+            self.gate.cut(f"the run failed: {task.exception()}")
 
     @property
     def total(self) -> int:
