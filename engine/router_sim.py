@@ -29,8 +29,9 @@ the env's time) → next request, whose prompt is the whole history. With
 first member's first turn is answered. A first turn that ``admit`` refuses is held and,
 as in the real router, routed and tried again whenever a request finishes, and let in
 after ``admission_timeout_s``; later turns are never held. A retry pass goes through the
-held sessions in arrival order and ends after ``4 × replicas`` refusals in a row, or at
-once while every replica is at its high-water mark (the bound that keeps it fast).
+held sessions in arrival order from where the last pass stopped and ends after 16 refusals
+in a row, or at once while every replica is at its high-water mark (the bound that keeps
+it fast; the router itself retries every waiter).
 
 Metrics: hit rate = cached / prompt tokens; queueing = time from reaching a replica to
 being scheduled; admission wait = time held; migrations and tokens lost are the
@@ -55,6 +56,8 @@ from .routing import Pins, ReplicaState, RouteConfig, RouteRequest, admit, route
 from .sim_workload import SimSession, Workload
 
 _EPS = 1e-6
+_RETRY_BUDGET = 16
+"""Refusals in a row that end one retry pass over the held sessions (the next pass starts after them)."""
 
 
 class CostModel(Frozen):
@@ -231,6 +234,7 @@ class _Simulation:
         self.followers: dict[str, list[SimSession]] = {}
         self.queued: deque[SimSession] = deque()
         self.held: dict[int, _Request] = {}
+        self.cursor = 0
         self.live = 0
         self.done: list[_Request] = []
         self.waits: list[float] = []
@@ -368,8 +372,10 @@ class _Simulation:
     def retry_held(self) -> None:
         if not self.held or not self._room_somewhere():
             return
-        refusals, budget = 0, 4 * len(self.replicas)
-        for key in list(self.held):
+        keys = list(self.held)
+        start = self.cursor % len(keys)
+        refusals = 0
+        for n, key in enumerate(keys[start:] + keys[:start]):
             req = self.held.get(key)
             if req is None:
                 continue  # let in by a nested pass
@@ -378,7 +384,8 @@ class _Simulation:
                 refusals = 0
             else:
                 refusals += 1
-                if refusals >= budget or not self._room_somewhere():
+                if refusals >= _RETRY_BUDGET or not self._room_somewhere():
+                    self.cursor = start + n + 1
                     return
 
     def _room_somewhere(self) -> bool:
