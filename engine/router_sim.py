@@ -376,13 +376,13 @@ class _Simulation:
         start = self.cursor % len(keys)
         refusals = 0
         for n, key in enumerate(keys[start:] + keys[:start]):
-            req = self.held.get(key)
+            req = self.held.pop(key, None)  # out before dispatching: a nested pass must not see it
             if req is None:
                 continue  # let in by a nested pass
             if self.dispatch(req):
-                self.held.pop(key, None)
                 refusals = 0
             else:
+                self.held[key] = req
                 refusals += 1
                 if refusals >= _RETRY_BUDGET or not self._room_somewhere():
                     self.cursor = start + n + 1
