@@ -253,6 +253,8 @@ def run(
     max_model_len: int = typer.Option(4096, "--max-model-len", min=256, help="Context budget per request."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
+    stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
+                                     help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
@@ -261,7 +263,7 @@ def run(
     options = RunOptions(env=env, tasks=tasks, model=model, renderer=renderer, groups=groups,
                          group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
                          temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
-                         route=route, high_water=high_water, admission=admission,
+                         route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
                          cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
                          kv_cache_gib=kv_cache_gib, resume=resume)
     run_command(options, console, summary_json)
