@@ -214,7 +214,7 @@ def fit_costs(rollouts: Sequence[Rollout]) -> dict[str, float]:
     """
     turns = [t for r in rollouts for t in r.turns if t.total_s > 0 and t.first_token_s > 0]
     if len(turns) < 3:
-        raise InputError("too few timed turns to fit a cost model", hint="use a trace of a real verbatim run")
+        return _fit_totals(rollouts)
     prefill = np.array([t.prompt_end - t.cached_tokens for t in turns], dtype=float)
     first = np.array([max(t.first_token_s - t.queue_s, 0.0) for t in turns])
     slope, base = np.polyfit(prefill, first, 1) if np.ptp(prefill) > 0 else (0.0, float(np.median(first)))
@@ -225,3 +225,21 @@ def fit_costs(rollouts: Sequence[Rollout]) -> dict[str, float]:
     decodes = [(t.total_s - t.first_token_s) / (t.completion_tokens - 1) for t in turns if t.completion_tokens > 1]
     decode = float(np.median(decodes)) if decodes else float(np.median(first))
     return {"prefill_base_s": float(base), "prefill_token_s": float(slope), "decode_token_s": max(decode, 1e-6)}
+
+
+def _fit_totals(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Timings from request totals alone (an HTTP engine reports no first-token time).
+
+    Least squares of ``total_s`` on (1, prefilled tokens, generated tokens), each
+    coefficient clamped at zero.
+    """
+    turns = [t for r in rollouts for t in r.turns if t.total_s > 0]
+    if len(turns) < 3:
+        raise InputError("too few timed turns to fit a cost model", hint="use a trace of a real verbatim run")
+    design = np.array([[1.0, t.prompt_end - t.cached_tokens, t.completion_tokens] for t in turns])
+    total = np.array([t.total_s for t in turns])
+    base, prefill, decode = np.clip(np.linalg.lstsq(design, total, rcond=None)[0], 0.0, None)
+    if decode <= 0:
+        decode = float(np.median(total / np.maximum(design[:, 2], 1)))
+    return {"prefill_base_s": float(base), "prefill_token_s": float(prefill),
+            "decode_token_s": max(float(decode), 1e-6)}
