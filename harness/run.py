@@ -254,7 +254,7 @@ class Run:
     async def _play_one(self, player: RolloutPlayer, spec: RolloutSpec) -> Rollout:
         self._playing.add(spec.rollout_id)
         try:
-            rollout = await player.play(spec, self.env.make())
+            rollout = await self._play_env(player, spec)
         except asyncio.CancelledError:
             if not self.gate.is_cut:
                 raise
@@ -267,9 +267,23 @@ class Run:
             self._interrupted += 1
         return rollout
 
+    async def _play_env(self, player: RolloutPlayer, spec: RolloutSpec) -> Rollout:
+        """Play ``spec`` on a fresh env; a factory whose ``make()`` raises ends this rollout as ``error``."""
+        try:
+            env = self.env.make()
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code failing is data, not a crash
+            text = " ".join(str(exc).split())[:300]
+            return self._record(spec, "error", f"env factory make() raised {type(exc).__name__}: {text}")
+        return await player.play(spec, env)
+
     def _stuck_record(self, spec: RolloutSpec) -> Rollout:
         """An interrupted rollout whose tokens are out of reach (it was inside an env call)."""
         reason = f"{self.stopped.reason if self.stopped else 'the run stopped'} (inside an env or renderer call)"
+        return self._record(spec, "interrupted", reason)
+
+    @staticmethod
+    def _record(spec: RolloutSpec, status: str, reason: str) -> Rollout:
+        """A rollout without tokens that ended before its first request, for ``reason``."""
         return Rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
-                       task=jsonable(spec.task), status="interrupted", error=reason,
+                       task=jsonable(spec.task), status=status, error=reason,
                        info={"session_id": spec.rollout_id, "seed": spec.seed, "stop_reason": reason})

@@ -131,13 +131,13 @@ class FaultyFactory:
         return [{"id": i} for i in range(count)]
 
 
-def play_run(tmp_path: Path, faults: list[str | None], *, group_size=2, timeout_s=1.0, budget=512):
+def play_run(tmp_path: Path, faults: list[str | None], *, group_size=2, timeout_s=1.0, budget=512, factory=None):
     tasks = [{"id": i, "fault": fault} for i, fault in enumerate(faults)]
     plan = RunPlan(run_id="faults", groups=len(tasks), group_size=group_size, concurrency=16, batch_size=4)
     loop = LoopConfig(max_turns=3, context_budget=budget, step_timeout_s=timeout_s)
     manifest = RunManifest(run_id="faults", format="jsonl")
     engine = ScriptedEngine()
-    run = Run(plan, loop, engine, CharRenderer(), FaultyFactory(), tasks, tmp_path / "run", manifest)
+    run = Run(plan, loop, engine, CharRenderer(), factory or FaultyFactory(), tasks, tmp_path / "run", manifest)
     started = time.monotonic()
     asyncio.run(run.play())  # asyncio.run also waits for the default executor: hung threads must not be there
     trace = read_run(tmp_path / "run")
@@ -194,6 +194,36 @@ def test_many_hanging_envs_neither_starve_the_others_nor_hold_the_run_open(tmp_p
     assert all(r.status == "error" and "timed out" in r.error for r in by_task["hang_step"])
     assert [r.status for r in by_task[None]] == ["ok"] * 4
     assert wall < 8.0, f"the run took {wall:.1f}s"
+
+
+class BrokenFactory(FaultyFactory):
+    """``make()`` raises on the calls numbered in ``broken`` (on every call when ``broken`` is None)."""
+
+    def __init__(self, broken: set[int] | None) -> None:
+        self.broken, self.calls = broken, 0
+
+    def make(self):
+        call, self.calls = self.calls, self.calls + 1
+        if self.broken is None or call in self.broken:
+            raise OSError(f"no sandbox left\n(call {call})")
+        return super().make()
+
+
+@pytest.mark.parametrize("broken", [{0, 5}, None], ids=["two-calls", "every-call"])
+def test_an_env_factory_whose_make_raises_ends_that_rollout_as_an_error_and_the_run_goes_on(tmp_path, broken):
+    """Call 0 is a group leader's: its followers are released at once. Failed ``make()`` calls are not engine
+    failures: eight in a row do not stop the run (five failed requests would)."""
+    factory = BrokenFactory(broken)
+    by_task, wall = play_run(tmp_path, [None] * 4, factory=factory)
+    rollouts = by_task[None]
+    failed = [r for r in rollouts if r.status == "error"]
+    assert factory.calls == 8 and len(failed) == (8 if broken is None else 2)
+    assert sorted(r.error for r in failed) == sorted(
+        f"env factory make() raised OSError: no sandbox left (call {call})" for call in (broken or range(8)))
+    assert all(r.info["stop_reason"] == r.error and len(r.tokens) == 0 and r.turns == () for r in failed)
+    assert all(r.status == "ok" and r.reward == 1.0 for r in rollouts if r.status != "error")
+    assert len(rollouts) - len(failed) == sum(r.status == "ok" for r in rollouts)
+    assert wall < 3.0, f"the run took {wall:.1f}s: followers waited for a leader that never asked"
 
 
 def test_an_enormous_observation_is_not_tokenized():
