@@ -28,6 +28,9 @@ from .protocol import CachePolicy, EngineStats, Sampling, WeightSource
 SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
 """A query parameter whose name contains one of these carries a secret (``api_key``, ``access_token``…)."""
 
+START_TIMEOUT_S = 30.0
+"""How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
+
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 
@@ -93,14 +96,34 @@ class HttpEngine:
                                          auth=httpx.BasicAuth(*auth) if auth and not api_key else None)
 
     async def start(self) -> HttpEngine:
-        """Check the server and learn its model name."""
-        models = await self._call("GET", "/v1/models")
-        names = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)] \
-            if isinstance(models, dict) else []
+        """Check the server and learn its model name: one ``GET /v1/models``, no retries.
+
+        Anything but a JSON list of model ids (no connection, a 4xx/5xx, an HTML page) means the URL
+        is not a vLLM server, which is bad input (:class:`InputError`, exit code 2).
+        """
+        try:
+            response = await self._request("GET", "/v1/models", None, None, START_TIMEOUT_S)
+        except _Retry as failed:
+            raise self._not_vllm(failed.reason) from None
+        if response.status_code >= 400:
+            raise self._not_vllm(f"answered {response.status_code} {response.reason_phrase}: "
+                                 f"{self._detail(response)}")
+        try:
+            models = response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            raise self._not_vllm(f"answered {response.status_code} with a body that is not JSON "
+                                 f"({kind}, {len(response.content)} bytes)") from None
+        names = [m.get("id") for m in models.get("data", []) if isinstance(m, dict) and m.get("id")] \
+            if isinstance(models, dict) and isinstance(models.get("data"), list) else []
         if not names:
-            raise EngineError(f"{self.label} does not look like a vLLM server (no models listed)")
+            raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
         self.model = self.model or names[0]
         return self
+
+    def _not_vllm(self, what: str) -> InputError:
+        return InputError(self._scrub(f"{redact(self.url)} is not a vLLM server (GET /v1/models {what})"),
+                          hint="check --url")
 
     async def __aenter__(self) -> HttpEngine:
         return await self.start()

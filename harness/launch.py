@@ -27,6 +27,7 @@ from ..engine.http import redact
 from ..engine.models import DEFAULT_MODEL, resolve
 from ..engine.protocol import CachePolicy, Sampling
 from ..errors import InputError, VerbatimError
+from .preflight import model_vocab_size, preflight
 from .rollout import LoopConfig
 from .run import Run, RunPlan, StopRequest
 from .store import RunManifest
@@ -129,6 +130,8 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     )
     run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest)
     run.check_out_dir(options.resume)
+    preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+              max_tokens=options.max_tokens)
     return run, engine
 
 
@@ -165,35 +168,43 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
 
 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
+    """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
+    shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
+    try:
+        with console.status("starting engine…"):
+            await engine.start()
+        undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
+        try:
+            return await _play_with_progress(run, resume, console)
+        finally:
+            undo_signals()
+    finally:
+        close = getattr(engine, "aclose", None)
+        if close is not None:
+            await close()
+        else:
+            engine.close()
+
+
+async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:
     total = sum(len(g) for g in run.groups)
     stats = {"prompt": 0, "cached": 0, "generated": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[live]}"), console=console, transient=False) as progress:
-        bar = progress.add_task("rollouts", total=total, live="starting engine…")
-        await engine.start()
-        undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
-        try:
-            done = len(run.completed_ids()) if resume else 0
-            progress.update(bar, completed=done, live="")
+        done = len(run.completed_ids()) if resume else 0
+        bar = progress.add_task("rollouts", total=total, completed=done, live="")
 
-            def tick(rollout: Rollout) -> None:
-                for turn in rollout.turns:
-                    stats["prompt"] += turn.prompt_end
-                    stats["cached"] += turn.cached_tokens
-                    stats["generated"] += turn.completion_tokens
-                elapsed = progress.tasks[0].elapsed or 1e-9
-                hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
-                progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
+        def tick(rollout: Rollout) -> None:
+            for turn in rollout.turns:
+                stats["prompt"] += turn.prompt_end
+                stats["cached"] += turn.cached_tokens
+                stats["generated"] += turn.completion_tokens
+            elapsed = progress.tasks[0].elapsed or 1e-9
+            hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
+            progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
 
-            run.on_rollout = tick
-            return await run.play(resume=resume)
-        finally:
-            undo_signals()
-            close = getattr(engine, "aclose", None)
-            if close is not None:
-                await close()
-            else:
-                engine.close()
+        run.on_rollout = tick
+        return await run.play(resume=resume)
 
 
 def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:

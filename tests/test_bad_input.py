@@ -10,12 +10,21 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
 from verbatim.cli import app
-from verbatim.datamodel import SCHEMA_VERSION
+from verbatim.datamodel import SCHEMA_VERSION, Message
+from verbatim.engine.server import free_port
+from verbatim.envs.base import Reset
+from verbatim.errors import InputError
+from verbatim.harness.preflight import preflight
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan
+from verbatim.harness.store import RunManifest
 
 runner = CliRunner()
 
@@ -78,27 +87,116 @@ def test_a_folder_that_is_not_a_trace_is_refused(tmp_path, command):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
-class _NotVllm(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
-        body = b"<html>no such page</html>"
-        self.send_response(404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+NOT_VLLM = {  # name -> (status, content type, body) that a URL answers to GET /v1/models
+    "404": (404, "text/html", b"<html>no such page</html>"),
+    "html": (200, "text/html", b"<html><body>Welcome to nginx!</body></html>"),
+    "no-models": (200, "application/json", json.dumps({"data": [], "object": "list"}).encode()),
+    "not-a-list": (200, "application/json", json.dumps({"status": "ok"}).encode()),
+}
+NEEDLES = {
+    "404": "(GET /v1/models answered 404 Not Found: <html>no such page</html>)",
+    "html": "(GET /v1/models answered 200 with a body that is not JSON (text/html, 43 bytes))",
+    "no-models": "(GET /v1/models answered 200 with JSON that lists no model ids)",
+    "not-a-list": "(GET /v1/models answered 200 with JSON that lists no model ids)",
+    "refused": "(GET /v1/models cannot connect",
+}
 
-    def log_message(self, *args):
-        pass
+
+def _answering(status: int, kind: str, body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+    class NotVllm(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    return NotVllm
 
 
-def test_a_url_that_is_not_a_vllm_server_is_refused_before_anything_is_written(tmp_path, default_model_dir):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotVllm)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+@pytest.mark.parametrize("answer", [*NOT_VLLM, "refused"])
+def test_a_url_that_is_not_a_vllm_server_is_refused_before_anything_is_written(tmp_path, default_model_dir,
+                                                                                answer):
+    """One GET /v1/models, no retries: exit 2, one line, no run folder and no progress bar."""
     out = tmp_path / "never"
+    server = None
+    if answer == "refused":
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    else:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _answering(*NOT_VLLM[answer]))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}"
+    started = time.monotonic()
     try:
-        result = runner.invoke(app, ["run", "--env", "guess", "--engine", "http", "--url",
-                                     f"http://127.0.0.1:{server.server_port}", "--out", str(out)])
+        result = runner.invoke(app, ["run", "--env", "guess", "--engine", "http", "--url", url, "--out", str(out)])
     finally:
-        server.shutdown()
-        server.server_close()
-    one_error_line(result, "/v1/models refused the request (404)")
-    assert not out.exists()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    line = one_error_line(result, NEEDLES[answer])
+    assert line.startswith(f"error: {url} is not a vLLM server (GET /v1/models ") and line.endswith("(check --url)")
+    assert not out.exists() and result.stdout.strip() == ""
+    assert time.monotonic() - started < 15  # no retries with backoff
+
+
+def test_a_renderer_whose_ids_the_model_does_not_have_is_refused_before_the_engine(tmp_path, default_model_dir):
+    """Llama 3's template ids (128000+) on SmolLM2 (49,152 tokens): every request would fail."""
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["run", "--env", "guess", "--renderer", "llama3", "--out", str(out)])
+    one_error_line(result, "the opening prompt of task 0 has token id 128")
+    assert "outside the vocabulary of smollm2-135m-instruct (49152 tokens) with the llama3 renderer" in result.stderr
+    assert not out.exists() and result.stdout.strip() == ""
+
+
+def test_an_opening_prompt_longer_than_the_context_is_refused_before_the_engine(tmp_path, default_model_dir):
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["run", "--env", "longdoc", "--max-model-len", "256", "--max-tokens", "32",
+                                 "--out", str(out)])
+    line = one_error_line(result, "the opening prompt of task 0 is ")
+    assert "tokens; with --max-tokens 32 it does not fit --max-model-len 256 (raise --max-model-len" in line
+    assert not out.exists() and result.stdout.strip() == ""
+
+
+def test_a_task_the_env_calls_bad_is_named_by_its_index_before_the_engine(tmp_path, default_model_dir):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"target": 3}\n{"target": 99}\n')
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["run", "--env", "guess", "--tasks", str(tasks), "--out", str(out)])
+    one_error_line(result, "task 1: guess task")
+    assert "target 99 is outside 1..50" in result.stderr and not out.exists()
+
+
+class _Renderer:
+    def render(self, messages, *, tools=None, add_generation_prompt):
+        return SimpleNamespace(token_ids=[5] * sum(len(m.content) for m in messages))
+
+
+class _Env:
+    name = "odd"
+
+    def reset(self, task, seed):
+        if task["odd"] == "raise":
+            raise RuntimeError("the sandbox is down")
+        if task["odd"] == "hang":
+            time.sleep(3)
+        return Reset(messages=(Message(role="user", content="x" * task["chars"]),))
+
+
+def _preflight(tasks, timeout_s=5.0):
+    factory = SimpleNamespace(name="odd", make=_Env, tasks=None)
+    run = Run(RunPlan(run_id="p", groups=len(tasks), group_size=2), LoopConfig(), object(), _Renderer(), factory,
+              tasks, Path("never-written"), RunManifest(run_id="p", model="m", renderer="r"))
+    preflight(run, vocab_size=10, max_model_len=300, max_tokens=50, timeout_s=timeout_s)
+
+
+def test_preflight_leaves_env_failures_and_hangs_to_the_rollouts_and_checks_the_rest():
+    ok = {"odd": None, "chars": 250}
+    _preflight([{"odd": "raise", "chars": 999}, ok])  # a reset that raises: the rollout records it
+    started = time.monotonic()
+    _preflight([{"odd": "hang", "chars": 999}, ok], timeout_s=0.5)  # a reset that hangs: the run starts
+    assert time.monotonic() - started < 2
+    with pytest.raises(InputError, match="opening prompt of task 1 is 251 tokens; with --max-tokens 50"):
+        _preflight([{"odd": "raise", "chars": 999}, {"odd": None, "chars": 251}])
