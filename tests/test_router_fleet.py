@@ -7,6 +7,7 @@ The tests run in order; the last one kills a replica.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from verbatim.engine.router import Router
 from verbatim.engine.routing import RouteConfig
 from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.router_replay import replay_check
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.summary import RunSummary
@@ -78,7 +80,8 @@ def play(urls: list[str], route: str, renderer, out: Path, *, seed: int, words: 
                     RouteConfig.parse(route, admission=admission, high_water=high_water))
     manifest = RunManifest(run_id=out.name, model="smollm2-135m-instruct", renderer="smollm2",
                            engine={"kind": "http", "block_size": BLOCK, "cache_policy": "keep", "route": route},
-                           config={"plan": plan.model_dump(exclude={"run_id"})})
+                           config={"plan": plan.model_dump(exclude={"run_id"}),
+                                   "options": {"high_water": high_water, "admission": admission, "concurrency": 16}})
     run = Run(plan, loop, router, renderer, factory, factory.tasks(groups, seed), out, manifest)
 
     async def go() -> RunSummary:
@@ -92,6 +95,19 @@ def play(urls: list[str], route: str, renderer, out: Path, *, seed: int, words: 
             await router.aclose()
 
     return asyncio.run(go()), router
+
+
+def check_simulator(out: Path, route: str | None = None, *, within: float | None = 0.05) -> None:
+    """The simulator, replaying this real run (same policy, workload, block size and KV space), agrees on hits.
+
+    ``within=None`` only reports: when the cache thrashes, what is evicted depends on the exact interleaving
+    of requests, which the simulator's timing model does not reproduce.
+    """
+    check = replay_check(out, kv_blocks=KV_BLOCKS, route=route)
+    print(f"\nsimulator replay of {out.name} ({check.route}): real hit rate {check.real_hit_rate:.1%}, "
+          f"simulated {check.sim_hit_rate:.1%}; same cached tokens on {check.same_cached_turns}/{check.turns} turns")
+    if within is not None:
+        assert abs(check.real_hit_rate - check.sim_hit_rate) <= within
 
 
 def floor_block(n: int) -> int:
@@ -114,6 +130,7 @@ def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_promp
         assert first_turn_prefill <= prompt + (len(members) - 1) * BLOCK, first_turn_prefill  # prefilled once
     assert summary.migrations == 0 and set(summary.turns_per_replica) == {"r0", "r1"}
     assert lint_run(tmp_path / "sticky").ok
+    check_simulator(tmp_path / "sticky")
     print(f"\nsticky_least_loaded+group: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens} "
           f"(minimum {summary.min_prefill_tokens}), turns per replica {summary.turns_per_replica}")
 
@@ -123,12 +140,27 @@ def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, re
     sticky, _ = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "sticky", seed=3)
     assert summary.migrations > 0 and summary.migration_lost_tokens > 0
     assert summary.prefill_tokens > sticky.prefill_tokens
+    check_simulator(tmp_path / "rr")
     report = lint_run(tmp_path / "rr")
     causes = [p.cause for v in report.verdicts for p in v.problems if getattr(p, "cause", None)]
     assert "replica" in causes, causes
     print(f"\nround_robin: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens}, "
           f"{summary.migrations} migrations losing {summary.migration_lost_tokens} cached tokens; "
           f"sticky+group on the same workload: cached {sticky.cache_hit_rate:.1%}, prefill {sticky.prefill_tokens}")
+
+
+def test_verbatim_run_routes_over_several_urls(fleet, tmp_path):
+    out, summary_file = tmp_path / "cli-run", tmp_path / "summary.json"
+    urls = [arg for url in fleet.urls for arg in ("--url", url)]
+    done = cli("run", "--env", "guess", "--engine", "http", *urls, "--route", "sticky_least_loaded+group",
+               "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens", "16",
+               "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out), "--summary-json", str(summary_file))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(summary_file.read_text())
+    assert summary["rollouts"] == 4 and sum(summary["turns_per_replica"].values()) == summary["turns"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"]["route"] == "sticky_least_loaded+group" and manifest["engine"]["urls"] == fleet.urls
+    assert all(t.replica in ("r0", "r1") for r in read_run(out).rollouts for t in r.turns)
 
 
 def full_reuse(out: Path) -> tuple[int, int]:
@@ -147,6 +179,8 @@ def test_admission_keeps_the_cache_when_the_kv_space_cannot_hold_every_rollout(f
     print(f"\nKV too small for all rollouts: without admission cached {without.cache_hit_rate:.1%} "
           f"(whole previous context reused on {reused_off[0]}/{reused_off[1]} turns); with admission "
           f"cached {with_.cache_hit_rate:.1%} ({reused_on[0]}/{reused_on[1]}), held {with_.admission_wait_s:.0f} s")
+    check_simulator(tmp_path / "off", route="sticky_least_loaded", within=None)
+    check_simulator(tmp_path / "on", route="sticky_least_loaded")
     assert with_.admission_wait_s > 0 and without.admission_wait_s == 0
     assert with_.statuses == {"ok": 8} and without.statuses == {"ok": 8}
     assert reused_on[0] == reused_on[1]  # every live rollout kept its history
