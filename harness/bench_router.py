@@ -195,10 +195,9 @@ PLOT_NAME = "bench-router.png"
 def section(rows: Sequence[Row], workload: TraceWorkload, settings: FleetSettings, command: str) -> str:
     c = workload.costs
     runs = "; ".join(workload.runs) or "the committed workload"
-    plans = sorted({(r.replicas, r.group_size, r.kv_blocks) for r in rows})
-    thinks = sorted({f"{r.think_s:.1f} s" for r in rows})
-    think = "mean " + " / ".join(thinks)
-    caches = ", ".join(f"{n} replicas G={g}: {b:,} blocks" for n, g, b in plans)
+    plans = sorted({(r.group_size, r.kv_blocks, r.think_s) for r in rows})
+    caches = "; ".join(f"G={g}: {b:,} blocks ({b * settings.block_size:,} tokens)" for g, b, _ in plans)
+    think = " / ".join(f"{t:.1f} s for G={g}" for g, _, t in plans)
     return "\n".join([
         markdown(rows), "",
         f"![hit rate against load imbalance per policy]({PLOT_NAME})", "",
@@ -208,10 +207,11 @@ def section(rows: Sequence[Row], workload: TraceWorkload, settings: FleetSetting
         f"Cost model fitted to those runs' engine timings (vLLM on a 2-core CPU, block size {workload.block_size}): "
         f"prefill step {c['prefill_base_s'] * 1e3:.0f} ms + {c['prefill_token_s'] * 1e3:.2f} ms per prefilled token, "
         f"decode {c['decode_token_s'] * 1e3:.0f} ms per token per running request. "
-        f"Fleet: utilisation {settings.utilisation:g} of the ideal-reuse work, block size {settings.block_size}, "
-        f"at most {settings.max_batch} running requests per replica, {settings.live_sessions:g} live sessions per "
-        f"replica on average (env think time {think}), cache {settings.cache:g} × a replica's live context "
-        f"under an even spread ({caches}).",
+        f"Fleet: groups arrive (Poisson) at the rate that would load it to {settings.utilisation:g} if every turn "
+        f"prefilled only its new tokens; block size {settings.block_size}; at most {settings.max_batch} running "
+        f"requests per replica; {settings.live_sessions:g} live sessions per replica on average (mean env think "
+        f"time {think}); each replica's cache {settings.cache:g} × the live context it would hold under an even "
+        f"spread ({caches}).",
     ])
 
 
