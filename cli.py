@@ -571,6 +571,30 @@ def bench_render(
 # ---------------------------------------------------------------------------
 
 
+@bench_app.command("router")
+def bench_router(
+    trace: list[str] = typer.Option(None, "--trace", help="Run directory whose turn lengths to sample (repeatable; "
+                                    "default: the committed table of real guess and longdoc runs)."),
+    replicas: list[int] = typer.Option(None, "--replicas", help="Fleet sizes (repeatable; default 8, 16, 64)."),
+    sessions: list[int] = typer.Option(None, "--sessions",
+                                       help="Sessions per simulation (repeatable; default 1000, 10000)."),
+    group_size: list[int] = typer.Option(None, "--group-size", help="Rollouts per group (repeatable; default 8, 16)."),
+    seed: int = typer.Option(0, "--seed", help="Workload and think-time seed (same seed, same table)."),
+    write: bool = typer.Option(False, "--write", help="Write the table and plot into docs/benchmarks.md."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per simulation, one per line."),
+) -> None:
+    """Simulate the routing policies on a fleet with finite prefix caches; sessions drawn from real traces."""
+    from pathlib import Path
+
+    from .errors import InputError
+    from .harness.bench_router import router_command
+
+    replicas, sessions, sizes = replicas or [8, 16, 64], sessions or [1000, 10000], group_size or [8, 16]
+    if min(replicas + sessions + sizes) < 1:
+        raise InputError("--replicas, --sessions and --group-size must be >= 1")
+    router_command([Path(t) for t in trace or []], replicas, sessions, sizes, seed, write, as_json, console)
+
+
 @bench_app.command("prefixflow")
 def bench_prefixflow(
     prefix_ratio: list[float] = typer.Option(None, "--prefix-ratio",
