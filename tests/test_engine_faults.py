@@ -14,10 +14,10 @@ import socket
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fakes import STOP, CharRenderer
 from verbatim.datamodel import Message
 from verbatim.engine.http import HttpEngine
 from verbatim.engine.protocol import Sampling
@@ -28,8 +28,6 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.trace_lint import lint_run
-
-STOP = 1
 
 
 def completion_body(prompt_len: int = 3) -> bytes:
@@ -247,26 +245,6 @@ def test_an_answer_that_echoes_a_secret_is_scrubbed(scripted):
 # ---------------------------------------------------------------------------
 # a run whose engine fails: single failures are data, a dead engine stops the run
 # ---------------------------------------------------------------------------
-
-
-class CharRenderer:
-    """One token per character (code point + 10); the stop token ends each assistant turn."""
-
-    stop_token_ids = (STOP,)
-
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        return [ord(c) + 10 for c in text]
-
-    def render(self, messages, *, tools=None, add_generation_prompt):
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-        return SimpleNamespace(token_ids=self.encode(text))
-
-    def bridge(self, previous_ids, new_messages, *, tools=None):
-        return self.encode("".join(f"<{m.role}>{m.content}" for m in new_messages) + "<assistant>")
-
-    def parse_completion(self, token_ids):
-        return Message(role="assistant", content="".join(chr(t - 10) for t in token_ids if t != STOP))
 
 
 class TwoTurnEnv:

@@ -13,17 +13,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fakes import STOP, CharRenderer
 from verbatim.datamodel import Completion, Message
 from verbatim.envs.base import Reset, StepResult
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer, RolloutSpec
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
 
-STOP = 1
 RELEASE = threading.Event()  # hanging envs wait on this; set when the module's tests end
 
 
@@ -32,27 +31,6 @@ def _release_hanging_envs():
     RELEASE.clear()
     yield
     RELEASE.set()
-
-
-class CharRenderer:
-    """One token per character (code point + 10); a stop token ends each assistant turn."""
-
-    stop_token_ids = (STOP,)
-
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        return [ord(c) + 10 for c in text]
-
-    def render(self, messages, *, tools=None, add_generation_prompt):
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-        return SimpleNamespace(token_ids=self.encode(text))
-
-    def bridge(self, previous_ids, new_messages, *, tools=None):
-        return self.encode("".join(f"<{m.role}>{m.content}" for m in new_messages) + "<assistant>")
-
-    def parse_completion(self, token_ids):
-        ids = [t for t in token_ids if t != STOP]
-        return Message(role="assistant", content="".join(chr(t - 10) for t in ids))
 
 
 class ScriptedEngine:
@@ -214,7 +192,7 @@ def test_an_env_factory_whose_make_raises_ends_that_rollout_as_an_error_and_the_
     """Call 0 is a group leader's: its followers are released at once. Failed ``make()`` calls are not engine
     failures: eight in a row do not stop the run (five failed requests would)."""
     factory = BrokenFactory(broken)
-    by_task, wall = play_run(tmp_path, [None] * 4, factory=factory)
+    by_task, wall = play_run(tmp_path, [None] * 4, factory=factory, timeout_s=10.0)  # a stuck follower waits 40 s
     rollouts = by_task[None]
     failed = [r for r in rollouts if r.status == "error"]
     assert factory.calls == 8 and len(failed) == (8 if broken is None else 2)
@@ -223,7 +201,7 @@ def test_an_env_factory_whose_make_raises_ends_that_rollout_as_an_error_and_the_
     assert all(r.info["stop_reason"] == r.error and len(r.tokens) == 0 and r.turns == () for r in failed)
     assert all(r.status == "ok" and r.reward == 1.0 for r in rollouts if r.status != "error")
     assert len(rollouts) - len(failed) == sum(r.status == "ok" for r in rollouts)
-    assert wall < 3.0, f"the run took {wall:.1f}s: followers waited for a leader that never asked"
+    assert wall < 20.0, f"the run took {wall:.1f}s: followers waited for a leader that never asked"
 
 
 def test_an_enormous_observation_is_not_tokenized():

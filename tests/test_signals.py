@@ -14,9 +14,9 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
+from fakes import STOP, CharRenderer
 from verbatim.datamodel import Completion, Message
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
@@ -27,28 +27,7 @@ from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.trace_lint import lint_run
 
-STOP = 1
 SIGINT_STOP = StopRequest("interrupted by SIGINT", "interrupted", exit_code=130)
-
-
-class CharRenderer:
-    """One token per character (code point + 10); the stop token ends each assistant turn."""
-
-    stop_token_ids = (STOP,)
-
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        return [ord(c) + 10 for c in text]
-
-    def render(self, messages, *, tools=None, add_generation_prompt):
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-        return SimpleNamespace(token_ids=self.encode(text))
-
-    def bridge(self, previous_ids, new_messages, *, tools=None):
-        return self.encode("".join(f"<{m.role}>{m.content}" for m in new_messages) + "<assistant>")
-
-    def parse_completion(self, token_ids):
-        return Message(role="assistant", content="".join(chr(t - 10) for t in token_ids if t != STOP))
 
 
 class GatedEngine:
