@@ -249,8 +249,9 @@ def test_credentials_in_the_url_reach_no_file_and_no_output(server, tmp_path):
     dead = f"http://alice:s3cr3t-pass@127.0.0.1:{free_port()}/?token=s3cr3t-key"
     failed = CliProcess(tmp_path, ["--engine", "http", "--url", dead, "--groups", "1", *SHORT, "--out",
                                    str(tmp_path / "never")], "secret-dead")
-    assert failed.wait(120) == 1
-    assert "error: http://127.0.0.1:" in failed.err() and "?token=*** failed after 4 attempts" in failed.err()
+    assert failed.wait(120) == 2  # nothing listens there: bad input, refused before anything is written
+    assert "error: http://127.0.0.1:" in failed.err() and "is not a vLLM server" in failed.err()
+    assert not (tmp_path / "never").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"]["urls"] == [f"http://***@127.0.0.1:{server.port}/?api_key=***"]
     texts = [ok.out(), ok.err(), failed.out(), failed.err()]
