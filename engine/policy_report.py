@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import tempfile
 from pathlib import Path
 
+from .. import docsection
 from .checkpoints import perturbed_checkpoint
 from .home import verbatim_home
 from .inproc import InprocEngine
@@ -15,7 +15,6 @@ from .protocol import CachePolicy
 from .runtime import EngineConfig, vllm_version
 
 _DOC = Path(__file__).resolve().parent.parent / "docs" / "engine.md"
-_BEGIN, _END = "<!-- policy-table:begin -->", "<!-- policy-table:end -->"
 
 
 def run_policy_report(model: str = "default", *, write_docs: bool = False) -> str:
@@ -35,9 +34,7 @@ def run_policy_report(model: str = "default", *, write_docs: bool = False) -> st
 
     table = asyncio.run(run())
     if write_docs:
-        text = _DOC.read_text()
-        block = f"{_BEGIN}\n{table}\n{_END}"
-        _DOC.write_text(re.sub(re.escape(_BEGIN) + ".*?" + re.escape(_END), lambda _: block, text, flags=re.S))
+        docsection.write_section(_DOC, "policy-table", table)
     return table
 
 

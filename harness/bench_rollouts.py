@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import docsection
 from ..datamodel import Frozen, Message
 from ..engine.protocol import Sampling
 from ..envs.base import Reset, StepResult
@@ -209,7 +210,6 @@ def run_bench(model: str = "default") -> str:
     return table + note
 
 
-_BEGIN, _END = "<!-- bench-rollouts:begin -->", "<!-- bench-rollouts:end -->"
 _HEADING = "## Rollouts (verbatim bench rollouts)"
 _INTRO = ("verbatim (append-only token history, a group's first request prefills the shared prompt before the "
           "others start) against a baseline harness that keeps chat messages, re-renders the whole conversation "
@@ -220,11 +220,4 @@ _INTRO = ("verbatim (append-only token history, a group's first request prefills
 
 def write_section(doc: Path, table: str) -> None:
     """Replace (or append) the rollouts section of docs/benchmarks.md."""
-    block = f"{_BEGIN}\n{table}\n{_END}"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if _BEGIN in text:
-        head, rest = text.split(_BEGIN, 1)
-        text = head + block + rest.split(_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{_HEADING}\n\n{_INTRO}\n\n{block}\n"
-    doc.write_text(text)
+    docsection.write_section(doc, "bench-rollouts", table, heading=_HEADING, intro=_INTRO)

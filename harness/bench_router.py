@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
+from .. import docsection
 from ..datamodel import Frozen
 from ..engine.router_sim import CostModel, SimConfig, SimResult, simulate
 from ..engine.routing import RouteConfig, RoutePolicy
@@ -186,7 +187,6 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-_BEGIN, _END = "<!-- bench-router:begin -->", "<!-- bench-router:end -->"
 _HEADING = "## Router (simulated, verbatim bench router)"
 _DOCS = Path(__file__).resolve().parent.parent / "docs"
 PLOT_NAME = "bench-router.png"
@@ -217,14 +217,7 @@ def section(rows: Sequence[Row], workload: TraceWorkload, settings: FleetSetting
 
 def write_section(doc: Path, text: str, intro: str) -> None:
     """Replace (or append) the router section of docs/benchmarks.md."""
-    block = f"{_BEGIN}\n{text}\n{_END}"
-    current = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if _BEGIN in current:
-        head, rest = current.split(_BEGIN, 1)
-        current = head + block + rest.split(_END, 1)[1]
-    else:
-        current = current.rstrip("\n") + f"\n\n{_HEADING}\n\n{intro}\n\n{block}\n"
-    doc.write_text(current)
+    docsection.write_section(doc, "bench-router", text, heading=_HEADING, intro=intro)
 
 
 INTRO = (
