@@ -14,27 +14,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from verbatim.envs.sandbox import UID_BASE, Isolation, SandboxLimits, SandboxResult, probe_isolation, run_python
+from probes import sandbox_pids
+from verbatim.envs.sandbox import Isolation, SandboxLimits, SandboxResult, probe_isolation, run_python
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=4.0, memory_bytes=256 * 2**20, output_chars=500)
 
 
 def run(code: str, limits: SandboxLimits = FAST, isolation: Isolation | None = None) -> SandboxResult:
     return run_python(textwrap.dedent(code), limits, isolation)
-
-
-def sandbox_pids() -> list[int]:
-    """Live processes of any sandbox uid."""
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            continue
-        uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
-        if UID_BASE <= uid < UID_BASE + 1_000_000 and state != "Z":
-            pids.append(int(status.parent.name))
-    return pids
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from verbatim.envs.sandbox import UID_BASE, Isolation, SandboxLimits, SandboxResult, probe_isolation, run_python
+from probes import sandbox_pids
+from verbatim.envs.sandbox import Isolation, SandboxLimits, SandboxResult, probe_isolation, run_python
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=4.0, memory_bytes=256 * 2**20, processes=8, output_chars=4000)
 JAILED = Isolation(jail=True, own_uid=True)
@@ -27,20 +28,6 @@ BARE = JAILED.model_copy(update={"audit_guard": False})
 
 def run(code: str, isolation: Isolation = BARE, limits: SandboxLimits = FAST) -> SandboxResult:
     return run_python(textwrap.dedent(code), limits, isolation)
-
-
-def sandbox_pids() -> list[int]:
-    """Live processes of any sandbox uid, seen from the host."""
-    pids = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except OSError:
-            continue
-        uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
-        if UID_BASE <= uid < UID_BASE + 1_000_000 and state != "Z":
-            pids.append(int(status.parent.name))
-    return pids
 
 
 @pytest.fixture
