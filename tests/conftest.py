@@ -75,3 +75,16 @@ def engine_runner(default_model_dir: Path):
     runner.run(engine.start())
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(default_model_dir, tmp_path_factory):
+    """A real ``vllm serve`` of the default model for one test module; stopped after it."""
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.engine.server import ServerProcess
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048)
+    with ServerProcess(config, log_path=log) as proc:
+        yield proc
+    assert proc.proc.poll() is not None, "the server must be stopped after the module"

@@ -10,24 +10,15 @@ from verbatim.engine.http import HttpEngine, parse_prometheus, redact
 from verbatim.engine.policy_bench import scenario_prompts
 from verbatim.engine.protocol import Sampling
 from verbatim.engine.runtime import EngineConfig
-from verbatim.engine.server import ServerProcess, check_bind, free_port
+from verbatim.engine.server import check_bind, free_port
 from verbatim.errors import EngineError, InputError
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048)
-    with ServerProcess(config, log_path=log) as proc:
-        yield proc
-    assert proc.proc.poll() is not None, "the server must be stopped after the test"
 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_multi_turn_reuse_over_http(server):
+def test_multi_turn_reuse_over_http(vllm_server):
     async def scenario():
-        async with HttpEngine(server.url) as engine:
+        async with HttpEngine(vllm_server.url) as engine:
             prompt, observation = scenario_prompts(seed=5, prompt_len=290, new_len=200)
             turn1 = await engine.generate(prompt, Sampling(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
             history = prompt + turn1.token_ids.tolist()

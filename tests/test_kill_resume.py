@@ -25,7 +25,6 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 from verbatim.cli import app
-from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import ServerProcess, free_port
 from verbatim.harness.store import batch_files, read_run
 
@@ -34,15 +33,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 GROUPS, GROUP_SIZE, BATCH = 16, 2, 4  # the CLI writes max(group size, 4) rollouts per file
 SHORT = ["--env", "guess", "--group-size", str(GROUP_SIZE), "--max-turns", "2", "--max-tokens", "6",
          "--max-model-len", "2048", "--concurrency", "8", "--seed", "3"]
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048)
-    with ServerProcess(config, log_path=log) as proc:
-        yield proc
-    assert proc.proc.poll() is not None, "the server must be stopped after the tests"
 
 
 WARM_START = """
@@ -145,12 +135,12 @@ def assert_whole(out: Path, groups: int, statuses: set[str]) -> None:
     assert lint.exit_code == 0, lint.output[-3000:]
 
 
-def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(server, tmp_path):
+def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(vllm_server, tmp_path):
     out, rng = tmp_path / "run", random.Random(8)
     batches = GROUPS * GROUP_SIZE // BATCH
     targets = sorted(rng.randrange(batches - 2) for _ in range(18))  # kill once this many files exist…
     kills = [("startup", rng.uniform(0.2, 2.0)) for _ in range(3)] + [("files", t) for t in targets]
-    resume = run_args(server, out, extra=("--resume",))
+    resume = run_args(vllm_server, out, extra=("--resume",))
     waiting = [CliProcess(tmp_path, resume, f"kill{n}", warm=True) for n in range(2)]
     seen: dict[str, object] = {}
     mid_run = 0
@@ -195,9 +185,9 @@ def check_after_kill(out: Path, seen: dict[str, object]) -> bool:
     return 0 < len(trace.rollouts) < GROUPS * GROUP_SIZE and trace.manifest.status == "running"
 
 
-def test_sigterm_lets_the_playing_rollouts_finish_then_exits_143_and_resume_completes(server, tmp_path):
+def test_sigterm_lets_the_playing_rollouts_finish_then_exits_143_and_resume_completes(vllm_server, tmp_path):
     out = tmp_path / "run"
-    proc = CliProcess(tmp_path, run_args(server, out, groups=8, extra=("--concurrency", "4")), "term")
+    proc = CliProcess(tmp_path, run_args(vllm_server, out, groups=8, extra=("--concurrency", "4")), "term")
     wait_until(lambda: written(out) >= 1, proc)
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.wait(90) == 143, proc.err()[-2000:]
@@ -208,17 +198,17 @@ def test_sigterm_lets_the_playing_rollouts_finish_then_exits_143_and_resume_comp
     assert trace.manifest.status == "interrupted" and trace.problems == []
     assert 0 < len(trace.rollouts) < 16 and {r.status for r in trace.rollouts} <= {"ok", "truncated"}
 
-    resumed = CliProcess(tmp_path, run_args(server, out, groups=8, extra=("--concurrency", "4", "--resume")),
+    resumed = CliProcess(tmp_path, run_args(vllm_server, out, groups=8, extra=("--concurrency", "4", "--resume")),
                          "term-resume")
     assert resumed.wait(300) == 0, resumed.err()[-2000:]
     assert_whole(out, 8, {"ok", "truncated"})
     assert read_run(out).manifest.status == "completed"
 
 
-def test_a_second_sigint_cuts_the_playing_rollouts_keeps_their_tokens_and_exits_130(server, tmp_path):
+def test_a_second_sigint_cuts_the_playing_rollouts_keeps_their_tokens_and_exits_130(vllm_server, tmp_path):
     out = tmp_path / "run"
     longer = ("--max-tokens", "48", "--max-turns", "3")  # turns long enough to be caught mid-way
-    proc = CliProcess(tmp_path, run_args(server, out, groups=8, extra=longer), "int")
+    proc = CliProcess(tmp_path, run_args(vllm_server, out, groups=8, extra=longer), "int")
     wait_until(lambda: (out / "manifest.json").exists(), proc)
     time.sleep(2.0)  # every slot busy with a rollout by now
     proc.proc.send_signal(signal.SIGINT)
@@ -239,9 +229,9 @@ def test_a_second_sigint_cuts_the_playing_rollouts_keeps_their_tokens_and_exits_
     assert lint.exit_code == 0, lint.output[-3000:]
 
 
-def test_credentials_in_the_url_reach_no_file_and_no_output(server, tmp_path):
+def test_credentials_in_the_url_reach_no_file_and_no_output(vllm_server, tmp_path):
     secrets = ("s3cr3t-pass", "s3cr3t-key", "alice")
-    url = server.url.replace("http://", "http://alice:s3cr3t-pass@") + "/?api_key=s3cr3t-key"
+    url = vllm_server.url.replace("http://", "http://alice:s3cr3t-pass@") + "/?api_key=s3cr3t-key"
     out = tmp_path / "run"
     args = ["--engine", "http", "--url", url, "--groups", "1", *SHORT, "--out", str(out)]
     ok = CliProcess(tmp_path, args, "secret-ok")
@@ -253,7 +243,7 @@ def test_credentials_in_the_url_reach_no_file_and_no_output(server, tmp_path):
     assert "error: http://127.0.0.1:" in failed.err() and "is not a vLLM server" in failed.err()
     assert not (tmp_path / "never").exists()
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["engine"]["urls"] == [f"http://***@127.0.0.1:{server.port}/?api_key=***"]
+    assert manifest["engine"]["urls"] == [f"http://***@127.0.0.1:{vllm_server.port}/?api_key=***"]
     texts = [ok.out(), ok.err(), failed.out(), failed.err()]
     texts += [p.read_bytes().decode("latin-1") for p in out.rglob("*") if p.is_file()]
     texts += [json.dumps([r.error, r.info, r.task]) for r in read_run(out).rollouts]  # Parquet is compressed
@@ -261,12 +251,12 @@ def test_credentials_in_the_url_reach_no_file_and_no_output(server, tmp_path):
         assert not any(secret in text for text in texts), secret
 
 
-def test_an_engine_killed_mid_run_stops_the_run_with_one_line(server, tmp_path):
+def test_an_engine_killed_mid_run_stops_the_run_with_one_line(vllm_server, tmp_path):
     """Last in the module: it kills the module's server."""
     out = tmp_path / "run"
-    proc = CliProcess(tmp_path, run_args(server, out, groups=12), "dead")
+    proc = CliProcess(tmp_path, run_args(vllm_server, out, groups=12), "dead")
     wait_until(lambda: written(out) >= 1, proc)
-    os.killpg(server.proc.pid, signal.SIGKILL)
+    os.killpg(vllm_server.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     assert proc.wait(120) == 1, proc.err()[-2000:]
     assert time.monotonic() - killed < 60, "the run ground on against a dead engine"
@@ -281,4 +271,4 @@ def test_an_engine_killed_mid_run_stops_the_run_with_one_line(server, tmp_path):
     assert failed and all("cannot connect" in r.error or "broke off" in r.error for r in failed)
     lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
     assert lint.exit_code == 0, lint.output[-3000:]
-    server.proc.wait(30)
+    vllm_server.proc.wait(30)
