@@ -26,6 +26,7 @@ from ..datamodel import Frozen, Rollout
 from ..engine.http import redact
 from ..engine.models import DEFAULT_MODEL, resolve
 from ..engine.protocol import CachePolicy, Sampling
+from ..engine.router import Router
 from ..errors import InputError, VerbatimError
 from .preflight import model_vocab_size, preflight
 from .rollout import LoopConfig
@@ -92,7 +93,6 @@ def _make_engine(options: RunOptions) -> Any:
         engines = [HttpEngine(url) for url in options.urls]
         if len(engines) == 1 and options.route is None:
             return engines[0]
-        from ..engine.router import Router
         from ..engine.routing import RouteConfig
 
         config = RouteConfig.parse(options.route or "sticky_least_loaded+group", high_water=options.high_water,
@@ -120,7 +120,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
     engine = _make_engine(options)  # constructing starts nothing
     urls = [redact(u) for u in options.urls]  # no credentials in traces
-    route = getattr(getattr(engine, "config", None), "label", None)
+    route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(
         run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
         engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
