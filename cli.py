@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .cli_bench import bench_app
+from .cli_lint import lint_app, mismatch_report
 from .errors import VerbatimError
 
 try:  # typer >= 0.24 vendors click as typer._click
@@ -90,11 +92,7 @@ app = typer.Typer(
 models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
                          no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(models_app, name="models")
-lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
-                       rich_markup_mode=None)
 app.add_typer(lint_app, name="lint")
-bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
-                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
                         no_args_is_help=True)
@@ -180,47 +178,6 @@ def generate(
                   f"engine: vLLM {result.engine_version}  total {c.total_s:.2f}s")
 
 
-@bench_app.command("policies")
-def bench_policies(
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    write_docs: bool = typer.Option(False, "--write-docs", help="Replace the table in docs/engine.md."),
-) -> None:
-    """Measure the four cache policies across a real weight update (cached tokens, output change)."""
-    from .engine.policy_report import run_policy_report
-
-    table = run_policy_report(model, write_docs=write_docs)
-    console.print(table)
-
-
-@bench_app.command("rollouts")
-def bench_rollouts(
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    write: str = typer.Option(None, "--write", help="Write the table into this markdown file (docs/benchmarks.md)."),
-) -> None:
-    """verbatim vs a re-rendering harness: a group sharing a long prompt, and 10-turn rollouts."""
-    from pathlib import Path
-
-    from .harness.bench_rollouts import run_bench, write_section
-
-    table = run_bench(model)
-    console.print(table)
-    if write:
-        write_section(Path(write), table)
-
-
-@bench_app.command("logprobs")
-def bench_logprobs(
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    dtype: str = typer.Option("float32", "--dtype", help="Engine dtype: float32 or bfloat16."),
-) -> None:
-    """Compare the engine's sampler logprobs with transformers' fp32 logprobs of the same tokens."""
-    import json
-
-    from .engine.policy_report import logprob_agreement
-
-    console.print(json.dumps(logprob_agreement(model, dtype)))
-
-
 # ---------------------------------------------------------------------------
 # run: the main job
 # ---------------------------------------------------------------------------
@@ -294,66 +251,8 @@ def export(
                   + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)
 
 
-@app.command("mismatch")
-def mismatch_report(
-    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
-    model: str = typer.Option("default", "--model", help="Weights to recompute π with (name or HF folder)."),
-    trainer_version: int = typer.Option(None, "--trainer-version", help="Default: the newest version in the trace."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
-) -> None:
-    """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
-    import json
-    from pathlib import Path
-
-    from .engine.models import resolve
-    from .harness.store import read_run
-    from .trainer.mismatch import check_vocabulary, load_model, mismatch, plot_histogram, usable_rollouts
-
-    trace = read_run(run_dir)
-    for problem in trace.problems:
-        err_console.print(f"warning: {problem}")
-    rollouts = usable_rollouts(trace.rollouts)
-    model_dir = resolve(model)
-    network = load_model(model_dir)
-    check_vocabulary(rollouts, int(network.config.vocab_size), model_dir.name)
-    report = mismatch(rollouts, network, trainer_version=trainer_version)
-    if plot:
-        plot_histogram(report, Path(plot))
-    if as_json:
-        console.print_json(json.dumps(report.as_dict()))
-        return
-    console.print(_mismatch_table(report))
-
-
-def _mismatch_table(report: Any) -> Table:
-    overall = report.metrics["all"]
-    table = Table(title=f"sampler vs trainer: {report.model_tokens} model tokens, {report.rollouts} rollouts, "
-                        f"trainer version {report.trainer_version}")
-    table.add_column("slice", no_wrap=True)
-    table.add_column("tokens", justify="right")
-    table.add_column("mean |log π − log μ|", justify="right")
-    table.add_column("ratio p01 / p50 / p99", justify="right")
-    table.add_column("masked (any rule)", justify="right")
-    table.add_column("k3 KL", justify="right")
-
-    def row(name: str, stats: dict) -> None:
-        q = stats["ratio_quantiles"]
-        quantiles = f"{q['p01']:.5f} / {q['p50']:.5f} / {q['p99']:.5f}" if q else "-"
-        mean = stats["mean_abs_log_ratio"]
-        k3 = stats["k3"]
-        table.add_row(name, str(stats["tokens"]), "-" if mean is None else f"{mean:.2e}", quantiles,
-                      f"{stats['dropped'].get('any', 0.0):.2%}", "-" if k3 is None else f"{k3:.2e}")
-
-    row("all", overall)
-    for lag, stats in sorted(report.metrics["by_lag"].items(), key=lambda kv: int(kv[0])):
-        row(f"lag {lag}", stats)
-    if (report.metrics.get("hybrid") or {}).get("tokens"):
-        row("hybrid", report.metrics["hybrid"])
-    rules = ", ".join(f"{k} {v:.2%}" for k, v in overall["dropped"].items() if k != "any")
-    table.caption = (f"masked per rule: {rules}. lag = trainer version − sampling version; "
-                     "hybrid = sampled just after a weight update inside its sequence")
-    return table
+# mismatch lives in cli_lint.py beside 'lint trace': both check what a run recorded.
+app.command("mismatch")(mismatch_report)
 
 
 # ---------------------------------------------------------------------------
@@ -428,214 +327,6 @@ def fleet_down(
 
     stopped = stop_fleet(Path(file))
     console.print(f"stopped {len(stopped)} replicas" + (f" ({', '.join(stopped)})" if stopped else ""))
-
-
-# ---------------------------------------------------------------------------
-# lint template: chat-template drift
-# ---------------------------------------------------------------------------
-
-
-@lint_app.command("template")
-def lint_template(
-    template: str = typer.Option(..., "--template", help="A .jinja file, an official template name "
-                                 "(qwen3, gpt_oss…) or a renderer name (llama3…)."),
-    tokenizer: str = typer.Option(None, "--tokenizer", help="Tokenizer folder/tokenizer.json or renderer "
-                                  "name (default: the default model's)."),
-    conversations: str = typer.Option(None, "--conversations", help="JSONL of {\"messages\": [...], "
-                                      "\"tools\": [...]} objects (default: the built-in set)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per conversation on stdout."),
-) -> None:
-    """Does re-rendering history with this template change tokens already rendered? Exit 1 if so."""
-    import json
-
-    from .renderers import drift
-    from .renderers.conversations import DEFAULT_CONVERSATIONS, load_conversations
-    from .renderers.templates import resolve_template, resolve_tokenizer
-
-    label, text = resolve_template(template)
-    chats = load_conversations(conversations or DEFAULT_CONVERSATIONS)
-    model_dir = None
-    if tokenizer is None or not _is_path(tokenizer):
-        from .engine.models import prepare
-
-        model_dir = prepare()
-    if tokenizer is None:
-        from .renderers.tokenizers import smollm2_tokenizer
-
-        tok = smollm2_tokenizer(str(model_dir))
-    else:
-        tok = resolve_tokenizer(tokenizer, model_dir)
-    verdicts = drift.lint(drift.TemplateRenderer(text, tok), chats)
-    if as_json:
-        for verdict in verdicts:
-            print(json.dumps(verdict.as_json(), ensure_ascii=False))
-    else:
-        console.print(_drift_table(label, verdicts))
-    # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
-    # comes back as a return value and would be lost.
-    sys.exit(drift.exit_code(verdicts))
-
-
-# ---------------------------------------------------------------------------
-# lint trace: can a trainer trust this run?
-# ---------------------------------------------------------------------------
-
-
-@lint_app.command("trace")
-def lint_trace(
-    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per rollout (and damaged file) on stdout."),
-    groups: bool = typer.Option(False, "--groups", help="Also check each group's shared prompt was prefilled "
-                                "once (not for resumed runs)."),
-) -> None:
-    """Check every rollout: exact prefix extension, logprobs, versions, prefix-cache hits. Exit 1 if wrong."""
-    import json
-
-    from .harness.trace_lint import lint_run
-    from .harness.trace_report import report_table
-
-    report = lint_run(run_dir, groups=groups)
-    if as_json:
-        for verdict in report.verdicts:
-            print(json.dumps(verdict.as_json(), ensure_ascii=False))
-    else:
-        console.print(report_table(run_dir, report))
-    raise typer.Exit(report.exit_code)
-
-
-def _is_path(value: str) -> bool:
-    from pathlib import Path
-
-    return Path(value).expanduser().exists()
-
-
-def _drift_table(label: str, verdicts: Any) -> Table:
-    stable = sum(v.prefix_stable is True for v in verdicts)
-    table = Table(title=f"{label}: {stable}/{len(verdicts)} conversations prefix-stable")
-    for column in ("#", "stable", "kind", "cut", "diff at", "cause", "miss", "earlier | later tokens"):
-        table.add_column(column)
-    for verdict in verdicts:
-        number = str(verdict.conversation)
-        if verdict.unsupported is not None:
-            table.add_row(number, "n/a", "", "", "", f"refused: {verdict.unsupported}", "", "")
-        elif not verdict.violations:
-            table.add_row(number, "yes", "", "", "", "", "", "")
-        for v in verdict.violations:
-            context = f"{''.join(v.earlier)!r} | {''.join(v.later)!r}"
-            table.add_row(number, "no", v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
-                          str(v.miss_tokens), context)
-    return table
-
-
-# ---------------------------------------------------------------------------
-# bench render: bridge vs full re-render
-# ---------------------------------------------------------------------------
-
-
-@bench_app.command("render")
-def bench_render(
-    renderer: str = typer.Option("smollm2", "--renderer", help="Renderer family to time."),
-    turns: str = typer.Option("10,50,200", "--turns", help="Comma-separated conversation lengths."),
-    repeats: int = typer.Option(40, "--repeats", min=1, help="Timed repeats per bridge measurement."),
-    write: str = typer.Option(None, "--write", help="Also write the table into this markdown file's "
-                              "'## Renderers (verbatim bench render)' section (e.g. docs/benchmarks.md)."),
-) -> None:
-    """Per-turn time of Renderer.bridge versus a full apply_chat_template re-render."""
-    import platform
-
-    from .engine.models import prepare
-    from .renderers.bench import bench_render as run_bench
-    from .renderers.bench import markdown_table
-    from .renderers.bench_report import write_section
-    from .renderers.registry import get_renderer
-    from .renderers.templates import resolve_template
-
-    try:
-        counts = [int(t) for t in turns.split(",") if t.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--turns must be comma-separated integers, got {turns!r}") from None
-    chosen = get_renderer(renderer, model_dir=prepare())
-    _, template = resolve_template(chosen.templates[0])
-    rows = run_bench(chosen, template, counts, repeats)
-    table = markdown_table(rows)
-    where = f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
-    console.print(f"renderer {chosen.name} ({chosen.templates[0]}), {where}")
-    console.print(table)
-    if write:
-        write_section(write, chosen.name, chosen.templates[0], where, table)
-        console.print(f"wrote {write}")
-
-
-# ---------------------------------------------------------------------------
-# bench prefixflow: training-time prefix reuse versus full sequences
-# ---------------------------------------------------------------------------
-
-
-@bench_app.command("router")
-def bench_router(
-    trace: list[str] = typer.Option(None, "--trace", help="Run directory whose turn lengths to sample (repeatable; "
-                                    "default: the committed table of real guess and longdoc runs)."),
-    replicas: list[int] = typer.Option(None, "--replicas", help="Fleet sizes (repeatable; default 8, 16, 64)."),
-    sessions: list[int] = typer.Option(None, "--sessions",
-                                       help="Sessions per simulation (repeatable; default 1000, 10000)."),
-    group_size: list[int] = typer.Option(None, "--group-size", help="Rollouts per group (repeatable; default 8, 16)."),
-    seed: int = typer.Option(0, "--seed", help="Workload and think-time seed (same seed, same table)."),
-    write: bool = typer.Option(False, "--write", help="Write the table and plot into docs/benchmarks.md."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per simulation, one per line."),
-) -> None:
-    """Simulate the routing policies on a fleet with finite prefix caches; sessions drawn from real traces."""
-    from pathlib import Path
-
-    from .errors import InputError
-    from .harness.bench_router import router_command
-
-    replicas, sessions, sizes = replicas or [8, 16, 64], sessions or [1000, 10000], group_size or [8, 16]
-    if min(replicas + sessions + sizes) < 1:
-        raise InputError("--replicas, --sessions and --group-size must be >= 1")
-    router_command([Path(t) for t in trace or []], replicas, sessions, sizes, seed, write, as_json, console)
-
-
-@bench_app.command("prefixflow")
-def bench_prefixflow(
-    prefix_ratio: list[float] = typer.Option(None, "--prefix-ratio",
-                                             help="Shared-prefix share of each sequence, in (0, 1) "
-                                                  "(repeatable; default 0.5, 0.83, 0.95)."),
-    group_size: list[int] = typer.Option(None, "--group-size",
-                                         help="Sequences per group (repeatable; default 4, 8, 16)."),
-    seq_len: int = typer.Option(1024, "--seq-len", min=2, help="Tokens per sequence."),
-    micro_batch: int = typer.Option(2, "--micro-batch", min=1,
-                                    help="Sequences per baseline microbatch; PrefixFlow's phase B gets the "
-                                         "same token budget."),
-    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
-    threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    offload: bool = typer.Option(True, "--offload/--no-offload",
-                                 help="Also measure peak memory with the prefix activations offloaded to disk."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per configuration, one per line."),
-) -> None:
-    """Actor-side forward+backward time and peak memory: PrefixFlow versus full-sequence training."""
-    import json
-
-    from .engine.models import resolve
-    from .errors import InputError
-    from .trainer.prefixflow_bench import markdown_table, run_bench
-
-    ratios = prefix_ratio or [0.5, 0.83, 0.95]
-    sizes = group_size or [4, 8, 16]
-    if any(not 0 < r < 1 for r in ratios) or any(g < 1 for g in sizes):
-        raise InputError(f"--prefix-ratio must lie in (0, 1) and --group-size be >= 1, got {ratios} and {sizes}")
-
-    def show(result: dict) -> None:
-        if as_json:
-            print(json.dumps(result), flush=True)
-        else:
-            err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
-                              f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
-
-    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, repeats, threads,
-                        progress=show)
-    if not as_json:
-        console.print(markdown_table(results))
 
 
 def main() -> None:
