@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import Field
 
-from ..datamodel import Frozen, Rollout
+from ..datamodel import Frozen, Rollout, shared_prefix
 from ..errors import InputError
 from .block_cache import chain_hashes, token_block_hashes
 
@@ -128,12 +128,7 @@ def shapes_from_rollouts(rollouts: Sequence[Rollout]) -> list[GroupShape]:
 
 def _common_prefix(sequences: list[np.ndarray]) -> int:
     first = sequences[0]
-    common = len(first)
-    for other in sequences[1:]:
-        n = min(common, len(other))
-        diff = np.flatnonzero(first[:n] != other[:n])
-        common = int(diff[0]) if diff.size else n
-    return common
+    return min((shared_prefix(first, other) for other in sequences[1:]), default=len(first))
 
 
 def sample_workload(shapes: Sequence[GroupShape], sessions: int, group_size: int, group_rate_per_s: float,

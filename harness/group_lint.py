@@ -20,15 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..datamodel import Rollout
+from ..datamodel import Rollout, shared_prefix
 from .trace_lint import CacheSettings, Problem, RolloutVerdict, turn_replicas
-
-
-def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def first_prompt(rollout: Rollout) -> np.ndarray:

@@ -295,7 +295,8 @@ def group_of(first_cached: list[int], *, salts: list | None = None, same_prompt:
 
 
 def test_group_check_numbers():
-    from verbatim.harness.group_lint import group_reusable, shared_prefix
+    from verbatim.datamodel import shared_prefix
+    from verbatim.harness.group_lint import group_reusable
 
     a, b = np.array([1, 2, 3, 4, 5]), np.array([1, 2, 9, 4])
     assert shared_prefix(a, b) == 2 and shared_prefix(a, a) == 5 and shared_prefix(a, a[:0]) == 0
