@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ..datamodel import Completion
+from ..datamodel import Completion, shared_prefix
 from ..errors import EngineError, InputError
 from .protocol import CachePolicy, Engine, EngineStats, Sampling, WeightSource
-from .routing import Decision, Pins, ReplicaState, RouteConfig, RouteRequest, admit, route
+from .routing import Decision, Pins, ReplicaState, Residency, RouteConfig, RouteRequest, admit, route
 
 
 @dataclass
@@ -35,8 +35,8 @@ class Replica:
     name: str
     engine: Any
     in_flight: int = 0
-    live: dict[str, int] = field(default_factory=dict)
-    """Context tokens of each live session last served here."""
+    live: Residency = field(default_factory=Residency)
+    """Context tokens of each live session last served here (a group's shared prompt once)."""
     kv_usage: float = 0.0
     capacity_tokens: int = 0
     polled_at: float = 0.0
@@ -44,8 +44,8 @@ class Replica:
 
     def state(self) -> ReplicaState:
         return ReplicaState(name=self.name, load=float(self.in_flight), kv_usage=self.kv_usage,
-                            live_tokens=sum(self.live.values()), capacity_tokens=self.capacity_tokens,
-                            healthy=self.healthy)
+                            live_tokens=self.live.tokens, capacity_tokens=self.capacity_tokens,
+                            healthy=self.healthy, live_groups=dict(self.live.shared))
 
 
 class Router:
@@ -70,6 +70,10 @@ class Router:
         self.lost_tokens = 0
         self.admission_wait_s = 0.0
         self._changed = asyncio.Event()
+        self._groups: dict[str, tuple[np.ndarray, int]] = {}
+        """Each group with live sessions: its first member's prompt and how many members are live."""
+        self._shares: dict[str, tuple[str, int]] = {}
+        """Each live grouped session: its group and the tokens of its context shared with the group."""
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -103,8 +107,10 @@ class Router:
                        cache_salt: str | None = None) -> Completion:
         prompt = np.asarray(prompt_ids).reshape(-1)
         session = session_id or f"anonymous-{id(prompt)}"
-        request = RouteRequest(session_id=session, group_id=group_id,
-                               new_session=session not in self.pins.sessions, context_tokens=len(prompt))
+        new = session not in self.pins.sessions
+        shared = self._join(session, group_id, prompt) if new else self._shares.get(session, (None, 0))[1]
+        request = RouteRequest(session_id=session, group_id=group_id, new_session=new,
+                               context_tokens=len(prompt), shared_tokens=shared)
         replica, decision, waited = await self._place(request)
         while True:
             try:
@@ -128,7 +134,7 @@ class Router:
             replica = self._by_name(decision.replica)
             if request.new_session:
                 await self._poll(replica, fresh=True)
-            others_live = any(s != request.session_id for s in replica.live)
+            others_live = any(s != request.session_id for s in replica.live.contexts)
             admitted = admit(self.config, replica.state(), request, others_live=others_live)
             if admitted or waited >= self.admission_timeout_s:
                 break
@@ -143,11 +149,21 @@ class Router:
         if decision.migrated_from is not None:
             self.migrations += 1
             self.lost_tokens += decision.lost_tokens
-            old = self._by_name(decision.migrated_from)
-            old.live.pop(request.session_id, None)
+            self._by_name(decision.migrated_from).live.drop(request.session_id)
         replica = self._by_name(decision.replica)
-        replica.live[request.session_id] = request.context_tokens
+        replica.live.set(request.session_id, request.context_tokens, request.group_id, request.shared_tokens)
         return replica
+
+    def _join(self, session: str, group_id: str | None, prompt: np.ndarray) -> int:
+        """A new grouped session: record it, and return the whole blocks it shares with its group's first prompt."""
+        if group_id is None:
+            return 0
+        first, live = self._groups.get(group_id, (prompt, 0))
+        if session not in self._shares:
+            self._groups[group_id] = (first, live + 1)
+        shared = shared_prefix(first, prompt) // self.block_size * self.block_size
+        self._shares[session] = (group_id, shared)
+        return shared
 
     async def _serve(self, replica: Replica, prompt: np.ndarray, sampling: Sampling | None, session: str,
                      group_id: str | None, cache_salt: str | None) -> Completion:
@@ -158,7 +174,8 @@ class Router:
         finally:
             replica.in_flight -= 1
             self._notify()
-        replica.live[session] = len(prompt) + len(completion.token_ids)
+        group, shared = self._shares.get(session, (None, 0))
+        replica.live.set(session, len(prompt) + len(completion.token_ids), group, shared)
         return completion
 
     @staticmethod
@@ -176,7 +193,14 @@ class Router:
     def end_session_now(self, session_id: str) -> None:
         self.pins.end(session_id)
         for replica in self.replicas:
-            replica.live.pop(session_id, None)
+            replica.live.drop(session_id)
+        group, _ = self._shares.pop(session_id, (None, 0))
+        if group is not None:
+            first, live = self._groups[group]
+            if live > 1:
+                self._groups[group] = (first, live - 1)
+            else:
+                del self._groups[group]
         self._notify()
 
     # -- replica health and load ----------------------------------------------------------

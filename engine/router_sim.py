@@ -3,7 +3,8 @@
 Routing and admission are :mod:`verbatim.engine.routing`'s own ``route`` and ``admit``,
 fed with :class:`ReplicaState` built from the simulated replicas: ``load`` = requests
 waiting or running there, ``kv_usage`` = blocks held by running requests,
-``live_tokens`` = context of the live sessions last served there. Pure Python and
+``live_tokens`` = context of the live sessions last served there, a group's shared
+prompt counted once (:class:`Residency`, as in the router). Pure Python and
 NumPy: no engine, no I/O; the same seed gives the same result.
 
 Each replica (:class:`_Replica`) has a finite :class:`BlockCache` and serves requests
@@ -52,7 +53,7 @@ from pydantic import Field
 from ..datamodel import Frozen
 from ..errors import InputError
 from .block_cache import Allocation, BlockCache
-from .routing import Pins, ReplicaState, RouteConfig, RouteRequest, admit, route
+from .routing import Pins, ReplicaState, Residency, RouteConfig, RouteRequest, admit, route
 from .sim_workload import SimSession, Workload
 
 _EPS = 1e-6
@@ -151,7 +152,7 @@ class _Replica:
         self.prefill_end = 0.0
         self.decoded = self.last = self.busy = 0.0
         self.version = self.serial = 0
-        self.live_sessions = self.live_tokens = 0
+        self.live = Residency()
         self.fresh: ReplicaState | None = None
         """The state as last built; ``None`` once anything the router sees has changed."""
 
@@ -163,7 +164,8 @@ class _Replica:
         if self.fresh is None:
             capacity = self.cache.capacity
             self.fresh = ReplicaState(self.name, load=float(self.load), kv_usage=self.cache.in_use / capacity,
-                                      live_tokens=self.live_tokens, capacity_tokens=capacity * self.cache.block_size)
+                                      live_tokens=self.live.tokens, capacity_tokens=capacity * self.cache.block_size,
+                                      live_groups=self.live.shared)
         return self.fresh
 
     def advance(self, now: float) -> None:
@@ -297,11 +299,12 @@ class _Simulation:
 
     def dispatch(self, req: _Request, *, force: bool = False) -> bool:
         spec = req.session.spec
-        request = RouteRequest(spec.session_id, spec.group_id, new_session=req.turn == 0, context_tokens=req.prompt)
+        request = RouteRequest(spec.session_id, spec.group_id, new_session=req.turn == 0, context_tokens=req.prompt,
+                               shared_tokens=self.shared_blocks(spec))
         decision = route(self.config.route, self.pins, self.current_states(), request)
         replica = self.by_name[decision.replica]
         if not force and not admit(self.config.route, replica.state(), request,
-                                       others_live=replica.live_sessions > 0):
+                                       others_live=len(replica.live) > 0):
             return False
         self.pins.apply(request, decision)
         if decision.migrated_from is not None:
@@ -327,15 +330,16 @@ class _Simulation:
 
     def place(self, session: _Session, replica: _Replica | None, context: int) -> None:
         """Move a session's live-context tally to ``replica`` (``None``: the session ended)."""
-        if session.replica is not None:
-            session.replica.live_sessions -= 1
-            session.replica.live_tokens -= session.context
+        if session.replica is not None and session.replica is not replica:
+            session.replica.live.drop(session.spec.session_id)
             self.touch(session.replica)
         session.replica, session.context = replica, context
         if replica is not None:
-            replica.live_sessions += 1
-            replica.live_tokens += context
+            replica.live.set(session.spec.session_id, context, session.spec.group_id, self.shared_blocks(session.spec))
             self.touch(replica)
+
+    def shared_blocks(self, spec: SimSession) -> int:
+        return spec.shared // self.config.block_size * self.config.block_size
 
     def settle(self, replica: _Replica) -> None:
         replica.advance(self.now)
@@ -392,7 +396,7 @@ class _Simulation:
         """Could admission let anything in? (No replica with live sessions below the high-water mark: no.)"""
         high = self.config.route.high_water
         return not self.config.route.admission or any(
-            r.live_sessions == 0 or r.state().pressure < high for r in self.replicas)
+            len(r.live) == 0 or r.state().pressure < high for r in self.replicas)
 
     def result(self, label: str, record_turns: bool) -> SimResult:
         done = self.done

@@ -16,7 +16,8 @@ shared prompt is. Against that stands load balance. The policies:
 the group's first member went, so the shared prompt is prefilled once.
 
 Admission (:func:`admit`) holds *new* rollouts while a replica's KV cache is above a
-high-water mark; the next turn of a live rollout is never held.
+high-water mark; the next turn of a live rollout is never held. :class:`Residency`
+tallies what the live sessions keep cached, a group's shared prompt counted once.
 
 The caller owns a :class:`Pins` table and applies each :class:`Decision` to it; the
 discrete-event simulator (``verbatim bench router``) and the real router share
@@ -29,7 +30,7 @@ import bisect
 import enum
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import Field
@@ -98,6 +99,8 @@ class ReplicaState:
     capacity_tokens: int = 0
     """KV cache size in tokens (0 when unknown)."""
     healthy: bool = True
+    live_groups: Mapping[str, int] = field(default_factory=dict)
+    """Groups with live sessions here, and the shared-prompt tokens they hold once for all members."""
 
     @property
     def pressure(self) -> float:
@@ -109,6 +112,13 @@ class ReplicaState:
         projected = (self.live_tokens + new_tokens) / self.capacity_tokens if self.capacity_tokens else 0.0
         return max(self.kv_usage, projected)
 
+    def newcomer_tokens(self, request: RouteRequest) -> int:
+        """Context a request would add here: its group's shared prompt is already resident if a member is live."""
+        resident = self.live_groups.get(request.group_id) if request.group_id is not None else None
+        if resident is None:
+            return request.context_tokens
+        return request.context_tokens - min(request.shared_tokens, resident)
+
 
 @dataclass(frozen=True)
 class RouteRequest:
@@ -118,6 +128,64 @@ class RouteRequest:
     """True on a rollout's first turn."""
     context_tokens: int = 0
     """Prompt tokens of this request (what a migration gives up)."""
+    shared_tokens: int = 0
+    """Leading tokens of the context shared with the rest of its group (the group prompt), in whole blocks."""
+
+
+@dataclass
+class Residency:
+    """The context that one replica's live sessions keep in its KV cache (owned and updated by the caller).
+
+    Members of a group share their prompt's blocks, so a group's shared prefix is counted once:
+    ``tokens`` = Σ contexts − Σ over groups (members − 1) × the least prefix its members share.
+    Both sums are kept up to date, so reading ``tokens`` costs nothing.
+    """
+
+    contexts: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)
+    """Each group's least shared prefix over its live members here (what ``ReplicaState.live_groups`` shows)."""
+    _membership: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _members: dict[str, dict[str, int]] = field(default_factory=dict)
+    _total: int = 0
+    _saved: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self._total - self._saved
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def set(self, session: str, context: int, group: str | None = None, shared: int = 0) -> None:
+        """A session's context here is now ``context`` tokens (it joins if new)."""
+        self._total += context - self.contexts.get(session, 0)
+        self.contexts[session] = context
+        if group is not None and session not in self._membership:
+            self._membership[session] = (group, min(shared, context))
+            self._regroup(group, session, min(shared, context))
+
+    def drop(self, session: str) -> None:
+        """The session left this replica (ended or migrated)."""
+        self._total -= self.contexts.pop(session, 0)
+        group, _ = self._membership.pop(session, (None, 0))
+        if group is not None:
+            self._regroup(group, session, None)
+
+    def _regroup(self, group: str, session: str, shared: int | None) -> None:
+        """Add (``shared`` given) or remove one member, keeping the saved tokens in step."""
+        members = self._members.setdefault(group, {})
+        if members:
+            self._saved -= (len(members) - 1) * self.shared[group]
+        if shared is None:
+            members.pop(session, None)
+        else:
+            members[session] = shared
+        if not members:
+            del self._members[group]
+            self.shared.pop(group, None)
+            return
+        self.shared[group] = min(members.values())
+        self._saved += (len(members) - 1) * self.shared[group]
 
 
 @dataclass
@@ -234,8 +302,9 @@ def admit(config: RouteConfig, replica: ReplicaState, request: RouteRequest, *, 
     """May this request start now? Only new rollouts are ever held, and only while something else is live.
 
     A new rollout is held while the replica's pressure, counting the newcomer's own context, would reach
-    the high-water mark: live rollouts grow every turn, and their cached history must stay resident.
+    the high-water mark: live rollouts grow every turn, and their cached history must stay resident. A
+    newcomer whose group is live here adds only what it does not share with it.
     """
     if not config.admission or not request.new_session or not others_live:
         return True
-    return replica.pressure_with(request.context_tokens) < config.high_water
+    return replica.pressure_with(replica.newcomer_tokens(request)) < config.high_water

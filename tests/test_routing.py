@@ -11,6 +11,7 @@ from verbatim.engine.routing import (
     Decision,
     Pins,
     ReplicaState,
+    Residency,
     RouteConfig,
     RoutePolicy,
     RouteRequest,
@@ -206,6 +207,68 @@ def test_pressure_is_the_larger_of_measured_and_projected_usage():
     assert FULL.pressure == 0.95 and PROJECTED_FULL.pressure == 0.95 and ROOMY.pressure == 0.5
     assert ReplicaState("x", kv_usage=0.3, live_tokens=10_000).pressure == 0.3  # unknown capacity
     assert ROOMY.pressure_with(400) == 0.6 and ROOMY.pressure_with(0) == 0.5
+
+
+def test_a_newcomer_whose_group_is_live_adds_only_what_it_does_not_share():
+    cfg = RouteConfig(high_water=0.9)
+    # 600 live tokens, 500 of them the prompt of group g: a member of g with 300 tokens (256 shared) adds 44
+    replica = ReplicaState("r0", kv_usage=0.2, live_tokens=600, capacity_tokens=1000, live_groups={"g": 500})
+    member = RouteRequest("s", "g", context_tokens=300, shared_tokens=256)
+    stranger = RouteRequest("t", "h", context_tokens=300, shared_tokens=256)
+    assert replica.newcomer_tokens(member) == 44 and replica.newcomer_tokens(stranger) == 300
+    assert admit(cfg, replica, member, others_live=True) and not admit(cfg, replica, stranger, others_live=True)
+    # only what the group holds here counts: a resident share shorter than the newcomer's limits the saving
+    short = ReplicaState("r0", live_tokens=600, capacity_tokens=1000, live_groups={"g": 64})
+    assert short.newcomer_tokens(member) == 236
+
+
+def test_residency_counts_a_group_prompt_once_and_forgets_what_leaves():
+    live = Residency()
+    live.set("a", 300, "g", 256)
+    live.set("b", 280, "g", 256)
+    live.set("c", 100)
+    assert live.tokens == 300 + 280 - 256 + 100 and live.shared == {"g": 256} and len(live) == 3
+    live.set("a", 500)  # a later turn: the context grows, the group share stays
+    assert live.tokens == 500 + 280 - 256 + 100
+    live.set("d", 300, "g", 128)  # shares less with the group: the group's resident share is the least
+    assert live.shared == {"g": 128} and live.tokens == 500 + 280 + 300 + 100 - 2 * 128
+    live.drop("d")
+    live.drop("a")
+    assert live.tokens == 280 + 100 and live.shared == {"g": 256}
+    live.drop("b")
+    live.drop("c")
+    live.drop("never-here")
+    assert live.tokens == 0 and live.shared == {} and len(live) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 2), st.integers(0, 400),
+                          st.integers(0, 400)), max_size=60))
+def test_residency_matches_a_count_from_scratch(ops):
+    """After any sequence of joins, growths and departures the tally equals a recount of the live sessions."""
+    live, members = Residency(), {}
+    for leave, session, group, context, shared in ops:
+        sid = f"s{session}"
+        if leave:
+            live.drop(sid)
+            members.pop(sid, None)
+            continue
+        gid = f"g{group}" if group else None
+        if sid in members:  # a later turn: same group and share, a context that only grows
+            gid, share, before = members[sid]
+            context = before + context
+        else:
+            share = min(shared, context)
+        members[sid] = (gid, share, context)
+        live.set(sid, context, gid, shared)
+    total = sum(context for _, _, context in members.values())
+    groups: dict[str, list[int]] = {}
+    for gid, share, _ in members.values():
+        if gid is not None:
+            groups.setdefault(gid, []).append(share)
+    saved = sum((len(shares) - 1) * min(shares) for shares in groups.values())
+    assert live.tokens == total - saved and live.shared == {g: min(v) for g, v in groups.items()}
+    assert 0 <= live.tokens <= total
 
 
 # -- invariants over random traffic ------------------------------------------------------------------------
