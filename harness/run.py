@@ -31,7 +31,7 @@ from ..errors import EngineError, InputError, RunInterrupted, VerbatimError
 from .env_output import jsonable
 from .gate import FAILURES_TO_STOP, EngineGate
 from .rollout import LoopConfig, RolloutPlayer, RolloutSpec
-from .store import RunManifest, TraceWriter, read_manifest, read_run
+from .store import RunLock, RunManifest, TraceWriter, read_manifest, read_run
 from .summary import RunSummary, summarize
 
 
@@ -132,7 +132,12 @@ class Run:
         return {r.rollout_id for r in read_run(self.out).rollouts}
 
     def check_out_dir(self, resume: bool) -> None:
-        """Refuse to overwrite a run, or to resume one with a different plan (before anything starts)."""
+        """Refuse to overwrite a run, to resume one with a different plan, or to write where another
+        run is writing (before anything starts)."""
+        RunLock.check_free(self.out)
+        self._check_plan(resume)
+
+    def _check_plan(self, resume: bool) -> None:
         if not (self.out / "manifest.json").exists():
             return
         if not resume:
@@ -164,7 +169,11 @@ class Run:
     # -- playing ----------------------------------------------------------------------
 
     async def play(self, *, resume: bool = False) -> RunSummary:
-        self.check_out_dir(resume)
+        with RunLock(self.out):  # held until the last write: no second writer clears or duplicates ours
+            return await self._play_locked(resume)
+
+    async def _play_locked(self, resume: bool) -> RunSummary:
+        self._check_plan(resume)
         clear_unfinished_writes(self.out)
         done = self.completed_ids() if resume else set()
         writer = TraceWriter(self.out, self.manifest)

@@ -4,12 +4,14 @@ A run directory holds ``manifest.json`` and ``rollouts-000001.parquet`` (or
 ``.jsonl``), ``rollouts-000002…``. Every file is written to a temporary name,
 flushed to disk and renamed into place, so a crash loses at most the batch being
 written and never damages a written one. Reading skips what is damaged, says so
-in one line per file, and returns every intact rollout.
+in one line per file, and returns every intact rollout. A run directory has one
+writer at a time (:class:`RunLock`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import os
 import platform
@@ -25,7 +27,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, ValidationError
 
 from ..datamodel import SCHEMA_VERSION, Frozen, Rollout
-from ..errors import TraceError, TraceFormatError
+from ..errors import InputError, TraceError, TraceFormatError
 from .tracefile import from_json_line, from_table, to_json_line, to_table
 
 TraceFormat = Literal["parquet", "jsonl"]
@@ -110,6 +112,45 @@ class TraceWriter:
             _write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
         self._next += 1
         return path
+
+
+class RunLock:
+    """One writer per run directory: an exclusive ``flock`` on the directory itself.
+
+    The kernel drops the lock when the writing process ends, however it ends (SIGKILL
+    included), so a lock is never stale and no file is added to the run directory.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = Path(run_dir)
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise TraceError(f"cannot create run directory {self.run_dir}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise InputError(f"{self.run_dir} is being written by another verbatim run",
+                             hint="wait for it to end (then --resume), or pass another --out") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+    @staticmethod
+    def check_free(run_dir: str | os.PathLike[str]) -> None:
+        """Raise the one-line error now if another process writes ``run_dir`` (creates nothing)."""
+        if Path(run_dir).is_dir():
+            with RunLock(run_dir):
+                pass
 
 
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:

@@ -20,7 +20,7 @@ from fakes import STOP, CharRenderer
 from verbatim.datamodel import Completion, Message
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
-from verbatim.errors import EngineError, RunInterrupted
+from verbatim.errors import EngineError, InputError, RunInterrupted
 from verbatim.harness import run as run_module
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
@@ -240,3 +240,43 @@ def test_a_batch_write_killed_half_way_leaves_nothing_behind_after_resume(tmp_pa
     counts = Counter(r.rollout_id for r in after.rollouts)
     assert after.problems == [] and len(counts) == 8 and set(counts.values()) == {1}
     assert lint_run(out).ok
+
+
+def test_a_second_writer_is_refused_while_a_run_plays_and_disturbs_nothing(tmp_path):
+    """A second ``verbatim run --resume`` on a directory being written would clear the first's pending
+    writes and play its rollouts twice: it gets one line (exit 2) and touches nothing."""
+    out = tmp_path / "run"
+    engine = GatedEngine(hold_from=1)
+    first = make_run(out, engine)
+    pending = out / ".tmp-1-rollouts-000099.jsonl"  # a batch the first run is writing at this moment
+    refusals: list[InputError] = []
+
+    async def intrude():
+        while engine.held < 4:
+            await asyncio.sleep(0.01)
+        pending.write_text("half a batch")
+        second = make_run(out, GatedEngine())
+        try:
+            try:
+                second.check_out_dir(resume=True)  # what `verbatim run` checks before starting its engine
+            except InputError as exc:
+                refusals.append(exc)
+            try:
+                await asyncio.wait_for(second.play(resume=True), 20)
+            except InputError as exc:
+                refusals.append(exc)
+            survived.append(pending.exists())
+            pending.unlink(missing_ok=True)
+        finally:
+            engine.release.set()  # whatever happened, the first run finishes
+
+    survived: list[bool] = []
+    assert play(first, intrude()) is None
+    assert survived == [True], "the second writer cleared the first one's pending write"
+    assert len(refusals) == 2 and all(e.exit_code == 2 for e in refusals)
+    assert "is being written by another verbatim run" in refusals[0].one_line()
+    trace = read_run(out)
+    counts = Counter(r.rollout_id for r in trace.rollouts)
+    assert len(counts) == 8 and set(counts.values()) == {1} and trace.manifest.status == "completed"
+    assert lint_run(out).ok
+    make_run(out, GatedEngine()).check_out_dir(resume=True)  # the first run ended: its lock is gone

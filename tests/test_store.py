@@ -173,3 +173,32 @@ def test_manifest_records_versions_and_updates_atomically(tmp_path):
     manifest = read_manifest(tmp_path)
     assert manifest.status == "completed" and manifest.model == "m"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+
+
+def test_a_run_directory_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
+    """The lock is the kernel's: a writer killed by SIGKILL leaves no stale lock behind."""
+    from verbatim.errors import InputError
+    from verbatim.harness.store import RunLock
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from verbatim.harness.store import RunLock
+        with RunLock({str(out)!r}):
+            print("locked", flush=True)
+            time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(InputError, match="being written by another verbatim run"):
+            RunLock.check_free(out)
+        with pytest.raises(InputError):
+            RunLock(out).__enter__()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    RunLock.check_free(out)
+    with RunLock(out):
+        with pytest.raises(InputError):  # one writer even within one process
+            RunLock.check_free(out)
+    assert list(out.iterdir()) == []  # the lock adds no file to the run directory
