@@ -187,6 +187,26 @@ def test_admission_keeps_the_cache_when_the_kv_space_cannot_hold_every_rollout(f
     assert with_.cache_hit_rate > without.cache_hit_rate + 0.15
 
 
+def test_a_group_sharing_its_prompt_is_admitted_together(fleet, renderer, tmp_path):
+    """Admission counts a co-routed group's shared document once: its 4 members, whose whole first prompts
+    would fill more than the high-water mark of one replica, play together and keep every history."""
+    summary, _ = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "group", seed=11, words=150,
+                      high_water=0.75)
+    trace = read_run(tmp_path / "group")
+    members = [r for r in trace.rollouts if r.group_id == "g0000"]
+    leader_context = members[0].turns[0].completion_end
+    per_member = sum(m.turns[0].prompt_end for m in members[1:]) + leader_context
+    naive = per_member / (KV_BLOCKS * BLOCK)  # every member's whole context, as admission counted before
+    reused = full_reuse(tmp_path / "group")
+    print(f"\ngroups of 4 over one document: whole contexts would project {naive:.0%} of a replica; held "
+          f"{summary.admission_wait_s:.1f} s; cached {summary.cache_hit_rate:.1%}; whole previous context "
+          f"reused on {reused[0]}/{reused[1]} turns")
+    assert naive >= 0.75, "the workload no longer tests what it should: raise words"
+    assert summary.admission_wait_s == 0 and summary.statuses == {"ok": 8}
+    assert reused[0] == reused[1]
+    check_simulator(tmp_path / "group")
+
+
 def test_a_replica_killed_mid_run_moves_its_sessions_and_loses_nothing(fleet, renderer, tmp_path):
     victim = fleet.replicas[1]
     calls = {"n": 0}
