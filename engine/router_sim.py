@@ -7,22 +7,11 @@ waiting or running there, ``kv_usage`` = blocks held by running requests,
 prompt counted once (:class:`Residency`, as in the router). Pure Python and
 NumPy: no engine, no I/O; the same seed gives the same result.
 
-Each replica (:class:`_Replica`) has a finite :class:`BlockCache` and serves requests
-with continuous batching, approximated as follows:
-
-- requests wait FIFO; the head is scheduled when fewer than ``max_batch`` requests are
-  running and the cache can hold its prompt and completion (else it waits: no preemption);
-- every request scheduled at one moment is prefilled in one step of
-  ``prefill_base_s + prefill_token_s · (prompt − cached tokens)`` summed over the step,
-  during which the replica decodes nothing (vLLM mixes chunks with decodes);
-- the prefill step yields each request's first token; then every running request gets
-  one more token per ``decode_token_s`` (a decode step whose cost does not grow with the batch);
-- when a request finishes, the full blocks of its completion are registered and all its
-  blocks become evictable.
-
-*Busy time* counts a prefill step in full and a decode interval by the share of the
-batch it fills (running / ``max_batch``): the time the replica would need at full
-batch for the same work, so that a replica given more work shows more busy time.
+Each replica (:class:`~verbatim.engine.sim_replica.SimReplica`) has a finite prefix
+cache and serves requests with continuous batching, approximated as
+:mod:`verbatim.engine.sim_replica` describes (FIFO queue, one prefill step for the
+requests scheduled together, one token per decode step, busy time weighted by batch share);
+its timing, :class:`CostModel`, is defined there and importable from here too.
 
 A session plays its turns in order: request → completion → ``think_s`` (exponential,
 the env's time) → next request, whose prompt is the whole history. With
@@ -43,31 +32,19 @@ requests) over the time from the first arrival to the last completion.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 from pydantic import Field
 
 from ..datamodel import Frozen
 from ..errors import InputError
-from .block_cache import Allocation, BlockCache
-from .routing import Pins, ReplicaState, Residency, RouteConfig, RouteRequest, admit, route
+from .routing import Pins, ReplicaState, RouteConfig, RouteRequest, admit, route
+from .sim_replica import TIME_EPS, CostModel, LiveSession, SimReplica, SimRequest
 from .sim_workload import SimSession, Workload
 
-_EPS = 1e-6
 _RETRY_BUDGET = 16
 """Refusals in a row that end one retry pass over the held sessions (the next pass starts after them)."""
-
-
-class CostModel(Frozen):
-    """Replica timing: prefill step = base + per-token × prefilled tokens; decode step = one token per request."""
-
-    prefill_base_s: float = Field(ge=0.0)
-    prefill_token_s: float = Field(ge=0.0)
-    decode_token_s: float = Field(gt=0.0)
-    source: str = ""
 
 
 class SimConfig(Frozen):
@@ -118,114 +95,12 @@ class SimResult(Frozen):
     """(session, turn, replica, prompt tokens, cached tokens) per request, when asked for."""
 
 
-@dataclass(eq=False)
-class _Session:
-    spec: SimSession
-    turn: int = 0
-    replica: _Replica | None = None
-    context: int = 0
-    hashes: dict[int, list[int]] | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    session: _Session
-    turn: int
-    prompt: int
-    completion: int
-    hashes: list[int]
-    issued: float
-    replica: str = ""
-    arrived: float = 0.0
-    started: float = 0.0
-    cached: int = 0
-    allocation: Allocation | None = None
-
-
-class _Replica:
-    def __init__(self, index: int, config: SimConfig) -> None:
-        self.index, self.name, self.config = index, f"r{index}", config
-        self.cache = BlockCache(config.kv_blocks, config.block_size)
-        self.waiting: deque[_Request] = deque()
-        self.running: list[tuple[float, int, _Request]] = []
-        self.prefill: list[_Request] = []
-        self.prefill_end = 0.0
-        self.decoded = self.last = self.busy = 0.0
-        self.version = self.serial = 0
-        self.live = Residency()
-        self.fresh: ReplicaState | None = None
-        """The state as last built; ``None`` once anything the router sees has changed."""
-
-    @property
-    def load(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.prefill)
-
-    def state(self) -> ReplicaState:
-        if self.fresh is None:
-            capacity = self.cache.capacity
-            self.fresh = ReplicaState(self.name, load=float(self.load), kv_usage=self.cache.in_use / capacity,
-                                      live_tokens=self.live.tokens, capacity_tokens=capacity * self.cache.block_size,
-                                      live_groups=self.live.shared)
-        return self.fresh
-
-    def advance(self, now: float) -> None:
-        dt = now - self.last
-        if dt > 0 and not self.prefill and self.running:
-            self.decoded += dt / self.config.costs.decode_token_s
-            self.busy += dt * len(self.running) / self.config.max_batch
-        self.last = now
-
-    def step(self, now: float) -> list[_Request]:
-        """Settle what is due at ``now``; return the requests that finished (their blocks released)."""
-        if self.prefill and now >= self.prefill_end - _EPS:
-            for req in self.prefill:
-                self.serial += 1
-                heapq.heappush(self.running, (self.decoded + max(req.completion - 1, 0), self.serial, req))
-            self.prefill = []
-        finished = []
-        while self.running and self.running[0][0] <= self.decoded + _EPS:
-            req = heapq.heappop(self.running)[2]
-            computed = (req.prompt + req.completion - 1) // self.cache.block_size
-            self.cache.release(req.allocation, req.hashes, computed)
-            finished.append(req)
-        if not self.prefill:
-            self._schedule(now)
-        return finished
-
-    def next_wake(self, now: float) -> float | None:
-        if self.prefill:
-            return self.prefill_end
-        if self.running:
-            return now + (self.running[0][0] - self.decoded) * self.config.costs.decode_token_s
-        return None
-
-    def _schedule(self, now: float) -> None:
-        costs, block = self.config.costs, self.cache.block_size
-        tokens = 0
-        while self.waiting and len(self.running) + len(self.prefill) < self.config.max_batch:
-            req = self.waiting[0]
-            total = math.ceil((req.prompt + req.completion) / block)
-            if not self.cache.fits(total, req.prompt):
-                break
-            hit = self.cache.hit_blocks(req.hashes, req.prompt)
-            allocation = self.cache.allocate(req.hashes, hit, req.prompt // block, total)
-            if allocation is None:
-                break
-            self.waiting.popleft()
-            req.allocation, req.cached, req.started = allocation, hit * block, now
-            tokens += req.prompt - req.cached
-            self.prefill.append(req)
-        if self.prefill:
-            duration = costs.prefill_base_s + costs.prefill_token_s * tokens
-            self.prefill_end = now + duration
-            self.busy += duration
-
-
 class _Simulation:
     def __init__(self, workload: Workload, config: SimConfig) -> None:
         self.workload, self.config = workload, config
         self.rng = np.random.default_rng(config.seed)
-        self.replicas = [_Replica(i, config) for i in range(config.replicas)]
+        self.replicas = [SimReplica(i, config.costs, kv_blocks=config.kv_blocks, block_size=config.block_size,
+                                    max_batch=config.max_batch) for i in range(config.replicas)]
         self.states = [r.state() for r in self.replicas]
         self.stale: set[int] = set()
         self.by_name = {r.name: r for r in self.replicas}
@@ -235,10 +110,10 @@ class _Simulation:
         self.now = 0.0
         self.followers: dict[str, list[SimSession]] = {}
         self.queued: deque[SimSession] = deque()
-        self.held: dict[int, _Request] = {}
+        self.held: dict[int, SimRequest] = {}
         self.cursor = 0
         self.live = 0
-        self.done: list[_Request] = []
+        self.done: list[SimRequest] = []
         self.waits: list[float] = []
         self.migrations = self.migrated_tokens = self.held_requests = 0
 
@@ -275,16 +150,16 @@ class _Simulation:
             self.queued.append(spec)
             return
         self.live += 1
-        self.issue(_Session(spec))
+        self.issue(LiveSession(spec))
 
-    def issue(self, session: _Session) -> None:
+    def issue(self, session: LiveSession) -> None:
         spec, turn = session.spec, session.turn
         salt = spec.salt(turn)
         if session.hashes is None:
             session.hashes = {}
         if salt not in session.hashes:
             session.hashes[salt] = spec.block_hashes(self.config.block_size, salt)
-        req = _Request(session, turn, spec.prompts[turn], spec.completions[turn], session.hashes[salt], self.now)
+        req = SimRequest(session, turn, spec.prompts[turn], spec.completions[turn], session.hashes[salt], self.now)
         if not self.dispatch(req):
             self.serial += 1
             self.held[self.serial] = req
@@ -297,7 +172,7 @@ class _Simulation:
         if req is not None:
             self.dispatch(req, force=True)
 
-    def dispatch(self, req: _Request, *, force: bool = False) -> bool:
+    def dispatch(self, req: SimRequest, *, force: bool = False) -> bool:
         spec = req.session.spec
         request = RouteRequest(spec.session_id, spec.group_id, new_session=req.turn == 0, context_tokens=req.prompt,
                                shared_tokens=self.shared_blocks(spec))
@@ -324,11 +199,11 @@ class _Simulation:
         self.stale.clear()
         return self.states
 
-    def touch(self, replica: _Replica) -> None:
+    def touch(self, replica: SimReplica) -> None:
         replica.fresh = None
         self.stale.add(replica.index)
 
-    def place(self, session: _Session, replica: _Replica | None, context: int) -> None:
+    def place(self, session: LiveSession, replica: SimReplica | None, context: int) -> None:
         """Move a session's live-context tally to ``replica`` (``None``: the session ended)."""
         if session.replica is not None and session.replica is not replica:
             session.replica.live.drop(session.spec.session_id)
@@ -341,7 +216,7 @@ class _Simulation:
     def shared_blocks(self, spec: SimSession) -> int:
         return spec.shared // self.config.block_size * self.config.block_size
 
-    def settle(self, replica: _Replica) -> None:
+    def settle(self, replica: SimReplica) -> None:
         replica.advance(self.now)
         finished = replica.step(self.now)
         self.touch(replica)
@@ -354,7 +229,7 @@ class _Simulation:
         if finished:
             self.retry_held()
 
-    def finish(self, req: _Request, replica: _Replica) -> None:
+    def finish(self, req: SimRequest, replica: SimReplica) -> None:
         self.done.append(req)
         session = req.session
         spec = session.spec
@@ -406,7 +281,7 @@ class _Simulation:
         busy = np.array([r.busy for r in self.replicas])
         queue = np.array([r.started - r.arrived for r in done] or [0.0])
         waits = np.array(self.waits or [0.0])
-        makespan = max(self.now - min((g.arrival_s for g in self.workload.groups), default=0.0), _EPS)
+        makespan = max(self.now - min((g.arrival_s for g in self.workload.groups), default=0.0), TIME_EPS)
         turns = tuple((r.session.spec.session_id, r.turn, r.replica, r.prompt, r.cached)
                       for r in done) if record_turns else ()
         return SimResult(
