@@ -22,7 +22,7 @@ from .baseline import baseline_run
 from .rollout import LoopConfig
 from .run import Run, RunPlan, plan_specs
 from .store import RunManifest, read_run
-from .summary import distinct_prefix_tokens
+from .summary import min_prefill
 from .think_first import ThinkFirst
 from .training_view import baseline_view, verbatim_view
 
@@ -144,7 +144,7 @@ async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
                                    getattr(engine, "constrained", None))
     return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
                          cached_tokens=cached, prefill_tokens=prompt - cached,
-                         min_prefill_tokens=distinct_prefix_tokens(r.prompt_ids for r in requests),
+                         min_prefill_tokens=min_prefill((r.prompt_ids, r.completion_ids) for r in requests),
                          generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s,
                          **view.model_dump())
 
@@ -214,8 +214,9 @@ _HEADING = "## Rollouts (verbatim bench rollouts)"
 _INTRO = ("verbatim (append-only token history, a group's first request prefills the shared prompt before the "
           "others start) against a baseline harness that keeps chat messages, re-renders the whole conversation "
           "with the chat template before every request and sends a group's rollouts at once. Same engine, same "
-          "sampling; prefill = prompt − engine-reported cached tokens; min prefill = every distinct token "
-          "prefix of the harness's own requests once.")
+          "sampling; prefill = prompt − engine-reported cached tokens; min prefill = the least any prefix cache "
+          "could prefill for the harness's own requests: every token prefix once, except those computed while "
+          "decoding, and at least one token per request.")
 
 
 def write_section(doc: Path, table: str) -> None:

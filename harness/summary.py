@@ -1,13 +1,15 @@
 """Run accounting: prompt, cached and prefill tokens, and what the minimum and a re-render would cost.
 
-``min_prefill_tokens`` is the minimum for a cache that reuses whole prompts:
-every distinct token prefix of every request prefilled once (per group the
-shared prompt once, then each rollout's new tokens per turn). It counts the
-model's own sampled tokens as prompt tokens of the next turn; an engine that
-keeps the KV it computed while decoding them (vLLM caches full blocks of
-generated tokens too) can prefill fewer, so ``prefill_tokens`` may come in
-slightly under it on a run that reuses everything. ``rerender_prefill_tokens`` is the same count
-for a harness that re-renders each turn's prompt from messages with the chat
+``min_prefill_tokens`` is a lower bound on what any prefix cache must prefill
+(design invariant 5: ``prefill_tokens >= min_prefill_tokens``). Taking the
+requests in order, a prompt token needs prefilling unless its prefix was
+already computed: as part of an earlier prompt, or while decoding an earlier
+completion (the engine computes the KV of every sampled token but the last
+one, and vLLM caches full blocks of them too). Every request prefills at least
+one token (the engine needs the last prompt token's logits). Real prefill
+exceeds the bound by the partial blocks a block cache cannot reuse, and by
+whatever was evicted. ``rerender_prefill_tokens`` is the same bound for a
+harness that re-renders each turn's prompt from messages with the chat
 template: its prefix cache can reuse only up to the first token where a
 re-render departs from what it sent before.
 """
@@ -49,24 +51,33 @@ class RunSummary(Frozen):
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def distinct_prefix_tokens(sequences: Iterable[Sequence[int]]) -> int:
-    """Number of distinct non-empty prefixes over ``sequences`` (the size of their token trie)."""
-    ordered = sorted(tuple(int(t) for t in s) for s in sequences)
-    total, previous = 0, ()
-    for seq in ordered:
-        shared = 0
-        for a, b in zip(previous, seq):
-            if a != b:
-                break
-            shared += 1
-        total += len(seq) - shared
-        previous = seq
+def min_prefill(requests: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Least prefill for ``(prompt, completion)`` requests in the order sent (see the module docstring)."""
+    computed: set[int] = set()
+    total = 0
+    for prompt, completion in requests:
+        key, new = 0, 0
+        for token in prompt:
+            key = hash((key, int(token)))
+            if key not in computed:
+                computed.add(key)
+                new += 1
+        total += max(new, 1)
+        for token in list(completion)[:-1]:  # decoding computes the KV of every sampled token but the last
+            key = hash((key, int(token)))
+            computed.add(key)
     return total
 
 
 def request_prompts(rollout: Rollout) -> list[Sequence[int]]:
     ids = rollout.tokens.token_id
     return [ids[: turn.prompt_end] for turn in rollout.turns]
+
+
+def sampled(rollout: Rollout) -> list[Sequence[int]]:
+    """Each turn's completion as sampled."""
+    ids = rollout.tokens.token_id
+    return [ids[turn.prompt_end: turn.completion_end] for turn in rollout.turns]
 
 
 def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
@@ -115,11 +126,11 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
     rewards = [r.reward for r in rollouts if r.reward is not None]
     rerender = None
     if renderer is not None:
-        rerender = distinct_prefix_tokens(p for r in rollouts for p in rerendered_prompts(r, renderer))
+        rerender = min_prefill(pair for r in rollouts for pair in zip(rerendered_prompts(r, renderer), sampled(r)))
     return RunSummary(
         rollouts=len(rollouts), turns=len(turns), prompt_tokens=prompt, cached_tokens=cached,
         prefill_tokens=prompt - cached,
-        min_prefill_tokens=distinct_prefix_tokens(p for r in rollouts for p in request_prompts(r)),
+        min_prefill_tokens=min_prefill(pair for r in rollouts for pair in zip(request_prompts(r), sampled(r))),
         rerender_prefill_tokens=rerender,
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,

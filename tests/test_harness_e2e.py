@@ -46,7 +46,7 @@ def check_run(out: Path, summary: RunSummary, block: int) -> None:
     report = lint_run(out)
     assert report.ok, [v.as_json() for v in report.verdicts if not v.ok]
     assert summary.prefill_tokens == summary.prompt_tokens - summary.cached_tokens
-    assert summary.prefill_tokens <= summary.min_prefill_tokens + block * summary.turns
+    assert summary.min_prefill_tokens <= summary.prefill_tokens <= summary.min_prefill_tokens + block * summary.turns
     assert summary.rerender_prefill_tokens is not None and summary.rerender_prefill_tokens >= 0
     for rollout in trace.rollouts:
         cols = rollout.tokens

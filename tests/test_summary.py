@@ -1,26 +1,42 @@
-"""Run accounting: distinct-prefix counting (the minimum prefill) against brute force."""
+"""Run accounting: the least prefill (design invariant 5's bound) against a brute-force count."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from verbatim.harness.summary import distinct_prefix_tokens
+from verbatim.harness.summary import min_prefill
 
-sequences = st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=8)
+requests = st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=4)),
+                    max_size=8)
+
+
+def brute_force(pairs) -> int:
+    """Prefixes as tuples: a prompt token is prefilled unless its prefix was prompted or decoded before."""
+    computed: set[tuple[int, ...]] = set()
+    total = 0
+    for prompt, completion in pairs:
+        prefixes = [tuple(prompt[:k]) for k in range(1, len(prompt) + 1)]
+        total += max(sum(p not in computed for p in prefixes), 1)
+        computed.update(prefixes)
+        whole = list(prompt) + list(completion)
+        computed.update(tuple(whole[:k]) for k in range(len(prompt) + 1, len(whole)))  # all but the last sampled
+    return total
 
 
 @settings(max_examples=300, deadline=None)
-@given(seqs=sequences)
-def test_distinct_prefixes_equal_brute_force(seqs):
-    brute = {tuple(s[:k]) for s in seqs for k in range(1, len(s) + 1)}
-    assert distinct_prefix_tokens(seqs) == len(brute)
+@given(pairs=requests)
+def test_min_prefill_equals_brute_force(pairs):
+    assert min_prefill(pairs) == brute_force(pairs)
 
 
 def test_group_and_turn_sharing():
     prompt = list(range(100))
-    # a group of 4 sharing a 100-token prompt, each with 2 turns adding 10 distinct tokens
-    requests = []
+    # a group of 4 sharing a 100-token prompt: each samples 5 tokens, the env adds 10, then a second turn
+    pairs = []
     for member in range(4):
-        turn2 = prompt + [1000 + member] * 10
-        requests += [prompt, turn2]
-    assert distinct_prefix_tokens(requests) == 100 + 4 * 10
+        sampled = [500 + member] * 5
+        pairs += [(prompt, sampled), (prompt + sampled + [1000 + member] * 10, [7])]
+    # the prompt once, each other member's identical first request at least one token, and per second
+    # turn the last sampled token (its KV was never computed) plus the 10 new ones
+    assert min_prefill(pairs) == 100 + 3 * 1 + 4 * (1 + 10)
+    assert min_prefill([(prompt, [])] * 2) == 101
