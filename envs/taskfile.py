@@ -65,6 +65,8 @@ def _task_line(path: Path, number: int, line: str) -> dict[str, Any]:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path.name} line {number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise InputError(f"{path.name} line {number}: JSON nested too deep") from None
     if not isinstance(value, dict):
         raise InputError(f"{path.name} line {number}: a task must be a JSON object, got {type(value).__name__}")
     return value

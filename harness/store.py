@@ -28,7 +28,7 @@ from pydantic import Field, ValidationError
 
 from ..datamodel import SCHEMA_VERSION, Frozen, Rollout
 from ..errors import InputError, TraceError, TraceFormatError
-from .tracefile import from_json_line, from_table, to_json_line, to_table
+from .tracefile import brief, from_json_line, from_table, to_json_line, to_table
 
 TraceFormat = Literal["parquet", "jsonl"]
 MANIFEST = "manifest.json"
@@ -181,8 +181,8 @@ def read_manifest(run_dir: str | os.PathLike[str]) -> RunManifest:
                                hint="pass a directory written by 'verbatim run'")
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TraceFormatError(f"{path} is unreadable ({exc})") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise TraceFormatError(f"{path} is unreadable ({brief(exc)})") from exc
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise TraceFormatError(
@@ -215,11 +215,11 @@ def _read_parquet(path: Path) -> tuple[list[Rollout], str | None]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
-        return [], f"{path.name}: truncated or corrupt Parquet ({_short(exc)}); its rollouts were skipped"
+        return [], f"{path.name}: truncated or corrupt Parquet ({brief(exc)}); its rollouts were skipped"
     try:
         return from_table(table), None
-    except (KeyError, ValueError, TypeError, pa.ArrowException) as exc:
-        return [], f"{path.name}: not a verbatim rollout table ({_short(exc)}); its rollouts were skipped"
+    except TraceFormatError as exc:
+        return [], f"{path.name}: {brief(exc)}; its rollouts were skipped"
 
 
 def _read_jsonl(path: Path) -> tuple[list[Rollout], str | None]:
@@ -227,16 +227,11 @@ def _read_jsonl(path: Path) -> tuple[list[Rollout], str | None]:
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                rollouts.append(from_json_line(raw.decode("utf-8")))
-            except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError):
+                rollouts.append(from_json_line(raw))
+            except TraceFormatError:
                 bad.append(number)
     if not bad:
         return rollouts, None
     lines = ", ".join(map(str, bad[:5])) + (" …" if len(bad) > 5 else "")
     return rollouts, (f"{path.name}: {len(bad)} truncated or corrupt line(s) ({lines}) skipped; "
                       f"{len(rollouts)} intact rollout(s) kept")
-
-
-def _short(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 120 else text[:117] + "..."

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..datamodel import COLUMN_DTYPES, Rollout, TokenColumns, Turn
+from ..errors import TraceFormatError
 
 _TURN_TYPE = pa.struct([
     ("index", pa.int32()),
@@ -70,7 +71,21 @@ def to_table(rollouts: list[Rollout]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
 
 
+DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError,
+                 pa.ArrowException)
+"""What decoding damaged or foreign data can raise (a number too large for its column, JSON nested too
+deep, a missing field, a wrong type); the readers turn each into a :class:`TraceFormatError`."""
+
+
 def from_table(table: pa.Table) -> list[Rollout]:
+    """The rollouts of one batch table; anything that is not one raises :class:`TraceFormatError`."""
+    try:
+        return _rollouts_of(table)
+    except DECODE_ERRORS as exc:
+        raise TraceFormatError(f"not a verbatim rollout table: {type(exc).__name__}: {brief(exc)}") from exc
+
+
+def _rollouts_of(table: pa.Table) -> list[Rollout]:
     meta = {name: table.column(name).to_pylist() for name in _META_FIELDS}
     tasks = table.column("task").to_pylist()
     infos = table.column("info").to_pylist()
@@ -100,8 +115,21 @@ def to_json_line(rollout: Rollout) -> str:
     return json.dumps(record, allow_nan=False, separators=(",", ":"))
 
 
-def from_json_line(line: str) -> Rollout:
-    record = json.loads(line)
+def from_json_line(line: str | bytes) -> Rollout:
+    """One rollout from its JSON line; anything that is not one raises :class:`TraceFormatError`."""
+    try:
+        return _rollout_of(json.loads(line))
+    except DECODE_ERRORS as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TraceFormatError(f"not a verbatim rollout line: {type(exc).__name__}: {brief(exc)}") from exc
+
+
+def brief(exc: BaseException) -> str:
+    """An exception's message on one line, at most 120 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _rollout_of(record: Any) -> Rollout:
     tokens = record.pop("tokens")
     tokens["logprob"] = [math.nan if x is None else x for x in tokens["logprob"]]
     record["tokens"] = TokenColumns(**{name: np.asarray(tokens[name], dtype=dtype)

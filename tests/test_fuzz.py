@@ -171,3 +171,51 @@ def test_typed_tasks_validate_or_fail_with_an_input_error(task, spec):
         assert exc.one_line().startswith("fuzz task")
         return
     assert isinstance(parsed, spec)
+
+
+# -- inputs coverage-guided fuzzing pointed at (tests/test_fuzz_coverage.py) --------------------------
+
+HOSTILE_LINES = [
+    '{"tokens": {"token_id": [99999999999999999999999], "logprob": []}}',  # OverflowError in NumPy
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in the JSON decoder
+    '{"tokens": {"logprob": 5}}',
+    "\xff\xfe not utf-8",
+]
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES, ids=["overflow", "deep-json", "wrong-type", "not-utf8"])
+def test_a_hostile_jsonl_line_is_a_reported_problem(tmp_path, line):
+    root, path = _written_run("jsonl")
+    try:
+        raw = line.encode("latin-1") if line.startswith("\xff") else line.encode()
+        path.write_bytes(path.read_bytes() + raw + b"\n")
+        trace = read_run(path.parent)
+        assert len(trace.rollouts) == 3 and len(trace.problems) == 1 and "line(s) (4)" in trace.problems[0]
+    finally:
+        shutil.rmtree(root)
+
+
+def test_a_parquet_batch_with_a_task_nested_too_deep_is_a_reported_problem():
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, path = _written_run("parquet")
+    try:
+        table = pq.read_table(path)
+        deep = pa.array(["[" * 100_000 + "]" * 100_000] * table.num_rows, type=table.schema.field("task").type)
+        pq.write_table(table.set_column(table.schema.get_field_index("task"), "task", deep), path)
+        trace = read_run(path.parent)
+        assert trace.rollouts == [] and len(trace.problems) == 1 and "RecursionError" in trace.problems[0]
+    finally:
+        shutil.rmtree(root)
+
+
+def test_json_nested_too_deep_in_a_task_file_or_a_manifest_is_a_one_line_error(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "tasks.jsonl").write_text('{"id": 1}\n' + deep + "\n")
+    with pytest.raises(InputError, match="tasks.jsonl line 2: JSON nested too deep"):
+        load_tasks(tmp_path / "tasks.jsonl")
+    (tmp_path / "manifest.json").write_text(deep)
+    with pytest.raises(TraceFormatError, match="is unreadable") as caught:
+        read_run(tmp_path)
+    assert "\n" not in caught.value.one_line()
