@@ -99,7 +99,7 @@ class ReplicaState:
     capacity_tokens: int = 0
     """KV cache size in tokens (0 when unknown)."""
     healthy: bool = True
-    live_groups: Mapping[str, int] = field(default_factory=dict)
+    live_groups: Mapping[str, int] = field(default_factory=dict, hash=False)
     """Groups with live sessions here, and the shared-prompt tokens they hold once for all members."""
 
     @property
