@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,17 @@ DRIVER = Path(__file__).with_name("fuzz_targets.py")
 RUNS, SECONDS = 20_000, 10
 TARGETS = ["jsonl", "parquet", "tasks", "completion:smollm2", "completion:qwen3", "completion:llama3",
            "completion:mistral-v7-tekken", "completion:gpt-oss", "completion:deepseek-v3"]
+
+
+def rss_limit_mb(headroom_mb: int = 2048) -> int:
+    """libFuzzer's memory limit, above what the fuzzer will think it started with.
+
+    libFuzzer reads its RSS as ``ru_maxrss``, and Linux hands a child the peak RSS of the
+    process it was forked from (pytest's, several GB once the engine tests have run), so its
+    default 2 GB limit fails every target at once late in the suite. The fuzz process may use
+    ``headroom_mb`` more than that inherited peak.
+    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024 + headroom_mb
 
 
 def driver(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -37,7 +49,7 @@ def test_coverage_guided_fuzzing_finds_no_crash(target, tmp_path):
     seeded = driver("--seed", target, str(corpus), cwd=tmp_path)
     assert seeded.returncode == 0 and any(corpus.iterdir()), seeded.stderr[-2000:]
     fuzz = driver(target, str(corpus), f"-runs={RUNS}", f"-max_total_time={SECONDS}", "-seed=1", "-timeout=10",
-                  f"-artifact_prefix={tmp_path}/", cwd=tmp_path)
+                  f"-rss_limit_mb={rss_limit_mb()}", f"-artifact_prefix={tmp_path}/", cwd=tmp_path)
     report = "\n".join(line for line in fuzz.stderr.splitlines() if not line.startswith("INFO: Instrumenting"))
     assert fuzz.returncode == 0, report[-6000:]
     done = re.search(r"Done (\d+) runs in (\d+) second", report)
