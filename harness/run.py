@@ -31,7 +31,7 @@ from ..errors import EngineError, InputError, RunInterrupted, VerbatimError
 from .env_output import jsonable
 from .gate import FAILURES_TO_STOP, EngineGate
 from .rollout import LoopConfig, RolloutPlayer, RolloutSpec
-from .store import RunLock, RunManifest, TraceWriter, read_manifest, read_run
+from .store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest, read_run
 from .summary import RunSummary, summarize
 
 
@@ -89,9 +89,6 @@ class _Batcher:
 LATE_S = 5.0
 """After the cut, how long a rollout inside an env or renderer call has to reach its next engine call."""
 
-UNFINISHED_PREFIX = ".tmp-"
-"""Temporary names of writes in progress (``harness.store``); a killed writer leaves them behind."""
-
 
 @dataclass(frozen=True)
 class StopRequest:
@@ -100,13 +97,6 @@ class StopRequest:
     reason: str
     status: str  # manifest status: "interrupted" (a signal) or "failed" (the engine)
     exit_code: int = 1
-
-
-def clear_unfinished_writes(out: Path) -> None:
-    """Remove the temporary files of writes a killed run never finished (a run has one writer: this one)."""
-    if out.is_dir():
-        for path in out.glob(f"{UNFINISHED_PREFIX}*"):
-            path.unlink(missing_ok=True)
 
 
 class Run:

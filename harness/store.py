@@ -153,6 +153,13 @@ class RunLock:
                 pass
 
 
+def clear_unfinished_writes(run_dir: Path) -> None:
+    """Remove the temporary files of writes a killed writer never finished (call it holding the RunLock)."""
+    if run_dir.is_dir():
+        for path in run_dir.glob(f"{_TMP_PREFIX}*"):
+            path.unlink(missing_ok=True)
+
+
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for path in run_dir.iterdir():
