@@ -28,7 +28,7 @@ from pydantic import Field
 from ..datamodel import Frozen, Rollout
 from ..envs.base import EnvFactory
 from ..errors import EngineError, InputError, RunInterrupted, VerbatimError
-from .env_output import jsonable
+from .env_output import describe_failure, jsonable
 from .gate import FAILURES_TO_STOP, EngineGate
 from .rollout import LoopConfig, RolloutPlayer, RolloutSpec
 from .store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest, read_run
@@ -271,8 +271,7 @@ class Run:
         try:
             env = self.env.make()
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code failing is data, not a crash
-            text = " ".join(str(exc).split())[:300]
-            return self._record(spec, "error", f"env factory make() raised {type(exc).__name__}: {text}")
+            return self._record(spec, "error", f"env factory make() {describe_failure(exc)}")
         return await player.play(spec, env)
 
     def _stuck_record(self, spec: RolloutSpec) -> Rollout:
