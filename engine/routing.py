@@ -144,7 +144,7 @@ class Residency:
     contexts: dict[str, int] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=dict)
     """Each group's least shared prefix over its live members here (what ``ReplicaState.live_groups`` shows)."""
-    _membership: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _group_of: dict[str, str] = field(default_factory=dict)
     _members: dict[str, dict[str, int]] = field(default_factory=dict)
     _total: int = 0
     _saved: int = 0
@@ -160,14 +160,14 @@ class Residency:
         """A session's context here is now ``context`` tokens (it joins if new)."""
         self._total += context - self.contexts.get(session, 0)
         self.contexts[session] = context
-        if group is not None and session not in self._membership:
-            self._membership[session] = (group, min(shared, context))
+        if group is not None and session not in self._group_of:
+            self._group_of[session] = group
             self._regroup(group, session, min(shared, context))
 
     def drop(self, session: str) -> None:
         """The session left this replica (ended or migrated)."""
         self._total -= self.contexts.pop(session, 0)
-        group, _ = self._membership.pop(session, (None, 0))
+        group = self._group_of.pop(session, None)
         if group is not None:
             self._regroup(group, session, None)
 
