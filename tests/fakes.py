@@ -1,10 +1,11 @@
-"""Test doubles for pure loop logic (never evidence that an engine capability works)."""
+"""Test doubles for pure loop logic (never evidence that an engine capability works), and a tiny rollout."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from verbatim.datamodel import Message
+import numpy as np
+from verbatim.datamodel import Message, Rollout, TokenColumns, Turn
 
 STOP = 1
 """The stop token id of :class:`CharRenderer`."""
@@ -28,3 +29,13 @@ class CharRenderer:
 
     def parse_completion(self, token_ids):
         return Message(role="assistant", content="".join(chr(t - 10) for t in token_ids if t != STOP))
+
+
+def tiny_rollout(index: int = 0) -> Rollout:
+    """A valid six-token rollout (three prompt tokens, three sampled), distinct per ``index``."""
+    tokens = TokenColumns(token_id=np.arange(6) + index, source=np.array([0, 0, 0, 2, 2, 2]),
+                          logprob=np.array([np.nan] * 3 + [-0.5] * 3), policy_version=np.array([-1] * 3 + [0] * 3),
+                          turn=np.zeros(6))
+    turn = Turn(index=0, prompt_end=3, completion_end=6, cached_tokens=0, finish_reason="stop")
+    return Rollout(run_id="fuzz", group_id="g0", rollout_id=f"r{index}", tokens=tokens, turns=(turn,),
+                   reward=1.0, task={"id": index}, info={"note": "x" * index})

@@ -23,10 +23,10 @@ import tempfile
 from pathlib import Path
 
 import atheris
-import numpy as np
+from fakes import tiny_rollout  # tests/ is this script's folder, first on sys.path
 
 with atheris.instrument_imports(include=["verbatim"]):
-    from verbatim.datamodel import Message, Rollout, TokenColumns, Turn
+    from verbatim.datamodel import Message
     from verbatim.envs.guess import GuessTask
     from verbatim.envs.python import PythonTask
     from verbatim.envs.taskfile import load_tasks, parse_task
@@ -121,19 +121,10 @@ def make_target(name: str):
     raise SystemExit(f"unknown fuzz target {name!r}")
 
 
-def _small_rollout() -> Rollout:
-    tokens = TokenColumns(token_id=np.arange(6), source=np.array([0, 0, 0, 2, 2, 2]),
-                          logprob=np.array([np.nan] * 3 + [-0.5] * 3), policy_version=np.array([-1] * 3 + [0] * 3),
-                          turn=np.zeros(6))
-    turn = Turn(index=0, prompt_end=3, completion_end=6, cached_tokens=0, finish_reason="stop")
-    return Rollout(run_id="fuzz", group_id="g0", rollout_id="r0", tokens=tokens, turns=(turn,), reward=1.0,
-                   task={"id": 0}, info={"messages": [{"role": "user", "content": "hi"}]})
-
-
 def seed_corpus(name: str, corpus: Path) -> None:
     """One valid input for ``name`` in ``corpus``, so that mutations start from a real file."""
     corpus.mkdir(parents=True, exist_ok=True)
-    rollout = _small_rollout()
+    rollout = tiny_rollout()
     if name == "jsonl":
         (corpus / "line").write_text(to_json_line(rollout))
     elif name == "parquet":

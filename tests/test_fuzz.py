@@ -12,11 +12,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
+from fakes import tiny_rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from verbatim.datamodel import Message, Rollout, TokenColumns, Turn
+from verbatim.datamodel import Message
 from verbatim.envs.guess import GuessTask
 from verbatim.envs.python import PythonTask
 from verbatim.envs.taskfile import load_tasks, parse_task
@@ -58,20 +58,10 @@ def test_parse_completion_of_any_text_or_tokens_returns_a_message(renderers, nam
 # -- trace files -------------------------------------------------------------------
 
 
-def _rollout(index: int) -> Rollout:
-    n = 6
-    tokens = TokenColumns(token_id=np.arange(n) + index, source=np.array([0, 0, 0, 2, 2, 2]),
-                          logprob=np.array([np.nan] * 3 + [-0.5] * 3), policy_version=np.array([-1] * 3 + [0] * 3),
-                          turn=np.zeros(n))
-    turn = Turn(index=0, prompt_end=3, completion_end=6, cached_tokens=0, finish_reason="stop")
-    return Rollout(run_id="fuzz", group_id="g0", rollout_id=f"r{index}", tokens=tokens, turns=(turn,),
-                   reward=1.0, task={"id": index}, info={"note": "x" * index})
-
-
 def _written_run(fmt: str) -> tuple[Path, Path]:
     root = Path(tempfile.mkdtemp(prefix="verbatim-fuzz-"))
     writer = TraceWriter(root / "run", RunManifest(run_id="fuzz", format=fmt))
-    path = writer.write_batch([_rollout(i) for i in range(3)])
+    path = writer.write_batch([tiny_rollout(i) for i in range(3)])
     return root, path
 
 
