@@ -31,6 +31,16 @@ class CharRenderer:
         return Message(role="assistant", content="".join(chr(t - 10) for t in token_ids if t != STOP))
 
 
+PARSER_MARKUP = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+                 '{"name": "f", "arguments": {', '{"name": "f", "arguments": {"x": 1}}', "{", "}", '"', "```",
+                 "<|channel|>analysis<|message|>",
+                 "<|channel|>commentary to=functions.f <|constrain|>json<|message|>", "<|end|>", "<|call|>",
+                 "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                 "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n",
+                 "<｜tool▁call▁end｜>", "function", "\n", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"]
+"""Format markup the renderers' ``parse_completion`` look for, mixed into fuzzed text (both fuzz suites)."""
+
+
 def tiny_rollout(index: int = 0) -> Rollout:
     """A valid six-token rollout (three prompt tokens, three sampled), distinct per ``index``."""
     tokens = TokenColumns(token_id=np.arange(6) + index, source=np.array([0, 0, 0, 2, 2, 2]),

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import atheris
-from fakes import tiny_rollout  # tests/ is this script's folder, first on sys.path
+from fakes import PARSER_MARKUP, tiny_rollout  # tests/ is this script's folder, first on sys.path
 
 with atheris.instrument_imports(include=["verbatim"]):
     from verbatim.datamodel import Message
@@ -35,11 +35,6 @@ with atheris.instrument_imports(include=["verbatim"]):
     from verbatim.harness.tracefile import from_json_line, to_json_line
     from verbatim.renderers.registry import get_renderer
 
-MARKUP = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
-          '{"name": "f", "arguments": {"x": 1}}', "{", "}", '"', "<|channel|>analysis<|message|>",
-          "<|channel|>commentary to=functions.f <|constrain|>json<|message|>", "<|end|>", "<|call|>",
-          "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n", "```",
-          "<｜tool▁call▁end｜>", "\n", "<|im_end|>", "<|eot_id|>"]
 
 
 def completion_target(family: str):
@@ -50,7 +45,7 @@ def completion_target(family: str):
 
     def target(data: bytes) -> None:
         fdp = atheris.FuzzedDataProvider(data)
-        pieces = [MARKUP[fdp.ConsumeIntInRange(0, len(MARKUP) - 1)] if fdp.ConsumeBool()
+        pieces = [PARSER_MARKUP[fdp.ConsumeIntInRange(0, len(PARSER_MARKUP) - 1)] if fdp.ConsumeBool()
                   else fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 16))
                   for _ in range(fdp.ConsumeIntInRange(0, 10))]
         ids = list(renderer.tokenizer.encode("".join(pieces), add_special_tokens=False))

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from fakes import tiny_rollout
+from fakes import PARSER_MARKUP, tiny_rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from verbatim.datamodel import Message
@@ -26,10 +26,6 @@ from verbatim.renderers.registry import FAMILIES, get_renderer
 
 FUZZ = settings(max_examples=40, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-# Markup the parsers look for, mixed into arbitrary text so tool-call and reasoning paths are reached.
-MARKUP = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}",
-          '{"name": "f", "arguments": {', '"', "```", "<|channel|>analysis<|message|>", "<|end|>",
-          "<|call|>", "<｜tool▁call▁begin｜>", "function", "\n", "<|im_end|>", "<end_of_turn>"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +39,7 @@ def renderers(default_model_dir):
 @given(data=st.data())
 def test_parse_completion_of_any_text_or_tokens_returns_a_message(renderers, name, data):
     renderer = renderers[name]
-    pieces = data.draw(st.lists(st.one_of(st.sampled_from(MARKUP), st.text(max_size=20)), max_size=12))
+    pieces = data.draw(st.lists(st.one_of(st.sampled_from(PARSER_MARKUP), st.text(max_size=20)), max_size=12))
     ids = list(renderer.tokenizer.encode("".join(pieces), add_special_tokens=False))
     size = len(renderer.tokenizer)
     ids += data.draw(st.lists(st.integers(0, size - 1), max_size=8))
