@@ -1,4 +1,4 @@
-"""Regenerate harness/data/router_workload.json: the turn-length table ``verbatim bench router`` samples.
+"""Regenerate bench/data/router_workload.json: the turn-length table ``verbatim bench router`` samples.
 
 Reads real ``verbatim run`` directories and keeps, per group, the length of the shared
 first prompt and each rollout's first prompt, completions and observations, plus the
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main(run_dirs: list[str]) -> None:
-    from verbatim.harness.bench_router import WORKLOAD_FILE, load_workload
+    from verbatim.bench.router import WORKLOAD_FILE, load_workload
 
     if not run_dirs:
         raise SystemExit(__doc__)

@@ -11,8 +11,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-CHAT_TEMPLATES = SHARED / "chat_templates"
 
 # Tests keep verbatim's files (converted model, vLLM caches) inside the checkout, so
 # a fresh clone converts the bundled model once per test session and reuses it after.
@@ -36,9 +34,10 @@ def default_tokenizer(default_model_dir: Path):
 
 @pytest.fixture(scope="session")
 def chat_templates_dir() -> Path:
-    if not CHAT_TEMPLATES.is_dir():
-        pytest.fail(f"{CHAT_TEMPLATES} is missing: the tests need ../shared beside the checkout")
-    return CHAT_TEMPLATES
+    """The official templates and tokenizer files that the package ships."""
+    from verbatim.paths import chat_templates_dir
+
+    return chat_templates_dir()
 
 
 class EngineRunner:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+
 from verbatim.datamodel import Message, Rollout, TokenColumns, Turn
 
 STOP = 1

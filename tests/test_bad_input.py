@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.datamodel import SCHEMA_VERSION, Message
 from verbatim.engine.server import free_port
 from verbatim.envs.base import Reset

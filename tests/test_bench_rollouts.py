@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verbatim.harness.bench_rollouts import SCENARIOS, DialogueFactory, HarnessResult, markdown, write_section
+from verbatim.bench.rollouts import SCENARIOS, DialogueFactory, HarnessResult, markdown, write_section
 
 
 def _row(name: str, prefill: int) -> HarnessResult:

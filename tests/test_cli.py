@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from typer.testing import CliRunner
+
 from verbatim import __version__
-from verbatim.cli import app
+from verbatim.cli.app import app
 
 runner = CliRunner()
 
@@ -53,7 +54,8 @@ def test_debug_shows_the_traceback():
 
 def test_exit_codes_raised_inside_commands_reach_the_shell():
     import typer
-    from verbatim.cli import _OneLineErrors
+
+    from verbatim.cli.app import _OneLineErrors
 
     demo = typer.Typer(cls=_OneLineErrors)
 

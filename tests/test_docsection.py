@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verbatim.docsection import replace_section, write_section
+from verbatim.bench.docsection import replace_section, write_section
 
 DOC = ("# Benchmarks\n\nintro\n\n<!-- a:begin -->\nold a\n<!-- a:end -->\n\nprose after a\n\n"
        "<!-- b:begin -->\nb\n<!-- b:end -->\n")

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from verbatim.bench.policies import GREEDY, measure_policy, scenario_prompts
 from verbatim.engine.checkpoints import perturbed_checkpoint
-from verbatim.engine.policy_bench import GREEDY, measure_policy, scenario_prompts
 from verbatim.engine.protocol import CachePolicy, Engine, Sampling
 from verbatim.errors import InputError
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fakes import STOP, CharRenderer
+
 from verbatim.datamodel import Message
 from verbatim.engine.http import HttpEngine
 from verbatim.engine.protocol import Sampling
@@ -27,7 +28,7 @@ from verbatim.errors import EngineError, InputError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
-from verbatim.harness.trace_lint import lint_run
+from verbatim.lint.trace import lint_run
 
 
 def completion_body(prompt_len: int = 3) -> bytes:

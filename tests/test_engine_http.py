@@ -6,8 +6,9 @@ import asyncio
 import time
 
 import pytest
+
+from verbatim.bench.policies import scenario_prompts
 from verbatim.engine.http import HttpEngine, parse_prometheus, redact
-from verbatim.engine.policy_bench import scenario_prompts
 from verbatim.engine.protocol import Sampling
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import check_bind, free_port

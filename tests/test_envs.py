@@ -11,6 +11,7 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from verbatim.datamodel import Message, ToolCall
 from verbatim.envs import registry
 from verbatim.envs.answers import final_number, numbers_match

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.datamodel import Completion, Rollout, Source
 from verbatim.errors import InputError
 from verbatim.harness.export import FORMATS, export_rollouts, export_run

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fakes import STOP, CharRenderer
+
 from verbatim.datamodel import Completion, Message
 from verbatim.envs.base import Reset, StepResult
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer, RolloutSpec

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from verbatim.engine.fleet import FleetRecord, FleetReplica, fleet_down, read_fleet, split_cpus
 from verbatim.errors import InputError
 

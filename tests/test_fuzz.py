@@ -16,6 +16,7 @@ import pytest
 from fakes import PARSER_MARKUP, tiny_rollout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from verbatim.datamodel import Message
 from verbatim.envs.guess import GuessTask
 from verbatim.envs.python import PythonTask

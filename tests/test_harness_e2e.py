@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
 from verbatim.datamodel import Message, Source
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
@@ -16,7 +17,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.summary import RunSummary
-from verbatim.harness.trace_lint import lint_run
+from verbatim.lint.trace import lint_run
 from verbatim.renderers.registry import get_renderer
 
 pytestmark = pytest.mark.engine
@@ -131,7 +132,8 @@ def test_mismatch_report_on_a_real_run(engine_runner, renderer, tmp_path):
     import json
 
     from typer.testing import CliRunner
-    from verbatim.cli import app
+
+    from verbatim.cli.app import app
 
     out = tmp_path / "for-mismatch"
     play(engine_runner, renderer, load_env("guess"), out, groups=1, group_size=2, max_turns=2, max_tokens=16)

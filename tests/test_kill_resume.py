@@ -24,7 +24,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.engine.server import ServerProcess, free_port
 from verbatim.harness.store import batch_files, read_run
 
@@ -37,7 +38,7 @@ SHORT = ["--env", "guess", "--group-size", str(GROUP_SIZE), "--max-turns", "2", 
 
 WARM_START = """
 import pathlib, sys, time
-import pyarrow.parquet, verbatim.cli, verbatim.envs.registry, verbatim.harness.launch
+import pyarrow.parquet, verbatim.cli.app, verbatim.envs.registry, verbatim.harness.launch
 from verbatim.engine.models import resolve
 from verbatim.renderers.registry import get_renderer
 get_renderer("smollm2", model_dir=resolve("default"))  # the tokenizer's imports are the slow part
@@ -45,7 +46,7 @@ go = pathlib.Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
 sys.argv = ["verbatim", *sys.argv[2:]]
-verbatim.cli.main()
+verbatim.cli.app.main()
 """
 """A process that imports what ``verbatim run`` needs, waits for its turn, then runs the CLI's entry
 point exactly as the ``verbatim`` console script does: the kill loop starts the next processes while

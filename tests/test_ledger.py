@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from verbatim.datamodel import Completion, Source
 from verbatim.errors import LedgerError
 from verbatim.harness.ledger import Ledger

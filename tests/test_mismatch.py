@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from verbatim.datamodel import Completion
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.ledger import Ledger

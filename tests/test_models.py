@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from verbatim.engine import models
 from verbatim.errors import DependencyError, UnknownModelError
 

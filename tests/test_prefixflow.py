@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefixflow import (

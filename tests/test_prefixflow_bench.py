@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 from typer.testing import CliRunner
-from verbatim.cli import app
-from verbatim.trainer.prefixflow_bench import KEYS, Case, markdown_table, peak_rss_mb
+
+from verbatim.bench.prefixflow import KEYS, Case, markdown_table, peak_rss_mb
+from verbatim.cli.app import app
 
 from .test_prefixflow import one_thread, tiny_llama  # noqa: F401
 

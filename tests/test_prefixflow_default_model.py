@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from typer.testing import CliRunner
-from verbatim.cli import app
-from verbatim.renderers.bench import bench_render, markdown_table, synthetic_conversation
-from verbatim.renderers.bench_report import SECTION, write_section
+
+from verbatim.bench.render import bench_render, markdown_table, synthetic_conversation
+from verbatim.bench.render_report import SECTION, write_section
+from verbatim.cli.app import app
 from verbatim.renderers.registry import get_renderer
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers import drift

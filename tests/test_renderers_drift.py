@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.errors import InputError
 from verbatim.renderers import drift
 from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, Conversation, load_conversations

@@ -6,6 +6,7 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
+
 from verbatim.errors import RenderError
 from verbatim.renderers.conversations import load_conversations
 from verbatim.renderers.registry import FAMILIES, get_renderer

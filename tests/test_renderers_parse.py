@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from verbatim.datamodel import Message, ToolCall
 from verbatim.errors import InputError
 from verbatim.renderers.base import Renderer

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from verbatim.engine.fleet import kill_replica, read_fleet
 from verbatim.engine.http import HttpEngine
 from verbatim.engine.protocol import Sampling
@@ -20,12 +21,12 @@ from verbatim.engine.router import Router
 from verbatim.engine.routing import RouteConfig
 from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
-from verbatim.harness.router_replay import replay_check
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.summary import RunSummary
-from verbatim.harness.trace_lint import lint_run
+from verbatim.lint.trace import lint_run
 from verbatim.renderers.registry import get_renderer
+from verbatim.sim.replay import replay_check
 
 pytestmark = pytest.mark.engine
 

@@ -10,11 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
+
+from verbatim.bench import router as bench_router
 from verbatim.datamodel import Completion, Rollout
-from verbatim.engine.block_cache import BlockCache, chain_hashes, token_block_hashes
-from verbatim.engine.router_sim import CostModel, SimConfig, simulate
 from verbatim.engine.routing import RouteConfig
-from verbatim.engine.sim_workload import (
+from verbatim.errors import InputError
+from verbatim.harness.ledger import Ledger
+from verbatim.harness.store import RunManifest, TraceWriter
+from verbatim.sim.block_cache import BlockCache, chain_hashes, token_block_hashes
+from verbatim.sim.replay import replay_check
+from verbatim.sim.simulator import CostModel, SimConfig, simulate
+from verbatim.sim.workload import (
     GroupShape,
     RolloutShape,
     SimGroup,
@@ -24,11 +30,6 @@ from verbatim.engine.sim_workload import (
     shapes_from_rollouts,
     workload_from_rollouts,
 )
-from verbatim.errors import InputError
-from verbatim.harness import bench_router
-from verbatim.harness.ledger import Ledger
-from verbatim.harness.router_replay import replay_check
-from verbatim.harness.store import RunManifest, TraceWriter
 
 COSTS = CostModel(prefill_base_s=0.01, prefill_token_s=0.001, decode_token_s=0.02)
 SHAPES = [GroupShape(shared=96, rollouts=(RolloutShape(prompt=110, completions=(40, 30, 20), observations=(20, 25)),

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.harness.store import read_run
-from verbatim.harness.trace_lint import lint_run
+from verbatim.lint.trace import lint_run
 
 ARGS = ["--env", "guess", "--groups", "3", "--group-size", "4", "--max-turns", "2", "--max-tokens", "24",
         "--kv-cache-gib", "1", "--max-model-len", "2048", "--concurrency", "4"]
 
 
 def _verbatim(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from verbatim.cli import main; main()", *args]
+    return [sys.executable, "-c", "from verbatim.cli.app import main; main()", *args]
 
 
 @pytest.mark.engine

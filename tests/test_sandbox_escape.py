@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from probes import sandbox_pids
+
 from verbatim.envs.sandbox import Isolation, SandboxLimits, SandboxResult, jail_binds, probe_isolation, run_python
 
 FAST = SandboxLimits(cpu_seconds=1, wall_seconds=4.0, memory_bytes=256 * 2**20, processes=8, output_chars=4000)

@@ -11,7 +11,8 @@ import os
 
 import pytest
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.engine.http import redact, redact_text
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import LOOPBACK, check_bind, server_command

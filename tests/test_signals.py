@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from fakes import STOP, CharRenderer
+
 from verbatim.datamodel import Completion, Message
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
@@ -25,7 +26,7 @@ from verbatim.harness import run as run_module
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest, read_run
-from verbatim.harness.trace_lint import lint_run
+from verbatim.lint.trace import lint_run
 
 SIGINT_STOP = StopRequest("interrupted by SIGINT", "interrupted", exit_code=130)
 

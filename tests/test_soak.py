@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.registry import load_env
 from verbatim.harness.ledger import Ledger

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from verbatim.datamodel import SCHEMA_VERSION, Rollout, Source, TokenColumns, Turn
 from verbatim.errors import TraceFormatError
 from verbatim.harness.store import RunManifest, TraceWriter, read_manifest, read_run

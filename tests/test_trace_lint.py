@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
-from verbatim.cli import app
+
+from verbatim.cli.app import app
 from verbatim.datamodel import Completion, Rollout, Source, TokenColumns, Turn
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.store import RunManifest, TraceWriter
-from verbatim.harness.trace_lint import CacheSettings, lint_rollout, lint_rollouts, lint_run, reusable_prefix
+from verbatim.lint.trace import CacheSettings, lint_rollout, lint_rollouts, lint_run, reusable_prefix
 
 runner = CliRunner()
 BLOCK = 16
@@ -296,7 +297,7 @@ def group_of(first_cached: list[int], *, salts: list | None = None, same_prompt:
 
 def test_group_check_numbers():
     from verbatim.datamodel import shared_prefix
-    from verbatim.harness.group_lint import group_reusable
+    from verbatim.lint.group import group_reusable
 
     a, b = np.array([1, 2, 3, 4, 5]), np.array([1, 2, 9, 4])
     assert shared_prefix(a, b) == 2 and shared_prefix(a, a) == 5 and shared_prefix(a, a[:0]) == 0
@@ -311,7 +312,7 @@ def test_group_check_numbers():
     ([0, 0, 32, 32], ["a", "b", "a", "a"], "salt"),
 ])
 def test_group_prefilled_more_than_once(first_cached, salts, expected):
-    from verbatim.harness.group_lint import check_groups
+    from verbatim.lint.group import check_groups
 
     verdicts = check_groups(group_of(first_cached, salts=salts), KEEP)
     if expected is None:
@@ -325,7 +326,7 @@ def test_group_prefilled_more_than_once(first_cached, salts, expected):
 
 
 def test_group_without_a_shared_prompt_is_not_flagged():
-    from verbatim.harness.group_lint import check_groups
+    from verbatim.lint.group import check_groups
 
     assert check_groups(group_of([0, 0, 0], same_prompt=False), KEEP) == []
 

@@ -8,6 +8,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+
 from verbatim.datamodel import Source, TokenColumns
 from verbatim.errors import TrainerError
 from verbatim.trainer.batch import behaviour_batch

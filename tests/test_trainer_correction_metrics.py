@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.correction_metrics import hybrid_tokens, ratio_quantiles
 

@@ -1,0 +1,229 @@
+"""``verbatim bench prefixflow``: actor-side time and peak memory, PrefixFlow versus full sequences.
+
+For each (prefix ratio r, group size G) on a sequence length N: P = round(r·N) shared
+tokens, G suffixes of S = N − P tokens, the loss on the suffix tokens (an RL-style
+policy-gradient loss with per-sequence advantages). One forward + backward of the G
+whole sequences (the baseline, in microbatches of M sequences) and one PrefixFlow pass
+over the same group from the same weights, its phase B in microbatches of the same token
+budget (as many suffixes as fit in M·N tokens, at least M); the maximum per-parameter relative gradient error
+between them; and the ideal speedup G(P+S)/(P+G·S), the ratio of tokens processed.
+
+Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
+resident size at the start of the pass, after glibc has handed its free memory back
+(``malloc_trim``); the gradients the pass allocates count. It is reported without offload and with
+the prefix's dormant activations offloaded to disk (on a CPU, CPU offload moves nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.prefix_offload import Offload
+from verbatim.trainer.prefixflow import LossFn, PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
+
+KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
+        "speedup", "ideal_speedup", "grad_max_rel_err", "peak_mb_baseline", "peak_mb_prefixflow",
+        "peak_mb_prefixflow_offload")
+"""The keys of one result object, in order (the last one is offload to disk)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    prefix_ratio: float
+    group_size: int
+    seq_len: int
+
+    @property
+    def prefix_tokens(self) -> int:
+        return min(self.seq_len - 1, max(1, round(self.prefix_ratio * self.seq_len)))
+
+    @property
+    def suffix_tokens(self) -> int:
+        return self.seq_len - self.prefix_tokens
+
+    @property
+    def ideal_speedup(self) -> float:
+        p, s, g = self.prefix_tokens, self.suffix_tokens, self.group_size
+        return g * (p + s) / (p + g * s)
+
+
+def bench_group(case: Case, vocab_size: int, seed: int = 0) -> tuple[PrefixGroup, LossFn]:
+    """Random tokens (the cost does not depend on them) and a policy-gradient loss on the suffixes."""
+    gen = torch.Generator().manual_seed(seed)
+    p, s, g = case.prefix_tokens, case.suffix_tokens, case.group_size
+    prefix = torch.randint(0, vocab_size, (p,), generator=gen)
+    suffixes = tuple(torch.randint(0, vocab_size, (s,), generator=gen) for _ in range(g))
+    mask = torch.cat([torch.zeros(p, dtype=torch.bool), torch.ones(s, dtype=torch.bool)])
+    advantages = torch.randn(g, generator=gen)
+    total = float(g * s)
+
+    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return -(advantages[rows, None].to(logprobs.dtype) * logprobs).sum() / total
+
+    return PrefixGroup(prefix, suffixes, tuple(mask for _ in range(g))), loss_fn
+
+
+def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool = True,
+             repeats: int = 1) -> dict:
+    """Time and measure one configuration; returns the JSON object of :data:`KEYS`.
+
+    Baseline and PrefixFlow passes alternate ``repeats`` times; each time is the fastest of
+    its repeats (other work on the machine only ever slows a pass down). Gradient error and
+    peak memory come from the first repeat.
+    """
+    lm = prefix_lm(model)
+    group, loss_fn = bench_group(case, model.config.vocab_size)
+    splits = microbatches(case.group_size, micro_batch)
+    flow_splits = microbatches(case.group_size, suffixes_per_microbatch(case, micro_batch))
+
+    def baseline() -> float:
+        return full_sequence_backward(lm, group, loss_fn, splits)
+
+    def flow(offload_to: Offload = "none") -> float:
+        return prefixflow_backward(lm, group, loss_fn, flow_splits, offload=offload_to)
+
+    baseline_s, peak_base, want = _measure(model, baseline)
+    flow_s, peak_flow, got = _measure(model, flow)
+    err = max_rel_err(got, want)
+    del want, got
+    for _ in range(repeats - 1):
+        baseline_s = min(baseline_s, _measure(model, baseline, keep=False)[0])
+        flow_s = min(flow_s, _measure(model, flow, keep=False)[0])
+    peak_offload = _measure(model, lambda: flow("disk"), keep=False)[1] if offload else None
+    return {
+        "prefix_ratio": case.prefix_ratio, "group_size": case.group_size,
+        "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
+        "baseline_s": round(baseline_s, 6), "prefixflow_s": round(flow_s, 6),
+        "speedup": round(baseline_s / flow_s, 4), "ideal_speedup": round(case.ideal_speedup, 3),
+        "grad_max_rel_err": err, "peak_mb_baseline": peak_base, "peak_mb_prefixflow": peak_flow,
+        "peak_mb_prefixflow_offload": peak_offload,
+    }
+
+
+def suffixes_per_microbatch(case: Case, micro_batch: int) -> int:
+    """Phase B gets the token budget of a baseline microbatch: micro_batch × N tokens of suffixes."""
+    return max(micro_batch, micro_batch * case.seq_len // case.suffix_tokens)
+
+
+def warm_up(model: torch.nn.Module) -> None:
+    """One small pass of each kind, so first-call costs stay out of the timings."""
+    lm = prefix_lm(model)
+    group, loss_fn = bench_group(Case(0.5, 2, 16), model.config.vocab_size)
+    full_sequence_backward(lm, group, loss_fn, [[0, 1]])
+    prefixflow_backward(lm, group, loss_fn, [[0, 1]])
+    model.zero_grad(set_to_none=True)
+
+
+def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Worst parameter's max |got − want| / max |want|."""
+    worst = 0.0
+    for name, reference in want.items():
+        scale = float(reference.abs().max())
+        diff = float((got[name] - reference).abs().max())
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def _measure(model: torch.nn.Module, step: Callable[[], float],
+             keep: bool = True) -> tuple[float, float | None, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with peak_rss_mb() as peak:
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()} if keep else {}
+    model.zero_grad(set_to_none=True)
+    return seconds, peak.mb, grads
+
+
+class _Peak:
+    mb: float | None = None
+
+
+@contextlib.contextmanager
+def peak_rss_mb() -> Iterator[_Peak]:
+    """Peak resident-set rise (MiB) inside the block; ``mb`` stays None off Linux."""
+    peak = _Peak()
+    status, clear = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    try:
+        clear.write_text("5")  # reset VmHWM to the current resident size
+        start = _status_kb(status, "VmRSS")
+    except OSError:
+        start = None
+    yield peak
+    if start is not None:
+        peak.mb = round((_status_kb(status, "VmHWM") - start) / 1024, 1)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _status_kb(status: Path, field: str) -> int:
+    for line in status.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"{field} not in {status}")
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.train()
+    return model
+
+
+def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
+              micro_batch: int, offload: bool = True, repeats: int = 1, threads: int | None = None,
+              progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every (ratio, group size) configuration on the model at ``model_path``, in float32.
+
+    ``threads`` sets torch's intra-op threads (default: torch's choice). On a machine shared
+    with other work, one thread keeps timings honest: a descheduled worker thread stalls
+    every operation of a multi-threaded pass at its barrier.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = load_model(model_path)
+    warm_up(model)
+    results = []
+    for ratio in ratios:
+        for size in group_sizes:
+            result = run_case(model, Case(ratio, size, seq_len), micro_batch, offload, repeats)
+            results.append(result)
+            if progress is not None:
+                progress(result)
+    return results
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = ("| r | G | P | S | full (s) | PrefixFlow (s) | speedup | ideal | % of ideal | grad max rel err "
+            "| peak MB full | peak MB PrefixFlow | peak MB PrefixFlow, disk offload |")
+    lines = [head, "|" + "---:|" * 13]
+    for r in results:
+        share = 100 * r["speedup"] / r["ideal_speedup"]
+        lines.append(
+            f"| {r['prefix_ratio']} | {r['group_size']} | {r['prefix_tokens']} | {r['suffix_tokens']} "
+            f"| {r['baseline_s']:.2f} | {r['prefixflow_s']:.2f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x "
+            f"| {share:.0f}% | {r['grad_max_rel_err']:.1e} | {_mb(r['peak_mb_baseline'])} "
+            f"| {_mb(r['peak_mb_prefixflow'])} | {_mb(r['peak_mb_prefixflow_offload'])} |")
+    return "\n".join(lines)
+
+
+def _mb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"

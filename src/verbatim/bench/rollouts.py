@@ -1,0 +1,224 @@
+"""``verbatim bench rollouts``: verbatim against a re-rendering baseline, same engine, same sampling.
+
+Two workloads of the prefix-reuse argument, each played by both harnesses on a
+cold prefix cache: a group of G rollouts sharing one long prompt, and rollouts
+of many turns. Prefill tokens are the engine's own numbers (prompt − cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from verbatim.bench import docsection
+from verbatim.bench.baseline import baseline_run
+from verbatim.bench.think_first import ThinkFirst
+from verbatim.bench.training_view import baseline_view, verbatim_view
+from verbatim.datamodel import Frozen, Message
+from verbatim.engine.protocol import Sampling
+from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.registry import load_env
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan, plan_specs
+from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.summary import min_prefill
+
+
+class HarnessResult(Frozen):
+    harness: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    min_prefill_tokens: int
+    generated_tokens: int
+    wall_s: float
+    trained_tokens: int = 0
+    sampled_tokens: int = 0
+    mean_abs_log_ratio: float = 0.0
+    """Trainer (transformers fp32) vs sampler logprob on the sampled tokens the trainer's sequence keeps."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+
+class Scenario(Frozen):
+    name: str
+    env: str
+    groups: int
+    group_size: int
+    max_turns: int
+    max_tokens: int
+    env_options: dict[str, Any] = {}
+    renderer: str = "smollm2"
+    think_regex: str | None = None
+    """Make every reply open with a think block matching this (see bench/think_first.py)."""
+
+
+SCENARIOS = (
+    Scenario(name="group of 16 sharing one long prompt", env="longdoc", groups=1, group_size=16, max_turns=1,
+             max_tokens=16, env_options={"words": 2000}),
+    Scenario(name="rollouts of 10 turns", env="dialogue", groups=2, group_size=2, max_turns=10, max_tokens=24),
+    # The Qwen3 chat format over the default model's tokenizer; a regex makes the small model open every reply
+    # with a think block, as a reasoning model does; the answer after it is sampled freely. The template
+    # strips earlier reasoning on re-render.
+    Scenario(name="Qwen3-style template, reasoning in every turn", env="dialogue", groups=2, group_size=2,
+             max_turns=4, max_tokens=64, env_options={"turns": 4}, renderer="qwen3",
+             think_regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n"),
+)
+
+
+class _Dialogue:
+    """Workload env: a user who keeps asking short follow-up questions for a fixed number of turns."""
+
+    name = "dialogue"
+    _QUESTIONS = ("Why?", "Give an example.", "Say it more simply.", "What else?", "Is that always true?",
+                  "How would you test it?", "Summarise in one line.", "What is a common mistake?",
+                  "Any exception?", "Thanks. Last point?")
+
+    def __init__(self, turns: int = 10) -> None:
+        self.turns, self.seen = turns, 0
+
+    def reset(self, task: dict[str, Any], seed: int) -> Reset:
+        return Reset(messages=(Message(role="system", content="You are a concise tutor."),
+                               Message(role="user", content=f"Explain {task['topic']} briefly.")))
+
+    def step(self, message: Message) -> StepResult:
+        self.seen += 1
+        reply = Message(role="user", content=self._QUESTIONS[(self.seen - 1) % len(self._QUESTIONS)])
+        return StepResult(messages=(reply,), reward=float(bool(message.content.strip())),
+                          done=self.seen >= self.turns)
+
+
+class DialogueFactory:
+    name = "dialogue"
+    _TOPICS = ("prefix caching", "binary search", "photosynthesis", "compound interest", "hash tables")
+
+    def __init__(self, turns: int = 10) -> None:
+        self.turns = turns
+
+    def make(self) -> _Dialogue:
+        return _Dialogue(self.turns)
+
+    def tasks(self, count: int, seed: int) -> list[dict[str, Any]]:
+        return [{"topic": self._TOPICS[(seed + i) % len(self._TOPICS)]} for i in range(count)]
+
+
+def _factory(scenario: Scenario) -> Any:
+    if scenario.env == "dialogue":
+        return DialogueFactory(**scenario.env_options)
+    return load_env(scenario.env, **scenario.env_options)
+
+
+async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, out: Path,
+                   trainer_model: Any) -> HarnessResult:
+    factory = _factory(scenario)
+    plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
+    run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
+              RunManifest(run_id="bench", engine={"block_size": engine.block_size}))
+    summary = await run.play()
+    skip = getattr(engine, "constrained", None)
+    view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model, skip)
+    return HarnessResult(harness="verbatim", requests=summary.turns, prompt_tokens=summary.prompt_tokens,
+                         cached_tokens=summary.cached_tokens, prefill_tokens=summary.prefill_tokens,
+                         min_prefill_tokens=summary.min_prefill_tokens, generated_tokens=summary.generated_tokens,
+                         wall_s=summary.wall_s, **view.model_dump())
+
+
+async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig,
+                    trainer_model: Any) -> HarnessResult:
+    factory = _factory(scenario)
+    plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
+    groups = plan_specs(plan, factory.tasks(scenario.groups, 3))
+    started = time.perf_counter()
+    rollouts = await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
+    wall_s = time.perf_counter() - started
+    requests = [r for rollout in rollouts for r in rollout.requests]
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    cached = sum(r.cached_tokens for r in requests)
+    view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
+                                   getattr(engine, "constrained", None))
+    return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
+                         cached_tokens=cached, prefill_tokens=prompt - cached,
+                         min_prefill_tokens=min_prefill((r.prompt_ids, r.completion_ids) for r in requests),
+                         generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s,
+                         **view.model_dump())
+
+
+async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
+                  scenarios=SCENARIOS) -> list[tuple[Scenario, list[HarnessResult]]]:
+    from verbatim.renderers.registry import get_renderer
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, scenario in enumerate(scenarios):
+            renderer = get_renderer(scenario.renderer, tokenizer=tokenizer)
+            loop = LoopConfig(max_turns=scenario.max_turns, context_budget=engine.config.max_model_len,
+                              sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7))
+            await engine.reset_prefix_cache()
+            mine = await _verbatim(_wrap(engine, scenario, renderer), renderer, scenario, loop, Path(tmp) / f"run{i}",
+                                   trainer_model)
+            await engine.reset_prefix_cache()
+            theirs = await _baseline(_wrap(engine, scenario, renderer), renderer, scenario, loop, trainer_model)
+            results.append((scenario, [mine, theirs]))
+    return results
+
+
+def _wrap(engine: Any, scenario: Scenario, renderer: Any) -> Any:
+    if scenario.think_regex is None:
+        return engine
+    return ThinkFirst(engine, scenario.think_regex, tuple(renderer.stop_token_ids))
+
+
+def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
+    lines = ["| workload | harness | requests | prompt tokens | cached | prefill | min prefill | wall s | "
+             "gen tok/s | prefill vs verbatim | sampled tokens kept for training | mean abs(log π − log μ) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for scenario, rows in results:
+        base = rows[0].prefill_tokens or 1
+        for row in rows:
+            lines.append(f"| {scenario.name} | {row.harness} | {row.requests} | {row.prompt_tokens} | "
+                         f"{row.cached_tokens} | {row.prefill_tokens} | {row.min_prefill_tokens} | "
+                         f"{row.wall_s:.1f} | {row.tokens_per_s:.1f} | {row.prefill_tokens / base:.2f}x | "
+                         f"{row.trained_tokens} / {row.sampled_tokens} | {row.mean_abs_log_ratio:.2e} |")
+    return "\n".join(lines)
+
+
+def run_bench(model: str = "default") -> str:
+    from transformers import AutoTokenizer
+
+    from verbatim.engine.inproc import InprocEngine
+    from verbatim.engine.runtime import EngineConfig, vllm_version
+    from verbatim.trainer.mismatch import load_model
+
+    engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    trainer_model = load_model(engine.model_dir)
+
+    async def go() -> str:
+        async with engine:
+            return markdown(await measure(engine, tokenizer, trainer_model))
+
+    table = asyncio.run(go())
+    note = (f"\n\nMeasured by `verbatim bench rollouts` ({time.strftime('%Y-%m-%d')}, vLLM {vllm_version()}, "
+            f"{engine.model_dir.name}, fp32, block size {engine.block_size}, 2-core CPU; temperature 1, "
+            "each harness on a cold prefix cache, one run).")
+    return table + note
+
+
+_HEADING = "## Rollouts (verbatim bench rollouts)"
+_INTRO = ("verbatim (append-only token history, a group's first request prefills the shared prompt before the "
+          "others start) against a baseline harness that keeps chat messages, re-renders the whole conversation "
+          "with the chat template before every request and sends a group's rollouts at once. Same engine, same "
+          "sampling; prefill = prompt − engine-reported cached tokens; min prefill = the least any prefix cache "
+          "could prefill for the harness's own requests: every token prefix once, except those computed while "
+          "decoding, and at least one token per request.")
+
+
+def write_section(doc: Path, table: str) -> None:
+    """Replace (or append) the rollouts section of docs/benchmarks.md."""
+    docsection.write_section(doc, "bench-rollouts", table, heading=_HEADING, intro=_INTRO)

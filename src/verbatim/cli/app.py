@@ -1,0 +1,335 @@
+"""The ``verbatim`` command line (a Typer app).
+
+Known errors (:class:`verbatim.errors.VerbatimError`) and usage errors print as
+one line on stderr; exit code 2 means bad input, 1 a failure. ``--debug`` shows
+the traceback instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+import typer.core
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from verbatim import __version__
+from verbatim.cli.bench import bench_app
+from verbatim.cli.lint import lint_app, mismatch_report
+from verbatim.errors import VerbatimError
+
+try:  # typer >= 0.24 vendors click as typer._click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+
+def _validation_line(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"invalid {exc.title} setting{' ' + where if where else ''}: {message}"
+
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(highlight=False)
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Runs the app and turns every known error into one line and an exit code."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv
+        try:
+            result = super().main(args=argv, prog_name="verbatim",
+                                  complete_var=complete_var, standalone_mode=False, **extra)
+            # without standalone mode click hands back typer.Exit's code instead of raising it
+            code = result if isinstance(result, int) else 0
+        except typer.Exit as exc:
+            code = exc.exit_code
+        except click_errors.NoArgsIsHelpError as exc:
+            console.print(exc.format_message())
+            code = 0
+        except click_errors.ClickException as exc:  # usage errors: bad option, missing argument…
+            if debug:
+                raise
+            where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) else ""
+            err_console.print(f"error: {' '.join(exc.format_message().split())}{where}")
+            code = 2 if isinstance(exc, click_errors.UsageError) else exc.exit_code
+        except typer.Abort:
+            err_console.print("error: aborted")
+            code = 130
+        except VerbatimError as exc:
+            if debug:
+                raise
+            err_console.print(f"error: {exc.one_line()}")
+            code = exc.exit_code
+        except ValidationError as exc:  # options that pass the parser but not a settings model
+            if debug:
+                raise
+            err_console.print(f"error: {_validation_line(exc)}")
+            code = 2
+        except KeyboardInterrupt:
+            err_console.print("error: interrupted")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    help="verbatim: token-exact multi-turn rollouts for RL on LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
+                         no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(models_app, name="models")
+app.add_typer(lint_app, name="lint")
+app.add_typer(bench_app, name="bench")
+fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
+                        no_args_is_help=True)
+app.add_typer(fleet_app, name="fleet")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"verbatim {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
+) -> None:
+    """verbatim: token-exact multi-turn rollouts for RL on LLM agents."""
+
+
+# ---------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the bundled models and whether each is prepared."""
+    from verbatim.engine import models
+
+    table = Table(title="bundled models")
+    table.add_column("name", no_wrap=True)
+    for column in ("default", "prepared", "package", "description"):
+        table.add_column(column)
+    for name, bundled in sorted(models.BUNDLED.items()):
+        where = str(models.prepared_path(name)) if models.is_prepared(name) else "no"
+        default = "(default)" if name == models.DEFAULT_MODEL else ""
+        table.add_row(name, default, where, bundled.distribution, bundled.description)
+    console.print(table)
+    console.print("Any Hugging Face model folder can be passed as --model PATH too.")
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: str = typer.Argument(None, help="Bundled model name (default: the default model)."),
+) -> None:
+    """Convert a bundled GGUF model into a Hugging Face folder (once, offline)."""
+    from verbatim.engine import models
+
+    path = models.prepare(name or models.DEFAULT_MODEL)
+    console.print(str(path))
+
+
+# ---------------------------------------------------------------------------
+# generate: one real single-turn generation from token IDs
+# ---------------------------------------------------------------------------
+
+
+@app.command("generate")
+def generate(
+    prompt: str = typer.Option("What is 2+2? Answer in one sentence.", "--prompt", "-p",
+                               help="User message, rendered once with the model's chat template."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to sample."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 means greedy."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Sample one completion from token IDs on the bundled vLLM engine; print tokens and logprobs."""
+    from verbatim.engine.smoke import generate_once
+
+    result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    table = Table(title=f"{len(result.completion.token_ids)} sampled tokens "
+                        f"(prompt {result.completion.prompt_tokens} tokens)")
+    for column in ("#", "token id", "text", "logprob", "version"):
+        table.add_column(column, justify="right" if column != "text" else "left")
+    c = result.completion
+    for i, (tid, piece, lp, ver) in enumerate(zip(c.token_ids, result.pieces, c.logprobs, c.versions)):
+        table.add_row(str(i), str(int(tid)), repr(piece), f"{float(lp):.4f}", str(int(ver)))
+    console.print(table)
+    console.print(f"text: {result.text!r}")
+    console.print(f"finish: {c.finish_reason}  sum logprob: {float(c.logprobs.sum()):.4f}  "
+                  f"engine: vLLM {result.engine_version}  total {c.total_s:.2f}s")
+
+
+# ---------------------------------------------------------------------------
+# run: the main job
+# ---------------------------------------------------------------------------
+
+
+@app.command("run")
+def run(
+    env: str = typer.Option(..., "--env",
+                            help="Built-in env (tools, guess, longdoc, python), module:Class, or entry point."),
+    tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
+    groups: int = typer.Option(2, "--groups", min=1, help="Tasks, one group each."),
+    group_size: int = typer.Option(4, "--group-size", min=1, help="Rollouts per group (G)."),
+    max_turns: int = typer.Option(3, "--max-turns", min=1),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    seed: int = typer.Option(0, "--seed"),
+    out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
+    engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
+    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
+    route: str = typer.Option(None, "--route", help="Routing over several --url replicas: round_robin | "
+                              "least_loaded | session_hash | sticky_least_loaded, optionally +group "
+                              "(default with several: sticky_least_loaded+group)."),
+    high_water: float = typer.Option(0.9, "--high-water", min=0.01, max=1.0,
+                                     help="Hold new rollouts while a replica's KV usage is at or above this."),
+    admission: bool = typer.Option(True, "--admission/--no-admission", help="KV admission control (router)."),
+    cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
+    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=256, help="Context budget per request."),
+    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
+    stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
+                                     help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
+    summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+) -> None:
+    """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
+    from verbatim.harness.launch import RunOptions, run_command
+
+    options = RunOptions(env=env, tasks=tasks, model=model, renderer=renderer, groups=groups,
+                         group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
+                         temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
+                         route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
+                         cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
+                         kv_cache_gib=kv_cache_gib, resume=resume)
+    run_command(options, console, summary_json)
+
+
+# ---------------------------------------------------------------------------
+# export: trainer-ready files
+# ---------------------------------------------------------------------------
+
+
+@app.command("export")
+def export(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    fmt: str = typer.Option(..., "--format", help="parquet | jsonl (the native trace) | verl | trl | prime."),
+    out: str = typer.Option(None, "--out", help="Output file or folder (default: RUN_DIR/exports/FORMAT.*)."),
+) -> None:
+    """Write a run's rollouts as one trainer-ready file (schemas in docs/traces.md)."""
+    from verbatim.harness.export import default_out, export_rollouts, parse_format
+    from verbatim.harness.store import read_run
+
+    fmt = parse_format(fmt)
+    trace = read_run(run_dir)
+    for problem in trace.problems:
+        err_console.print(f"warning: {problem}")
+    result = export_rollouts(trace.rollouts, fmt, out or default_out(run_dir, fmt))
+    left_out = ", ".join(f"{count} with {why}" for why, count in sorted(result.left_out.items()))
+    console.print(f"wrote {result.rows} rollouts ({fmt}) to {result.path}"
+                  + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)
+
+
+# mismatch lives in cli/lint.py beside 'lint trace': both check what a run recorded.
+app.command("mismatch")(mismatch_report)
+
+
+# ---------------------------------------------------------------------------
+# serve: a correctly configured vLLM OpenAI server
+# ---------------------------------------------------------------------------
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
+    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (CPU engine)."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
+) -> None:
+    """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
+    import os
+
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.engine.server import check_bind, server_command
+
+    warning = check_bind(host, allow_remote)
+    if warning:
+        err_console.print(warning)
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, dtype=dtype)
+    argv, env = server_command(config, host=host, port=port)
+    err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
+    os.execvpe(argv[0], argv, env)
+
+
+@fleet_app.command("up")
+def fleet_up(
+    replicas: int = typer.Option(2, "--replicas", min=1, help="Number of vllm serve processes."),
+    file: str = typer.Option("fleet.json", "--file", help="Where to write the fleet file (URLs, pids, logs)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", min=1, help="KV cache space per replica, GiB."),
+    kv_blocks: int = typer.Option(None, "--kv-blocks", min=2, help="Cap each replica's KV cache at this many blocks."),
+    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
+) -> None:
+    """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
+    from pathlib import Path
+
+    from verbatim.engine.fleet import fleet_up as start_fleet
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.engine.server import check_bind
+
+    warning = check_bind(host, allow_remote)
+    if warning:
+        err_console.print(warning)
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len)
+    err_console.print(f"starting {replicas} replicas of {config.model}…")
+    record = start_fleet(config, replicas, Path(file), host=host)
+    for replica in record.replicas:
+        console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}")
+    flags = " ".join(f"--url {u}" for u in record.urls)
+    console.print(f"wrote {file}; use: verbatim run --engine http {flags} --route sticky_least_loaded+group",
+                  soft_wrap=True)
+
+
+@fleet_app.command("down")
+def fleet_down(
+    file: str = typer.Option("fleet.json", "--file", help="The fleet file written by 'fleet up'."),
+) -> None:
+    """Stop every replica of a fleet (SIGTERM, then SIGKILL after 30 s) and remove the fleet file."""
+    from pathlib import Path
+
+    from verbatim.engine.fleet import fleet_down as stop_fleet
+
+    stopped = stop_fleet(Path(file))
+    console.print(f"stopped {len(stopped)} replicas" + (f" ({', '.join(stopped)})" if stopped else ""))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+

@@ -1,0 +1,187 @@
+"""``verbatim lint`` and ``verbatim mismatch``: can a trainer trust a template or a run?
+
+``lint template`` checks a chat template for token drift, ``lint trace`` checks a run's
+rollouts, and ``mismatch`` compares the sampler's logprobs with the trainer's. Registered
+on the root app by :mod:`verbatim.cli.app`, which turns known errors into one line and an
+exit code; this module never imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+# The same settings as cli/app.py's consoles; rich looks up sys.stdout/sys.stderr at print
+# time, so these write to the same streams.
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(highlight=False)
+
+lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
+                       rich_markup_mode=None)
+
+
+# ---------------------------------------------------------------------------
+# lint template: chat-template drift
+# ---------------------------------------------------------------------------
+
+
+@lint_app.command("template")
+def lint_template(
+    template: str = typer.Option(..., "--template", help="A .jinja file, an official template name "
+                                 "(qwen3, gpt_oss…) or a renderer name (llama3…)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="Tokenizer folder/tokenizer.json or renderer "
+                                  "name (default: the default model's)."),
+    conversations: str = typer.Option(None, "--conversations", help="JSONL of {\"messages\": [...], "
+                                      "\"tools\": [...]} objects (default: the built-in set)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per conversation on stdout."),
+) -> None:
+    """Does re-rendering history with this template change tokens already rendered? Exit 1 if so."""
+    import json
+
+    from verbatim.renderers import drift
+    from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, load_conversations
+    from verbatim.renderers.templates import resolve_template, resolve_tokenizer
+
+    label, text = resolve_template(template)
+    chats = load_conversations(conversations or DEFAULT_CONVERSATIONS)
+    model_dir = None
+    if tokenizer is None or not _is_path(tokenizer):
+        from verbatim.engine.models import prepare
+
+        model_dir = prepare()
+    if tokenizer is None:
+        from verbatim.renderers.tokenizers import smollm2_tokenizer
+
+        tok = smollm2_tokenizer(str(model_dir))
+    else:
+        tok = resolve_tokenizer(tokenizer, model_dir)
+    verdicts = drift.lint(drift.TemplateRenderer(text, tok), chats)
+    if as_json:
+        for verdict in verdicts:
+            print(json.dumps(verdict.as_json(), ensure_ascii=False))
+    else:
+        console.print(_drift_table(label, verdicts))
+    # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
+    # comes back as a return value and would be lost.
+    sys.exit(drift.exit_code(verdicts))
+
+
+# ---------------------------------------------------------------------------
+# lint trace: can a trainer trust this run?
+# ---------------------------------------------------------------------------
+
+
+@lint_app.command("trace")
+def lint_trace(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per rollout (and damaged file) on stdout."),
+    groups: bool = typer.Option(False, "--groups", help="Also check each group's shared prompt was prefilled "
+                                "once (not for resumed runs)."),
+) -> None:
+    """Check every rollout: exact prefix extension, logprobs, versions, prefix-cache hits. Exit 1 if wrong."""
+    import json
+
+    from verbatim.lint.report import report_table
+    from verbatim.lint.trace import lint_run
+
+    report = lint_run(run_dir, groups=groups)
+    if as_json:
+        for verdict in report.verdicts:
+            print(json.dumps(verdict.as_json(), ensure_ascii=False))
+    else:
+        console.print(report_table(run_dir, report))
+    raise typer.Exit(report.exit_code)
+
+
+def _is_path(value: str) -> bool:
+    from pathlib import Path
+
+    return Path(value).expanduser().exists()
+
+
+def _drift_table(label: str, verdicts: Any) -> Table:
+    stable = sum(v.prefix_stable is True for v in verdicts)
+    table = Table(title=f"{label}: {stable}/{len(verdicts)} conversations prefix-stable")
+    for column in ("#", "stable", "kind", "cut", "diff at", "cause", "miss", "earlier | later tokens"):
+        table.add_column(column)
+    for verdict in verdicts:
+        number = str(verdict.conversation)
+        if verdict.unsupported is not None:
+            table.add_row(number, "n/a", "", "", "", f"refused: {verdict.unsupported}", "", "")
+        elif not verdict.violations:
+            table.add_row(number, "yes", "", "", "", "", "", "")
+        for v in verdict.violations:
+            context = f"{''.join(v.earlier)!r} | {''.join(v.later)!r}"
+            table.add_row(number, "no", v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
+                          str(v.miss_tokens), context)
+    return table
+
+
+# ---------------------------------------------------------------------------
+# mismatch: sampler logprobs (μ) versus the trainer's (π); a root command
+# ---------------------------------------------------------------------------
+
+
+def mismatch_report(
+    run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
+    model: str = typer.Option("default", "--model", help="Weights to recompute π with (name or HF folder)."),
+    trainer_version: int = typer.Option(None, "--trainer-version", help="Default: the newest version in the trace."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
+) -> None:
+    """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
+    import json
+    from pathlib import Path
+
+    from verbatim.engine.models import resolve
+    from verbatim.harness.store import read_run
+    from verbatim.trainer.mismatch import check_vocabulary, load_model, mismatch, plot_histogram, usable_rollouts
+
+    trace = read_run(run_dir)
+    for problem in trace.problems:
+        err_console.print(f"warning: {problem}")
+    rollouts = usable_rollouts(trace.rollouts)
+    model_dir = resolve(model)
+    network = load_model(model_dir)
+    check_vocabulary(rollouts, int(network.config.vocab_size), model_dir.name)
+    report = mismatch(rollouts, network, trainer_version=trainer_version)
+    if plot:
+        plot_histogram(report, Path(plot))
+    if as_json:
+        console.print_json(json.dumps(report.as_dict()))
+        return
+    console.print(_mismatch_table(report))
+
+
+def _mismatch_table(report: Any) -> Table:
+    overall = report.metrics["all"]
+    table = Table(title=f"sampler vs trainer: {report.model_tokens} model tokens, {report.rollouts} rollouts, "
+                        f"trainer version {report.trainer_version}")
+    table.add_column("slice", no_wrap=True)
+    table.add_column("tokens", justify="right")
+    table.add_column("mean |log π − log μ|", justify="right")
+    table.add_column("ratio p01 / p50 / p99", justify="right")
+    table.add_column("masked (any rule)", justify="right")
+    table.add_column("k3 KL", justify="right")
+
+    def row(name: str, stats: dict) -> None:
+        q = stats["ratio_quantiles"]
+        quantiles = f"{q['p01']:.5f} / {q['p50']:.5f} / {q['p99']:.5f}" if q else "-"
+        mean = stats["mean_abs_log_ratio"]
+        k3 = stats["k3"]
+        table.add_row(name, str(stats["tokens"]), "-" if mean is None else f"{mean:.2e}", quantiles,
+                      f"{stats['dropped'].get('any', 0.0):.2%}", "-" if k3 is None else f"{k3:.2e}")
+
+    row("all", overall)
+    for lag, stats in sorted(report.metrics["by_lag"].items(), key=lambda kv: int(kv[0])):
+        row(f"lag {lag}", stats)
+    if (report.metrics.get("hybrid") or {}).get("tokens"):
+        row("hybrid", report.metrics["hybrid"])
+    rules = ", ".join(f"{k} {v:.2%}" for k, v in overall["dropped"].items() if k != "any")
+    table.caption = (f"masked per rule: {rules}. lag = trainer version − sampling version; "
+                     "hybrid = sampled just after a weight update inside its sequence")
+    return table

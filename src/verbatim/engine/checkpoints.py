@@ -1,0 +1,63 @@
+"""Checkpoints for weight updates: perturbed copies of a model, and state dicts on disk.
+
+A perturbed checkpoint is a genuinely different policy (greedy outputs change)
+made deterministically from a model folder, so weight-update tests and the
+cache-policy table need no training run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from verbatim.errors import InputError
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_INDEX = "model.safetensors.index.json"
+
+
+def _copy_metadata(src: Path, dst: Path) -> None:
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != _INDEX:
+            shutil.copy2(item, dst / item.name)
+
+
+def perturbed_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                         scale: float = 0.05, seed: int = 0) -> Path:
+    """Write ``model_dir``'s weights plus seeded noise (``scale`` × each tensor's std) to ``out_dir``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(model_dir), Path(out_dir)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{src} has no .safetensors weights to perturb")
+    generator = torch.Generator().manual_seed(seed)
+    dst.mkdir(parents=True, exist_ok=True)
+    _copy_metadata(src, dst)
+    for path in files:
+        tensors = load_file(str(path))
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.is_floating_point() and t.numel() > 1:
+                noise = torch.randn(t.shape, generator=generator, dtype=torch.float32)
+                tensors[name] = (t.float() + noise * (scale * t.float().std())).to(t.dtype).contiguous()
+        save_file(tensors, str(dst / path.name), metadata={"format": "pt"})
+    if (src / _INDEX).is_file():
+        shutil.copy2(src / _INDEX, dst / _INDEX)
+    return dst
+
+
+def state_dict_checkpoint(state_dict: dict[str, Any], like: str | os.PathLike[str],
+                          parent: str | os.PathLike[str] | None = None) -> Path:
+    """Save a state dict as a one-file checkpoint folder beside ``like``'s metadata."""
+    from safetensors.torch import save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="verbatim-weights-", dir=parent))
+    _copy_metadata(Path(like), folder)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

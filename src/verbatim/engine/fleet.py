@@ -1,0 +1,162 @@
+"""A local fleet: N ``vllm serve`` replicas on this machine, started together, stopped cleanly.
+
+``verbatim fleet up`` starts the replicas in their own sessions (they outlive
+the command), splits this machine's CPUs between them, waits until each is
+healthy and writes a fleet file (URLs, pids, logs). ``verbatim fleet down``
+reads that file and stops every replica: SIGTERM to its process group, then
+SIGKILL after a grace period. A pid is only signalled while its command line
+is still a vLLM server, so a stale file never kills an unrelated process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+
+from verbatim.datamodel import Frozen
+from verbatim.engine.runtime import EngineConfig
+from verbatim.engine.server import LOOPBACK, ServerProcess, is_loopback
+from verbatim.errors import EngineError, InputError
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class FleetReplica(Frozen):
+    name: str
+    url: str
+    pid: int
+    log: str | None = None
+    cpus: str | None = None
+
+
+class FleetRecord(Frozen):
+    """The fleet file: what ``fleet down`` stops and what ``run --url`` can read."""
+
+    schema_version: int = 1
+    replicas: tuple[FleetReplica, ...] = ()
+    config: dict = Field(default_factory=dict)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+
+def split_cpus(cpus: list[int], replicas: int) -> list[str]:
+    """Give each replica its own CPUs when there are enough, else share them round-robin."""
+    if replicas <= 0:
+        raise InputError("a fleet needs at least one replica")
+    if len(cpus) >= replicas:
+        size = len(cpus) // replicas
+        parts = [cpus[i * size:(i + 1) * size] for i in range(replicas)]
+        parts[-1] = cpus[(replicas - 1) * size:]
+    else:
+        parts = [[cpus[i % len(cpus)]] for i in range(replicas)]
+    return [",".join(str(c) for c in part) for part in parts]
+
+
+def fleet_up(config: EngineConfig, replicas: int, fleet_file: Path, *, host: str = LOOPBACK,
+             log_dir: Path | None = None, timeout_s: float = 900.0) -> FleetRecord:
+    """Start ``replicas`` servers in parallel and write the fleet file once all are healthy."""
+    if fleet_file.exists() and any(_is_server(r.pid) for r in read_fleet(fleet_file).replicas):
+        raise InputError(f"{fleet_file} describes a fleet that is still running",
+                         hint="run 'verbatim fleet down' first, or pass another --file")
+    log_dir = log_dir or fleet_file.parent / "fleet-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cpus = split_cpus(sorted(os.sched_getaffinity(0)), replicas)
+    servers = []
+    for i in range(replicas):
+        replica_config = config.model_copy(update={"threads_bind": cpus[i]})
+        servers.append(ServerProcess(replica_config, host=host, log_path=log_dir / f"r{i}.log").launch())
+    try:
+        _wait_all(servers, timeout_s)
+    except EngineError:
+        for server in servers:
+            server.stop()
+        raise
+    record = FleetRecord(
+        replicas=tuple(FleetReplica(name=f"r{i}", url=s.url, pid=s.proc.pid, log=str(s.log_path), cpus=cpus[i])
+                       for i, s in enumerate(servers) if s.proc is not None),
+        config=config.model_dump() | {"host": host if not is_loopback(host) else LOOPBACK},
+    )
+    fleet_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = fleet_file.with_suffix(".tmp")
+    tmp.write_text(record.model_dump_json(indent=2) + "\n")
+    tmp.replace(fleet_file)
+    return record
+
+
+def _wait_all(servers: list[ServerProcess], timeout_s: float) -> None:
+    """Wait for every server, failing as soon as any one exits or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        if time.monotonic() > deadline:
+            raise EngineError(f"{len(pending)} replicas did not become healthy within {timeout_s:.0f}s")
+        pending = [s for s in pending if not s.ready()]
+        if pending:
+            time.sleep(1.0)
+
+
+def read_fleet(fleet_file: Path) -> FleetRecord:
+    try:
+        return FleetRecord.model_validate(json.loads(fleet_file.read_text()))
+    except FileNotFoundError:
+        raise InputError(f"no fleet file at {fleet_file}", hint="start one with 'verbatim fleet up'") from None
+    except (ValueError, ValidationError) as exc:
+        raise InputError(f"{fleet_file} is not a fleet file ({str(exc).splitlines()[0]})") from None
+
+
+def fleet_down(fleet_file: Path, *, grace_s: float = 30.0) -> list[str]:
+    """Stop every replica of the fleet file (those still running); remove the file; return what stopped."""
+    record = read_fleet(fleet_file)
+    running = [r for r in record.replicas if _is_server(r.pid)]
+    for replica in running:
+        _signal_group(replica.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(not _gone(r.pid) for r in running):
+        time.sleep(0.2)
+    for replica in running:
+        if not _gone(replica.pid):
+            _signal_group(replica.pid, signal.SIGKILL)
+    fleet_file.unlink(missing_ok=True)
+    return [r.name for r in running]
+
+
+def kill_replica(replica: FleetReplica) -> None:
+    """SIGKILL one replica's process group (fault tests: a replica dies mid-run)."""
+    if _is_server(replica.pid):
+        _signal_group(replica.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not _gone(replica.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _is_server(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return SERVER_MODULE.encode() in cmdline and not _gone(pid)
+
+
+def _gone(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap it if this process started it
+        if done:
+            return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

@@ -1,0 +1,371 @@
+"""An ``Engine`` that talks to a vLLM OpenAI-compatible server over HTTP.
+
+Token-ID prompts go to ``/v1/completions`` with ``return_token_ids``,
+``logprobs=0`` (the sampled token's logprob) and ``cache_salt``; cached prompt
+tokens come back in ``usage.prompt_tokens_details.cached_tokens``. Connection
+errors and 5xx answers are retried with exponential backoff within a budget;
+every wait has a timeout. Weight updates drain running requests first (the
+server's ``/pause?mode=wait``), so no HTTP generation ever spans an update and
+every token's version is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+import httpx
+import numpy as np
+
+from verbatim.datamodel import Completion
+from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
+from verbatim.errors import EngineError, InputError
+
+SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
+"""A query parameter whose name contains one of these carries a secret (``api_key``, ``access_token``…)."""
+
+START_TIMEOUT_S = 30.0
+"""How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
+
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+_BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """A URL without ``user:password@`` and without the values of secret query parameters."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # not a URL we can take apart: keep nothing that could be a secret
+        return "***"
+    if parts.username or parts.password:
+        parts = parts._replace(netloc=f"***@{parts.hostname or ''}{':' + str(port) if port else ''}")
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(query="&".join(
+            f"{name}={'***' if _secret_param(name) else value}" for name, value in pairs))
+    return urlunsplit(parts)
+
+
+def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
+    """``text`` with every URL redacted, ``Bearer``/``Basic`` credentials and the given secrets masked."""
+    text = _URL.sub(lambda m: redact(m.group(0)), text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)} ***", text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _secret_param(name: str) -> bool:
+    name = name.lower()
+    return any(word in name for word in SECRET_PARAMS)
+
+
+class HttpEngine:
+    """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints).
+
+    Each call gets ``retries`` more attempts after a connection failure, a timeout, a 5xx answer or a
+    body that is not JSON, with exponential backoff, all within ``budget_s`` of wall time: an attempt
+    never outlives the budget, even against a server that trickles its answer. Credentials in the URL
+    (``user:password@``, ``?api_key=…``) are sent but never printed: errors name :func:`redact`'s URL.
+    """
+
+    def __init__(self, url: str, *, model: str | None = None, block_size: int = 32,
+                 timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None) -> None:
+        base, params, auth = _split_url(url)
+        self.url = base  # no credentials: they live in the client
+        self.label = redact(url)
+        self._query = urlsplit(url.strip()).query
+        self.model = model
+        self.block_size = block_size
+        self.version = 0
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.budget_s = budget_s if budget_s is not None else 2 * timeout_s
+        self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if _secret_param(k))) if v]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                                         headers=headers, params=params or None,
+                                         auth=httpx.BasicAuth(*auth) if auth and not api_key else None)
+
+    async def start(self) -> HttpEngine:
+        """Check the server and learn its model name: one ``GET /v1/models``, no retries.
+
+        Anything but a JSON list of model ids (no connection, a 4xx/5xx, an HTML page) means the URL
+        is not a vLLM server, which is bad input (:class:`InputError`, exit code 2).
+        """
+        try:
+            response = await self._request("GET", "/v1/models", None, None, START_TIMEOUT_S)
+        except _Retry as failed:
+            raise self._not_vllm(failed.reason) from None
+        if response.status_code >= 400:
+            raise self._not_vllm(f"answered {response.status_code} {response.reason_phrase}: "
+                                 f"{self._detail(response)}")
+        try:
+            models = response.json()
+        except ValueError:
+            kind = response.headers.get("content-type", "no content type").split(";")[0]
+            raise self._not_vllm(f"answered {response.status_code} with a body that is not JSON "
+                                 f"({kind}, {len(response.content)} bytes)") from None
+        names = [m.get("id") for m in models.get("data", []) if isinstance(m, dict) and m.get("id")] \
+            if isinstance(models, dict) and isinstance(models.get("data"), list) else []
+        if not names:
+            raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
+        self.model = self.model or names[0]
+        return self
+
+    def _not_vllm(self, what: str) -> InputError:
+        return InputError(self._scrub(f"{redact(self.url)} is not a vLLM server (GET /v1/models {what})"),
+                          hint="check --url")
+
+    async def __aenter__(self) -> HttpEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def close(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self.aclose())
+        else:
+            loop.create_task(self.aclose())
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        """One quick ``/health`` probe, no retries (the router asks this after a failure)."""
+        try:
+            response = await asyncio.wait_for(self._client.get(self.url + "/health", timeout=timeout_s),
+                                              timeout_s + 1)
+        except (httpx.TransportError, httpx.TimeoutException, asyncio.TimeoutError):
+            return False
+        return response.status_code == 200
+
+    # -- transport -------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, *, json: Any = None, params: Any = None) -> Any:
+        deadline = time.monotonic() + self.budget_s
+        last, attempts = "no attempt fitted in the budget", 0
+        for attempt in range(self.retries + 1):
+            if attempt:
+                pause = self.backoff_s * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= deadline:
+                    break
+                await asyncio.sleep(pause)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
+            try:
+                response = await self._request(method, path, json, params, left)
+            except _Retry as retry:
+                last = retry.reason
+                continue
+            if response.status_code >= 500:
+                last = f"{response.status_code} {response.reason_phrase}: {self._detail(response)}"
+                continue
+            if response.status_code >= 400:
+                raise InputError(self._scrub(f"{self._where(path)} refused the request ({response.status_code}): "
+                                             f"{self._detail(response)}"))
+            if not response.content:
+                return {}
+            try:
+                return response.json()
+            except ValueError:
+                if path == "/metrics":
+                    return response.text
+                last = f"malformed JSON ({len(response.content)} bytes, not JSON)"
+        raise EngineError(self._scrub(f"{self._where(path)} failed after {attempts} attempts "
+                                      f"(budget {self.budget_s:g}s): {last}"))
+
+    async def _request(self, method: str, path: str, json: Any, params: Any, left: float) -> httpx.Response:
+        """One attempt: the whole answer within ``timeout_s`` (and the budget ``left``); httpx's own
+        timeouts bound each read, not the answer, which a server can trickle forever."""
+        bound = min(self.timeout_s, left)
+        timeout = httpx.Timeout(bound, connect=min(self.connect_timeout_s, bound))
+        try:
+            return await asyncio.wait_for(
+                self._client.request(method, self.url + path, json=json, params=params, timeout=timeout), bound)
+        except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+            what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "an answer"
+            raise _Retry(f"timed out waiting for {what} ({bound:.3g}s)") from exc
+        except httpx.RemoteProtocolError as exc:
+            raise _Retry(f"the server broke off the answer ({_short(exc)})") from exc
+        except httpx.ConnectError as exc:
+            raise _Retry(f"cannot connect ({_short(exc)})") from exc
+        except httpx.TransportError as exc:
+            raise _Retry(f"connection lost ({type(exc).__name__}: {_short(exc)})") from exc
+
+    def _where(self, path: str) -> str:
+        """The redacted URL of a request to ``path``."""
+        return redact(self.url + path + (f"?{self._query}" if self._query else ""))
+
+    def _scrub(self, text: str) -> str:
+        return redact_text(text, self._secrets)
+
+    def _detail(self, response: httpx.Response) -> str:
+        """What the server said, scrubbed before it is shortened (a cut secret would not be found)."""
+        text = self._scrub(_message(response))
+        return text if len(text) <= 300 else text[:297] + "..."
+
+    # -- requests -----------------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int] | Any, sampling: Sampling | None = None, *,
+                       session_id: str | None = None, group_id: str | None = None,
+                       cache_salt: str | None = None) -> Completion:
+        sampling = sampling or Sampling()
+        if sampling.regex is not None:
+            raise InputError("regex-constrained sampling is supported by the in-process engine only")
+        prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+        if not prompt:
+            raise InputError("the prompt is empty")
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0,
+            "return_token_ids": True, "skip_special_tokens": False, "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": list(sampling.stop_token_ids),
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        version = self.version
+        started = time.perf_counter()
+        answer = await self._call("POST", "/v1/completions", json=body)
+        return _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
+
+    # -- weights and cache ----------------------------------------------------------
+
+    async def update_weights(self, source: WeightSource, version: int,
+                             policy: CachePolicy | str = CachePolicy.KEEP) -> None:
+        policy = CachePolicy.parse(policy)
+        if isinstance(source, dict):
+            raise InputError("an HTTP engine reloads weights from a checkpoint folder the server can read",
+                             hint="save the state dict to a folder first")
+        if version <= self.version:
+            raise InputError(f"new version {version} must be greater than the current {self.version}")
+        await self._call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"})
+        try:
+            await self._call("POST", "/collective_rpc",
+                             json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+            if policy is CachePolicy.FLUSH:
+                await self.reset_prefix_cache()
+            self.version = version
+        finally:
+            await self._call("POST", "/resume")
+
+    async def reset_prefix_cache(self) -> None:
+        answer = await self._call("POST", "/reset_prefix_cache")
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError("the server could not reset its prefix cache (blocks still in use)")
+
+    async def stats(self) -> EngineStats:
+        text = await self._call("GET", "/metrics")
+        metrics = parse_prometheus(text if isinstance(text, str) else "")
+        return EngineStats(
+            kv_cache_usage=metrics.get("vllm:kv_cache_usage_perc", 0.0),
+            prefix_cache_queries=int(metrics.get("vllm:prefix_cache_queries_total", 0)),
+            prefix_cache_hits=int(metrics.get("vllm:prefix_cache_hits_total", 0)),
+            running=int(metrics.get("vllm:num_requests_running", 0)),
+            waiting=int(metrics.get("vllm:num_requests_waiting", 0)),
+            version=self.version,
+            capacity_tokens=capacity_tokens(text if isinstance(text, str) else ""),
+        )
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum each metric's samples over their labels (one replica's totals)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
+    return totals
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def capacity_tokens(text: str) -> int:
+    """KV cache size in tokens from ``vllm:cache_config_info`` (its num_gpu_blocks and block_size labels)."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL.findall(line))
+            blocks, block = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+            if blocks.isdigit() and block.isdigit():
+                return int(blocks) * int(block)
+    return 0
+
+
+class _Retry(Exception):
+    """Internal: an attempt failed in a way worth another attempt; ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _split_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | None]:
+    """(base URL without credentials or query, the query's parameters, (user, password) or None)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise InputError(f"{redact(url)} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"{redact(url)} is not an http(s) URL", hint="use e.g. http://127.0.0.1:8000")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = f"{host}:{port}" if port else host
+    base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+    auth = (unquote(parts.username or ""), unquote(parts.password or "")) if parts.username or parts.password \
+        else None
+    return base, parse_qsl(parts.query, keep_blank_values=True), auth
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return (text[:160] + "…") if len(text) > 160 else text or type(exc).__name__
+
+
+def _message(response: httpx.Response) -> str:
+    """The error message of an answer's body (vLLM's ``{"error": {"message": …}}``), or its text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return " ".join(response.text.split())
+    error = body.get("error", body) if isinstance(body, dict) else body
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return " ".join(str(message).split())
+
+
+def _completion(answer: Any, prompt_len: int, version: int, cache_salt: str | None, total_s: float) -> Completion:
+    try:
+        choice = answer["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = choice["logprobs"]["token_logprobs"]
+        usage = answer.get("usage") or {}
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EngineError(f"malformed completion from the server (missing {exc}); is it vLLM with "
+                          "--enable-prompt-tokens-details?") from exc
+    if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+        raise EngineError("the server returned no logprob for some sampled tokens")
+    return Completion(
+        token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
+        versions=np.full(len(ids), version, dtype=np.int32), finish_reason=str(choice.get("finish_reason")),
+        prompt_tokens=prompt_len, cached_tokens=min(cached, prompt_len), cache_salt=cache_salt, total_s=total_s,
+    )

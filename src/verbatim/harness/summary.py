@@ -1,0 +1,138 @@
+"""Run accounting: prompt, cached and prefill tokens, and what the minimum and a re-render would cost.
+
+``min_prefill_tokens`` is a lower bound on what any prefix cache must prefill
+(design invariant 5: ``prefill_tokens >= min_prefill_tokens``). Taking the
+requests in order, a prompt token needs prefilling unless its prefix was
+already computed: as part of an earlier prompt, or while decoding an earlier
+completion (the engine computes the KV of every sampled token but the last
+one, and vLLM caches full blocks of them too). Every request prefills at least
+one token (the engine needs the last prompt token's logits). Real prefill
+exceeds the bound by the partial blocks a block cache cannot reuse, and by
+whatever was evicted. ``rerender_prefill_tokens`` is the same bound for a
+harness that re-renders each turn's prompt from messages with the chat
+template: its prefix cache can reuse only up to the first token where a
+re-render departs from what it sent before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import Field
+
+from verbatim.datamodel import Frozen, Message, Rollout
+from verbatim.errors import VerbatimError
+
+
+class RunSummary(Frozen):
+    rollouts: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    min_prefill_tokens: int = 0
+    rerender_prefill_tokens: int | None = None
+    generated_tokens: int = 0
+    block_size: int = 128
+    wall_s: float = 0.0
+    statuses: dict[str, int] = Field(default_factory=dict)
+    mean_reward: float | None = None
+    admission_wait_s: float = 0.0
+    """Time new rollouts were held by the router's admission control, summed."""
+    migrations: int = 0
+    """Turns the router sent to another replica than the session's previous turn."""
+    migration_lost_tokens: int = 0
+    """Cached context those migrations gave up (the expected cache loss)."""
+    turns_per_replica: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def min_prefill(requests: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Least prefill for ``(prompt, completion)`` requests in the order sent (see the module docstring)."""
+    computed: set[int] = set()
+    total = 0
+    for prompt, completion in requests:
+        key, new = 0, 0
+        for token in prompt:
+            key = hash((key, int(token)))
+            if key not in computed:
+                computed.add(key)
+                new += 1
+        total += max(new, 1)
+        for token in list(completion)[:-1]:  # decoding computes the KV of every sampled token but the last
+            key = hash((key, int(token)))
+            computed.add(key)
+    return total
+
+
+def request_prompts(rollout: Rollout) -> list[Sequence[int]]:
+    ids = rollout.tokens.token_id
+    return [ids[: turn.prompt_end] for turn in rollout.turns]
+
+
+def sampled(rollout: Rollout) -> list[Sequence[int]]:
+    """Each turn's completion as sampled."""
+    ids = rollout.tokens.token_id
+    return [ids[turn.prompt_end: turn.completion_end] for turn in rollout.turns]
+
+
+def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
+    """Each turn's prompt as a re-rendering harness would send it: the template over the messages so far."""
+    messages = [Message.model_validate(m) for m in rollout.info.get("messages", [])]
+    tools = rollout.info.get("tools")
+    ours = request_prompts(rollout)
+    prompts = []
+    for message_end, message in enumerate(messages):
+        if message.role != "assistant" or len(prompts) == len(ours):
+            continue
+        try:
+            prompts.append(renderer.render(messages[:message_end], tools=tools,
+                                           add_generation_prompt=True).token_ids)
+        except VerbatimError:  # the template refuses this history: count the prompt we really sent
+            prompts.append(ours[len(prompts)])
+    return prompts
+
+
+def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
+    """Admission wait, migrations and their lost context, and turns per replica, from the turns and routes."""
+    per_replica: dict[str, int] = {}
+    migrations = lost = 0
+    wait = 0.0
+    for rollout in rollouts:
+        for turn in rollout.turns:
+            wait += turn.admission_wait_s
+            if turn.replica is not None:
+                per_replica[turn.replica] = per_replica.get(turn.replica, 0) + 1
+        for decision in rollout.info.get("routes") or ():
+            if isinstance(decision, dict) and decision.get("migrated_from") is not None:
+                migrations += 1
+                lost += int(decision.get("lost_tokens") or 0)
+    return {"admission_wait_s": wait, "migrations": migrations, "migration_lost_tokens": lost,
+            "turns_per_replica": dict(sorted(per_replica.items()))}
+
+
+def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0.0,
+              renderer: Any = None) -> RunSummary:
+    turns = [t for r in rollouts for t in r.turns]
+    prompt = sum(t.prompt_end for t in turns)
+    cached = sum(t.cached_tokens for t in turns)
+    statuses: dict[str, int] = {}
+    for r in rollouts:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    rewards = [r.reward for r in rollouts if r.reward is not None]
+    rerender = None
+    if renderer is not None:
+        rerender = min_prefill(pair for r in rollouts for pair in zip(rerendered_prompts(r, renderer), sampled(r)))
+    return RunSummary(
+        rollouts=len(rollouts), turns=len(turns), prompt_tokens=prompt, cached_tokens=cached,
+        prefill_tokens=prompt - cached,
+        min_prefill_tokens=min_prefill(pair for r in rollouts for pair in zip(request_prompts(r), sampled(r))),
+        rerender_prefill_tokens=rerender,
+        generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
+        statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        **routing_totals(rollouts),
+    )

@@ -1,0 +1,138 @@
+"""Rollouts ⇄ Arrow tables and JSON lines (pure conversion, no file handling).
+
+Token columns become Arrow list columns with their exact dtypes; turns become a
+list of structs; task and info are JSON text so that any env's data fits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from verbatim.datamodel import COLUMN_DTYPES, Rollout, TokenColumns, Turn
+from verbatim.errors import TraceFormatError
+
+_TURN_TYPE = pa.struct([
+    ("index", pa.int32()),
+    ("prompt_end", pa.int64()),
+    ("completion_end", pa.int64()),
+    ("cached_tokens", pa.int64()),
+    ("cache_salt", pa.string()),
+    ("finish_reason", pa.string()),
+    ("kv_versions", pa.list_(pa.int32())),
+    ("queue_s", pa.float64()),
+    ("first_token_s", pa.float64()),
+    ("total_s", pa.float64()),
+    ("reward", pa.float64()),
+    ("replica", pa.string()),
+    ("admission_wait_s", pa.float64()),
+])
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("run_id", pa.string()),
+        ("group_id", pa.string()),
+        ("rollout_id", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("reward", pa.float64()),
+        ("task", pa.string()),
+        ("info", pa.string()),
+        ("turns", pa.list_(_TURN_TYPE)),
+    ]
+    + [(name, pa.list_(pa.from_numpy_dtype(dtype))) for name, dtype in COLUMN_DTYPES.items()]
+)
+
+_META_FIELDS = ("schema_version", "run_id", "group_id", "rollout_id", "status", "error", "reward")
+
+
+def _list_column(arrays: list[np.ndarray], dtype: np.dtype) -> pa.Array:
+    """Many NumPy arrays → one Arrow list column, without per-element Python objects."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.empty(0, dtype)
+    values = pa.array(flat.astype(dtype, copy=False), type=pa.from_numpy_dtype(dtype))
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def to_table(rollouts: list[Rollout]) -> pa.Table:
+    columns: dict[str, Any] = {name: [getattr(r, name) for r in rollouts] for name in _META_FIELDS}
+    columns["task"] = [json.dumps(r.task, sort_keys=True) for r in rollouts]
+    columns["info"] = [json.dumps(r.info, sort_keys=True) for r in rollouts]
+    columns["turns"] = [[t.model_dump() for t in r.turns] for r in rollouts]
+    arrays = [pa.array(columns[f.name], type=f.type) for f in ROLLOUT_SCHEMA if f.name in columns]
+    arrays += [_list_column([getattr(r.tokens, n) for r in rollouts], d) for n, d in COLUMN_DTYPES.items()]
+    return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
+
+
+DECODE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError,
+                 pa.ArrowException)
+"""What decoding damaged or foreign data can raise (a number too large for its column, JSON nested too
+deep, a missing field, a wrong type); the readers turn each into a :class:`TraceFormatError`."""
+
+
+def from_table(table: pa.Table) -> list[Rollout]:
+    """The rollouts of one batch table; anything that is not one raises :class:`TraceFormatError`."""
+    try:
+        return _rollouts_of(table)
+    except DECODE_ERRORS as exc:
+        raise TraceFormatError(f"not a verbatim rollout table: {type(exc).__name__}: {brief(exc)}") from exc
+
+
+def _rollouts_of(table: pa.Table) -> list[Rollout]:
+    meta = {name: table.column(name).to_pylist() for name in _META_FIELDS}
+    tasks = table.column("task").to_pylist()
+    infos = table.column("info").to_pylist()
+    turns = table.column("turns").to_pylist()
+    token_columns = {name: table.column(name).combine_chunks() for name in COLUMN_DTYPES}
+    rollouts = []
+    for i in range(table.num_rows):
+        tokens = TokenColumns(**{
+            name: token_columns[name][i].values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+            for name, dtype in COLUMN_DTYPES.items()
+        })
+        rollouts.append(Rollout(
+            **{name: meta[name][i] for name in _META_FIELDS},
+            task=json.loads(tasks[i]),
+            info=json.loads(infos[i]),
+            turns=tuple(Turn(**t) for t in turns[i]),
+            tokens=tokens,
+        ))
+    return rollouts
+
+
+def to_json_line(rollout: Rollout) -> str:
+    record = rollout.model_dump(mode="json", exclude={"tokens"})
+    tokens: dict[str, list[Any]] = {name: col.tolist() for name, col in rollout.tokens.as_dict().items()}
+    tokens["logprob"] = [None if math.isnan(x) else x for x in tokens["logprob"]]  # JSON has no NaN
+    record["tokens"] = tokens
+    return json.dumps(record, allow_nan=False, separators=(",", ":"))
+
+
+def from_json_line(line: str | bytes) -> Rollout:
+    """One rollout from its JSON line; anything that is not one raises :class:`TraceFormatError`."""
+    try:
+        return _rollout_of(json.loads(line))
+    except DECODE_ERRORS as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TraceFormatError(f"not a verbatim rollout line: {type(exc).__name__}: {brief(exc)}") from exc
+
+
+def brief(exc: BaseException) -> str:
+    """An exception's message on one line, at most 120 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _rollout_of(record: Any) -> Rollout:
+    tokens = record.pop("tokens")
+    tokens["logprob"] = [math.nan if x is None else x for x in tokens["logprob"]]
+    record["tokens"] = TokenColumns(**{name: np.asarray(tokens[name], dtype=dtype)
+                                       for name, dtype in COLUMN_DTYPES.items()})
+    record["turns"] = tuple(Turn(**t) for t in record.get("turns", ()))
+    return Rollout(**record)

@@ -1,0 +1,328 @@
+"""Checks a run's trace can be trusted: ``verbatim lint trace``.
+
+Pure checks over :class:`~verbatim.datamodel.Rollout` records plus the cache
+settings from the manifest; only :func:`lint_run` touches the disk. For every
+rollout:
+
+* **layout** — turn indices run 0, 1, …; each turn's prompt extends the
+  previous turn's full sequence (``prompt_end`` ≥ the previous ``completion_end``);
+  the tokens before the first completion are prompt tokens, those between turns
+  env tokens, completions model tokens; the ``turn`` column names the turn each
+  token belongs to.
+* **sampling** — every model token has a finite logprob ≤ 0 and a version ≥ 0;
+  every other token has logprob NaN and version −1.
+* **version order** — the versions of model tokens never decrease.
+* **cache** — turn k (k ≥ 1) should find in the prefix cache what turn k−1
+  computed (see :func:`reusable_prefix`); a shortfall names its likely cause.
+* **duplicates** — a rollout id appears once in the run.
+
+First turns are not checked against other rollouts of their group: a group's
+first requests run concurrently and the engine cannot reuse blocks that a
+concurrent request is still computing, so a shortfall there is not a defect.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from verbatim.datamodel import Rollout, Source, Turn
+
+DEFAULT_BLOCK_SIZE = 128
+POSITIVE_LOGPROB_TOLERANCE = 1e-3
+CAUSES = ("replica", "salt", "flush", "eviction")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a rollout; ``turn`` is None when it concerns the whole rollout or a file."""
+
+    kind: str
+    turn: int | None
+    detail: str
+    cause: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": self.kind, "turn": self.turn, "detail": self.detail}
+        if self.cause is not None:
+            record["cause"] = self.cause
+        return record
+
+
+@dataclass(frozen=True)
+class RolloutVerdict:
+    rollout_id: str | None
+    group_id: str | None
+    problems: tuple[Problem, ...] = ()
+    status: str | None = None
+    turns: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "ok": self.ok,
+                "problems": [p.as_json() for p in self.problems]}
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What the engine's prefix cache could reuse: block size and the weight-update cache policy."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    cache_policy: str | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: Any) -> CacheSettings:
+        engine, config = manifest.engine or {}, manifest.config or {}
+        block = engine.get("block_size") or config.get("block_size") or DEFAULT_BLOCK_SIZE
+        policy = engine.get("cache_policy") or config.get("cache_policy")
+        return cls(block_size=int(block), cache_policy=str(policy) if policy else None)
+
+
+@dataclass
+class TraceReport:
+    """One verdict per rollout, plus one per damaged file or failed group check (rollout_id None)."""
+
+    verdicts: list[RolloutVerdict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.verdicts)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+def lint_run(run_dir: str | os.PathLike[str], *, groups: bool = False) -> TraceReport:
+    """Read a run directory and lint it (raises TraceFormatError for a path that is not a trace).
+
+    ``groups`` adds the opt-in group check of :mod:`verbatim.lint.group`.
+    """
+    from verbatim.harness.store import read_run
+
+    trace = read_run(run_dir)
+    settings = CacheSettings.from_manifest(trace.manifest)
+    report = lint_rollouts(trace.rollouts, settings)
+    if groups:
+        from verbatim.lint.group import check_groups
+
+        report.verdicts.extend(check_groups(trace.rollouts, settings))
+    for problem in trace.problems:
+        report.verdicts.append(RolloutVerdict(None, None, (Problem("damaged_file", None, problem),)))
+    return report
+
+
+def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings | None = None) -> TraceReport:
+    settings = settings or CacheSettings()
+    seen: set[str] = set()
+    report = TraceReport()
+    for rollout in rollouts:
+        problems = list(lint_rollout(rollout, settings))
+        if rollout.rollout_id in seen:
+            problems.append(Problem("duplicate", None, f"rollout id {rollout.rollout_id!r} appears more than "
+                                    "once in the run (a resumed run redid it?)"))
+        seen.add(rollout.rollout_id)
+        report.verdicts.append(RolloutVerdict(rollout.rollout_id, rollout.group_id, tuple(problems),
+                                              rollout.status, len(rollout.turns)))
+    return report
+
+
+def lint_rollout(rollout: Rollout, settings: CacheSettings | None = None) -> list[Problem]:
+    """Every problem of one rollout, in check order."""
+    settings = settings or CacheSettings()
+    problems = check_extension(rollout)
+    if not problems:  # spans are only meaningful when the offsets are
+        problems += check_spans(rollout)
+    problems += check_sampling(rollout)
+    problems += check_version_order(rollout)
+    if not any(p.kind == "extension" for p in problems):
+        problems += check_cache(rollout, settings)
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------
+
+
+def check_extension(rollout: Rollout) -> list[Problem]:
+    """Turn indices in order; each prompt extends the previous turn's full sequence."""
+    problems = []
+    previous_end = 0
+    for position, turn in enumerate(rollout.turns):
+        if turn.index != position:
+            problems.append(Problem("extension", turn.index, f"turn at position {position} has index "
+                                    f"{turn.index}; turns must be numbered 0, 1, … in order"))
+        if position == 0 and turn.prompt_end == 0:
+            problems.append(Problem("extension", turn.index, "the first turn has an empty prompt"))
+        if turn.prompt_end < previous_end:
+            problems.append(Problem("extension", turn.index, f"prompt ends at token {turn.prompt_end}, inside "
+                                    f"the previous turn's sequence (which ends at {previous_end}): the "
+                                    "history was rewritten, not extended"))
+        previous_end = max(previous_end, turn.completion_end)
+    return problems
+
+
+def expected_spans(rollout: Rollout) -> list[tuple[int, int, Source, int, str]]:
+    """(start, end, source, turn column value, label) for every span of a well-formed rollout."""
+    turns, n = rollout.turns, len(rollout.tokens)
+    if not turns:
+        return [(0, n, Source.PROMPT, 0, "the prompt")]
+    spans = [(0, turns[0].prompt_end, Source.PROMPT, 0, "the prompt")]
+    for k, turn in enumerate(turns):
+        if k:
+            spans.append((turns[k - 1].completion_end, turn.prompt_end, Source.ENV, k,
+                          f"the env tokens before turn {k}"))
+        spans.append((turn.prompt_end, turn.completion_end, Source.MODEL, k, f"turn {k}'s completion"))
+    spans.append((turns[-1].completion_end, n, Source.ENV, len(turns), "the env tokens after the last turn"))
+    return spans
+
+
+def check_spans(rollout: Rollout) -> list[Problem]:
+    """Sources and the turn column agree with the turn offsets."""
+    problems = []
+    source, turn_column = rollout.tokens.source, rollout.tokens.turn
+    for start, end, expected, turn_value, label in expected_spans(rollout):
+        where = min(turn_value, max(len(rollout.turns) - 1, 0))
+        wrong = np.flatnonzero(source[start:end] != expected)
+        if len(wrong):
+            at = start + int(wrong[0])
+            problems.append(Problem("source", where, f"{len(wrong)} token(s) in {label} have the wrong source "
+                                    f"(token {at} is {_source_name(source[at])}, expected {expected.name.lower()})"))
+        misplaced = np.flatnonzero(turn_column[start:end] != turn_value)
+        if len(misplaced):
+            at = start + int(misplaced[0])
+            problems.append(Problem("turn_column", where, f"{len(misplaced)} token(s) in {label} carry the wrong "
+                                    f"turn (token {at} says {int(turn_column[at])}, expected {turn_value})"))
+    return problems
+
+
+def _source_name(value: Any) -> str:
+    try:
+        return Source(int(value)).name.lower()
+    except ValueError:
+        return f"unknown source {int(value)}"
+
+
+# ---------------------------------------------------------------------------
+# Sampling columns
+# ---------------------------------------------------------------------------
+
+
+def check_sampling(rollout: Rollout) -> list[Problem]:
+    """Model tokens: finite logprob ≤ 0 and version ≥ 0. Other tokens: NaN and −1."""
+    tokens = rollout.tokens
+    model = tokens.source == Source.MODEL
+    other = ~model
+    finite = np.isfinite(tokens.logprob)
+    rules = [
+        ("logprob", model & ~finite, "model token(s) without a finite logprob"),
+        ("logprob", model & finite & (tokens.logprob > POSITIVE_LOGPROB_TOLERANCE),
+         "model token(s) with a positive logprob"),
+        ("version", model & (tokens.policy_version < 0), "model token(s) without a policy version (< 0)"),
+        ("logprob", other & ~np.isnan(tokens.logprob), "prompt/env token(s) carrying a logprob (expected NaN)"),
+        ("version", other & (tokens.policy_version != -1), "prompt/env token(s) carrying a version (expected -1)"),
+    ]
+    problems = []
+    for kind, bad, what in rules:
+        for turn, positions in _by_turn(tokens.turn, np.flatnonzero(bad)):
+            problems.append(Problem(kind, turn, f"{len(positions)} {what}, first at token {positions[0]}"))
+    return problems
+
+
+def _by_turn(turn_column: np.ndarray, positions: np.ndarray) -> list[tuple[int, list[int]]]:
+    grouped: dict[int, list[int]] = {}
+    for at in positions.tolist():
+        grouped.setdefault(int(turn_column[at]), []).append(at)
+    return sorted(grouped.items())
+
+
+def check_version_order(rollout: Rollout) -> list[Problem]:
+    """Policy versions of model tokens never decrease along the rollout."""
+    tokens = rollout.tokens
+    positions = np.flatnonzero(tokens.source == Source.MODEL)
+    versions = tokens.policy_version[positions]
+    drops = np.flatnonzero(np.diff(versions) < 0)
+    problems = []
+    for d in drops.tolist():
+        at = int(positions[d + 1])
+        problems.append(Problem("version_order", int(tokens.turn[at]),
+                                f"policy version drops from {int(versions[d])} to {int(versions[d + 1])} "
+                                f"at token {at}"))
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# Prefix cache
+# ---------------------------------------------------------------------------
+
+
+def reusable_prefix(previous: Turn, turn: Turn, block_size: int) -> int:
+    """Prompt tokens of ``turn`` the cache should hold after ``previous``, in whole blocks.
+
+    The engine computed KV for the previous prompt and every sampled token but the
+    last (the last one is returned, never fed back). The engine always recomputes
+    at least the last prompt token, and caches whole blocks only; so the reusable
+    prefix is ``min(previous KV, prompt − 1)`` rounded down to ``block_size``.
+    """
+    computed = previous.completion_end - 1 if previous.completion_tokens else previous.prompt_end
+    limit = min(computed, turn.prompt_end - 1)
+    return max(limit, 0) // block_size * block_size
+
+
+def check_cache(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
+    problems = []
+    for k in range(1, len(rollout.turns)):
+        previous, turn = rollout.turns[k - 1], rollout.turns[k]
+        reusable = reusable_prefix(previous, turn, settings.block_size)
+        if turn.cached_tokens < reusable:
+            problems.append(Problem(
+                "cache_shortfall", turn.index,
+                f"{turn.cached_tokens} of {reusable} reusable prompt tokens came from the cache "
+                f"({reusable - turn.cached_tokens} prefilled again; block size {settings.block_size})",
+                shortfall_cause(rollout, k, settings)))
+    return problems
+
+
+def shortfall_cause(rollout: Rollout, k: int, settings: CacheSettings) -> str:
+    """Why turn k missed: a different replica, a salt change, a flush on a weight update, else eviction."""
+    previous, turn = rollout.turns[k - 1], rollout.turns[k]
+    replicas = turn_replicas(rollout)
+    if replicas is not None and replicas[k - 1] != replicas[k]:
+        return "replica"
+    if turn.cache_salt != previous.cache_salt:
+        return "salt"
+    if settings.cache_policy == "flush":
+        before, after = _version_at(rollout, previous, last=True), _version_at(rollout, turn, last=False)
+        if before is not None and after is not None and before != after:
+            return "flush"
+    return "eviction"
+
+
+def turn_replicas(rollout: Rollout) -> list[Any] | None:
+    """Per-turn replica ids: each turn's ``replica`` (written by the router), else ``info["replicas"]``."""
+    if rollout.turns and all(t.replica is not None for t in rollout.turns):
+        return [t.replica for t in rollout.turns]
+    replicas = rollout.info.get("replicas")
+    if isinstance(replicas, list) and len(replicas) >= len(rollout.turns):
+        return replicas
+    return None
+
+
+def _version_at(rollout: Rollout, turn: Turn, *, last: bool) -> int | None:
+    """The policy version of a turn's last (or first) sampled token; None for an empty completion."""
+    if not turn.completion_tokens:
+        return None
+    at = turn.completion_end - 1 if last else turn.prompt_end
+    return int(rollout.tokens.policy_version[at])

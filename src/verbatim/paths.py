@@ -1,0 +1,47 @@
+"""Where verbatim finds its files: the chat templates it ships, and the folder it writes to.
+
+* :func:`chat_templates_dir`: the official chat templates and real tokenizer files, shipped
+  inside the package (``verbatim/chat_templates``, with ``SOURCES.md`` and the licences).
+  ``$VERBATIM_SHARED_TEMPLATES`` names another folder of the same shape instead.
+* :func:`verbatim_home`: converted models and engine caches, ``$VERBATIM_HOME`` or the
+  user's cache dir.
+
+Nothing here looks outside the package or those two variables' folders.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from verbatim.errors import InputError
+
+TEMPLATES_ENV = "VERBATIM_SHARED_TEMPLATES"
+"""Environment variable naming a folder of templates (``*.jinja``) and ``tokenizers/`` to use instead."""
+
+PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+
+
+def verbatim_home() -> Path:
+    """``$VERBATIM_HOME``, else ``$XDG_CACHE_HOME/verbatim``, else ``~/.cache/verbatim``."""
+    explicit = os.environ.get("VERBATIM_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "verbatim"
+
+
+def chat_templates_dir() -> Path:
+    """The official templates: ``$VERBATIM_SHARED_TEMPLATES`` if set, else the package's own copy."""
+    explicit = os.environ.get(TEMPLATES_ENV)
+    return Path(explicit).expanduser() if explicit else PACKAGE_TEMPLATES
+
+
+def tokenizer_file(*parts: str) -> Path:
+    """A shipped tokenizer file (``tokenizer_file("llama3", "tokenizer.model")``); one-line error if absent."""
+    path = chat_templates_dir().joinpath("tokenizers", *parts)
+    if not path.is_file():
+        hint = (f"{TEMPLATES_ENV} points at a folder without it: unset it or fix the folder"
+                if os.environ.get(TEMPLATES_ENV) else "reinstall verbatim: its package data is incomplete")
+        raise InputError(f"tokenizer file {path} is missing", hint=hint)
+    return path

@@ -1,0 +1,226 @@
+"""The renderer protocol, and the text-to-token machinery every chat family shares.
+
+A family describes its chat format as *pieces* of text, each tagged with the
+message it belongs to. ``render`` joins the pieces and tokenizes the whole text
+once (exactly what ``apply_chat_template(..., tokenize=True)`` does), so it is
+token-for-token equal to the official template whenever the text is. ``bridge``
+tokenizes only the text that continues an existing sequence, so its cost is
+proportional to the new tokens and it can never change a token already sampled.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from verbatim.datamodel import Message
+from verbatim.errors import RenderError
+
+PREAMBLE = -1
+"""Message index of tokens that belong to no message (BOS, injected system text, tool lists)."""
+
+
+class RenderedTokens(BaseModel):
+    """Token ids of a rendered conversation and, per token, the index of its message.
+
+    Tokens of no message (BOS, a default system prompt, tool definitions) carry
+    :data:`PREAMBLE`; the generation prompt carries ``len(messages)``, the index
+    the next (assistant) message will have.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_ids: tuple[int, ...]
+    message_index: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RenderedTokens:
+        if len(self.token_ids) != len(self.message_index):
+            raise ValueError("token_ids and message_index must have the same length")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@runtime_checkable
+class Renderer(Protocol):
+    """Token-exact chat rendering for one model family."""
+
+    name: str
+    templates: tuple[str, ...]
+    prefix_stable: bool
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+
+    def render(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool) -> RenderedTokens: ...
+
+    def bridge(self, previous_ids: Sequence[int], new_messages: Sequence[Message], *,
+               tools: Sequence[dict] | None = None) -> list[int]: ...
+
+    def parse_completion(self, token_ids: Sequence[int]) -> Message: ...
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text that a chat format writes, and the message it belongs to."""
+
+    text: str
+    message: int = PREAMBLE
+
+
+class ChatFormat:
+    """Base of every family: pieces in, tokens out. Subclasses describe only their format.
+
+    Class attributes a family sets:
+      ``name``, ``templates`` (the official template files it is verified against),
+      ``prefix_stable`` (does the official template re-render earlier turns unchanged),
+      ``stop_tokens`` (texts of the tokens that end an assistant turn),
+      ``close_text`` (what ends an assistant turn cut short, e.g. by max tokens),
+      ``after_stop`` (text the template writes after the stop token, e.g. ``"\\n"``).
+    """
+
+    name: str = ""
+    templates: tuple[str, ...] = ()
+    prefix_stable: bool = True
+    stop_tokens: tuple[str, ...] = ()
+    close_text: str = ""
+    after_stop: str = ""
+    bridge_roles: tuple[str, ...] = ("user", "tool")
+    """Roles ``bridge`` accepts (Mistral v3 also takes the system message, to repeat it as its template does)."""
+    message_dict_options: dict[str, bool] = {}
+    """How :meth:`template_messages` writes messages for this family's official template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._stop_ids = tuple(self._token_id(text) for text in self.stop_tokens)
+
+    # -- the protocol -------------------------------------------------------
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def render(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool) -> RenderedTokens:
+        if not messages:
+            raise RenderError(f"{self.name}: render needs at least one message")
+        pieces = self.pieces(list(messages), list(tools) if tools else None, add_generation_prompt)
+        return self._tokenize_pieces(pieces)
+
+    def bridge(self, previous_ids: Sequence[int], new_messages: Sequence[Message], *,
+               tools: Sequence[dict] | None = None) -> list[int]:
+        if len(previous_ids) == 0:
+            raise RenderError(f"{self.name}: bridge needs the previous tokens; use render for a first prompt")
+        if not new_messages:
+            raise RenderError(f"{self.name}: bridge needs at least one new message")
+        for message in new_messages:
+            if message.role not in self.bridge_roles:
+                raise RenderError(f"{self.name}: bridge appends environment messages only, got role "
+                                  f"{message.role!r}; render a new prompt to add {message.role} turns")
+        closed = previous_ids[-1] in self._stop_ids  # no copy: the cost must not grow with the history
+        text = ("" if closed else self.close_text) + self.after_stop
+        text += "".join(p.text for p in self.bridge_pieces(previous_ids, list(new_messages),
+                                                           list(tools) if tools else None))
+        return self.encode(text)
+
+    def parse_completion(self, token_ids: Sequence[int]) -> Message:
+        ids = list(token_ids)
+        finished = bool(ids) and ids[-1] in self._stop_ids
+        if finished:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.parse_text(text, finished=finished)
+
+    def completion_text(self, messages: Sequence[Message], index: int, *,
+                        tools: Sequence[dict] | None = None) -> str:
+        """The text a model of this family samples for assistant ``messages[index]``, stop token included.
+
+        It is the template's own rendering of that message as the final turn, less the
+        generation prompt that precedes it. Families whose prompt does not prefix the
+        turn (DeepSeek) override it.
+        """
+        prompt, own = self._turn_texts(messages, index, tools)
+        if not own.startswith(prompt):
+            raise RenderError(f"{self.name}: the generation prompt {prompt!r} does not start the turn {own[:40]!r}")
+        return self.cut_at_stop(own[len(prompt):])
+
+    def _turn_texts(self, messages: Sequence[Message], index: int,
+                    tools: Sequence[dict] | None) -> tuple[str, str]:
+        messages, tools = list(messages), list(tools) if tools else None
+        if index == 0 or messages[index].role != "assistant":
+            raise RenderError(f"{self.name}: message {index} is not an assistant reply to earlier messages")
+        prompt = "".join(p.text for p in self.pieces(messages[:index], tools, True) if p.message == index)
+        own = "".join(p.text for p in self.pieces(messages[:index + 1], tools, False) if p.message == index)
+        return prompt, own
+
+    def cut_at_stop(self, text: str) -> str:
+        ends = [text.find(stop) + len(stop) for stop in self.stop_tokens if stop in text]
+        return text[:min(ends)] if ends else text + self.close_text
+
+    def completion_ids(self, messages: Sequence[Message], index: int, *,
+                       tools: Sequence[dict] | None = None) -> list[int]:
+        """:meth:`completion_text` as token ids, tokenized in the context of the generation prompt."""
+        prompt, _ = self._turn_texts(messages, index, tools)
+        completion = self.completion_text(messages, index, tools=tools)
+        alone, together = self.encode(prompt), self.encode(prompt + completion)
+        if together[:len(alone)] == alone:
+            return together[len(alone):]
+        return self.encode(completion)
+
+    # -- what a family implements ------------------------------------------
+
+    def pieces(self, messages: list[Message], tools: list[dict] | None,
+               add_generation_prompt: bool) -> list[Piece]:
+        raise NotImplementedError
+
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
+                      tools: list[dict] | None) -> list[Piece]:
+        raise NotImplementedError
+
+    def parse_text(self, text: str, *, finished: bool) -> Message:
+        raise NotImplementedError
+
+    # -- the official template's view ---------------------------------------
+
+    def template_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        """``messages`` as the HF-format dicts the official template expects."""
+        from verbatim.renderers.conversations import message_to_dict
+
+        return [message_to_dict(m, **self.message_dict_options) for m in messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra ``apply_chat_template`` keyword arguments that select this renderer's options."""
+        return {}
+
+    # -- shared helpers -----------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def _token_id(self, text: str) -> int:
+        token_id = self._backend.token_to_id(text)
+        if token_id is None:
+            raise RenderError(f"{self.name}: the tokenizer has no token {text!r}; "
+                              "use the family's tokenizer (verbatim.renderers.tokenizers)")
+        return token_id
+
+    def _tokenize_pieces(self, pieces: list[Piece]) -> RenderedTokens:
+        starts, owners, text = [], [], []
+        position = 0
+        for piece in pieces:
+            if piece.text:
+                starts.append(position)
+                owners.append(piece.message)
+                text.append(piece.text)
+                position += len(piece.text)
+        encoding = self._backend.encode("".join(text), add_special_tokens=False)
+        index = [owners[max(0, bisect.bisect_right(starts, start) - 1)] for start, _ in encoding.offsets]
+        return RenderedTokens(token_ids=tuple(encoding.ids), message_index=tuple(index))

@@ -1,0 +1,94 @@
+"""Reading a sampled completion's text back into a :class:`Message`.
+
+Pure string functions the families share: think blocks, JSON tool calls, and
+the JSON that templates write (``tojson``, as transformers defines it).
+Nothing here raises on model output: what is wrong becomes a *problem* string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from verbatim.datamodel import ToolCall
+
+
+def tojson(value: Any, indent: int | None = None) -> str:
+    """JSON exactly as the chat templates' ``tojson`` filter writes it in transformers."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def split_think(text: str, opener: str = "<think>", closer: str = "</think>",
+                *, opened: bool = False) -> tuple[str | None, str, list[str]]:
+    """``(reasoning, rest, problems)`` for text that may start with a think block.
+
+    ``opened`` says the prompt already wrote the opener (e.g. ``<think>\\n`` in the
+    generation prompt), so the completion starts inside the block.
+    """
+    body = text
+    if not opened:
+        stripped = body.lstrip()
+        if not stripped.startswith(opener):
+            return None, text, []
+        body = stripped[len(opener):]
+    if closer not in body:
+        return body, "", [f"unterminated think block: no {closer}"]
+    reasoning, rest = body.split(closer, 1)
+    return reasoning, rest, []
+
+
+def parse_json_call(raw: str, *, args_key: str = "arguments",
+                    call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
+    """A tool call written as a JSON object ``{"name": ..., args_key: {...}}``, or a problem."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return None, f"malformed tool call (invalid JSON: {exc.msg} at char {exc.pos}): {raw[:80]!r}"
+    return tool_call_from_object(value, raw, args_key=args_key, call_id=call_id)
+
+
+def tool_call_from_object(value: Any, raw: str, *, args_key: str = "arguments",
+                          call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None, f"malformed tool call (no string 'name'): {raw[:80]!r}"
+    arguments = value.get(args_key, {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None, f"malformed tool call (arguments are not JSON): {raw[:80]!r}"
+    if not isinstance(arguments, dict):
+        return None, f"malformed tool call ({args_key!r} is not an object): {raw[:80]!r}"
+    found_id = value.get("id", call_id)
+    return ToolCall(name=value["name"], arguments=arguments, id=found_id if isinstance(found_id, str) else None,
+                    raw=raw), None
+
+
+def parse_json_arguments(name: str, raw_arguments: str, raw: str,
+                         call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
+    """A tool call whose name is known and whose arguments are a JSON object in ``raw_arguments``."""
+    try:
+        arguments = json.loads(raw_arguments)
+    except json.JSONDecodeError as exc:
+        return None, f"malformed tool call {name!r} (arguments: {exc.msg} at char {exc.pos}): {raw[:80]!r}"
+    if not isinstance(arguments, dict):
+        return None, f"malformed tool call {name!r} (arguments are not an object): {raw[:80]!r}"
+    return ToolCall(name=name, arguments=arguments, id=call_id, raw=raw), None
+
+
+def extract_tagged(text: str, opener: str, closer: str) -> tuple[str, list[str], list[str]]:
+    """``(text outside the tags, bodies inside, problems)`` for ``opener…closer`` blocks."""
+    outside, bodies, problems = [], [], []
+    rest = text
+    while opener in rest:
+        before, after = rest.split(opener, 1)
+        outside.append(before)
+        if closer not in after:
+            problems.append(f"malformed tool call (no {closer}): {after[:80]!r}")
+            bodies.append(None)
+            rest = ""
+            break
+        body, rest = after.split(closer, 1)
+        bodies.append(body)
+    outside.append(rest)
+    return "".join(outside), [b for b in bodies if b is not None], problems

@@ -1,0 +1,287 @@
+"""Template drift: where re-rendering a chat template changes tokens a harness already holds.
+
+For one conversation, ``analyze`` renders prefixes with the template
+(``apply_chat_template``) and checks
+- *history stability*: ``render(messages[:c])`` is a token prefix of
+  ``render(messages[:c'])`` for consecutive cut points (after each assistant
+  message and at the end), hence for every later cut point;
+- *generation-prompt stability*: ``render(messages[:k], add_generation_prompt=True)``
+  is a token prefix of ``render(messages[:k+1])`` for each assistant message ``k``.
+
+Each violation names the first divergent token, a cause from :data:`CAUSES`,
+and ``miss_tokens``: the tokens of the earlier render from the divergence on,
+which a harness that re-renders history holds in its prefix cache but must
+prefill again. The renders of cut ``c`` run with the clock set ``c`` days after
+a fixed start, so templates that read the clock show up as ``date_injected``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from verbatim.errors import InputError
+from verbatim.renderers.conversations import Conversation
+from verbatim.renderers.drift_causes import Evidence, classify
+
+CAUSES = (
+    "reasoning_stripped", "date_injected", "system_moved", "tool_call_reserialized", "eos_in_history",
+    "generation_prompt_dropped", "whitespace_trimmed", "default_system_injected", "bpe_boundary_merge", "other",
+)
+CLOCK_START = dt.datetime(2025, 1, 1, 9, 0, 0)
+CONTEXT_TOKENS = 4
+
+
+class Violation(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["history", "generation_prompt"]
+    cut: tuple[int, int]
+    first_divergence: int
+    cause: str
+    miss_tokens: int
+    before: tuple[str, ...] = ()
+    earlier: tuple[str, ...] = ()
+    later: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "cut": list(self.cut), "first_divergence": self.first_divergence,
+                "cause": self.cause, "miss_tokens": self.miss_tokens,
+                "context": {"before": list(self.before), "earlier": list(self.earlier), "later": list(self.later)}}
+
+
+class Verdict(BaseModel):
+    """The drift verdict for one conversation; ``unsupported`` when the template refuses it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    conversation: int
+    prefix_stable: bool | None
+    violations: tuple[Violation, ...] = ()
+    unsupported: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        data = {"conversation": self.conversation, "prefix_stable": self.prefix_stable,
+                "violations": [v.as_json() for v in self.violations]}
+        if self.unsupported is not None:
+            data["unsupported"] = self.unsupported
+        return data
+
+
+class TemplateRefused(Exception):
+    """The template called ``raise_exception``: it does not support this conversation's shape."""
+
+
+@dataclass
+class Rendered:
+    text: str
+    ids: list[int]
+    starts: list[int]
+    dates: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _clock(day: int, record: list[str]):
+    """Make transformers' ``strftime_now`` read a fixed clock ``day`` days after :data:`CLOCK_START`."""
+    import transformers.utils.chat_template_utils as chat_utils
+
+    moment = CLOCK_START + dt.timedelta(days=day)
+
+    class FixedClock(dt.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> dt.datetime:
+            return _Recording(moment, record)
+
+    original = chat_utils.datetime
+    chat_utils.datetime = FixedClock
+    try:
+        yield
+    finally:
+        chat_utils.datetime = original
+
+
+class _Recording:
+    """A datetime stand-in that records every string the template formats from it."""
+
+    def __init__(self, moment: dt.datetime, record: list[str]) -> None:
+        self.moment, self.record = moment, record
+
+    def strftime(self, fmt: str) -> str:
+        text = self.moment.strftime(fmt)
+        self.record.append(text)
+        return text
+
+
+class TemplateRenderer:
+    """Renders conversations with one Jinja chat template and one tokenizer, as ``apply_chat_template`` does."""
+
+    def __init__(self, template: str, tokenizer: Any, **kwargs: Any) -> None:
+        self.template, self.tokenizer, self.kwargs = template, tokenizer, kwargs
+        self._backend = tokenizer.backend_tokenizer
+
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None, *,
+               add_generation_prompt: bool, day: int = 0) -> Rendered:
+        import jinja2
+
+        dates: list[str] = []
+        try:
+            with _clock(day, dates):
+                text = self._render_text(messages, tools, add_generation_prompt)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InputError(f"the template does not parse: line {exc.lineno}: {exc.message}") from None
+        except jinja2.TemplateError as exc:
+            if type(exc) is jinja2.TemplateError:  # raised by the template's own raise_exception()
+                raise TemplateRefused(" ".join(str(exc).split())) from None
+            raise
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        return Rendered(text, list(encoding.ids), [start for start, _ in encoding.offsets], dates)
+
+    def _render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                     add_generation_prompt: bool) -> str:
+        conversation = [dict(m) for m in messages]
+        tools = list(tools) if tools else None
+        if conversation:
+            return self.tokenizer.apply_chat_template(
+                conversation, tools=tools, chat_template=self.template, add_generation_prompt=add_generation_prompt,
+                tokenize=False, **self.kwargs)
+        # apply_chat_template refuses an empty conversation; the prompt before an opening
+        # assistant message is still a real prompt, so render it the same way underneath.
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=self.template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**self.tokenizer.special_tokens_map, **self.kwargs})
+        return rendered[0]
+
+    def pieces(self, ids: Sequence[int]) -> tuple[str, ...]:
+        """Each token decoded on its own (a byte-fallback piece of a longer character may show as U+FFFD)."""
+        return tuple(self._backend.decode([i], skip_special_tokens=False) for i in ids)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where ``a`` stops being a prefix of ``b``; None when it is one."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) <= len(b) else len(b)
+
+
+def analyze(renderer: TemplateRenderer, conversation: Conversation, index: int) -> Verdict:
+    """The drift verdict of ``conversation`` (number ``index`` in its set) under ``renderer``'s template."""
+    messages, tools = list(conversation.messages), conversation.tools
+    cache: dict[tuple[int, bool], Rendered] = {}
+
+    def render(cut: int, generation: bool) -> Rendered:
+        if (cut, generation) not in cache:
+            cache[cut, generation] = renderer.render(messages[:cut], tools, add_generation_prompt=generation,
+                                                     day=cut)
+        return cache[cut, generation]
+
+    replies = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+    cuts = sorted({k + 1 for k in replies} | {len(messages)})
+    try:
+        violations = [v for c, c2 in zip(cuts, cuts[1:])
+                      if (v := _compare(renderer, conversation, "history", (c, c2), render(c, False),
+                                        render(c2, False), render)) is not None]
+        for k in replies:
+            prompt = _prompt_or_none(render, k)
+            if prompt is not None:
+                found = _compare(renderer, conversation, "generation_prompt", (k, k + 1), prompt,
+                                 render(k + 1, False), render)
+                violations += [found] if found is not None else []
+    except TemplateRefused as exc:
+        return Verdict(conversation=index, prefix_stable=None, unsupported=str(exc))
+    return Verdict(conversation=index, prefix_stable=not violations, violations=tuple(violations))
+
+
+def _prompt_or_none(render: Any, k: int) -> Rendered | None:
+    """The generation prompt after ``k`` messages; None when a template cannot render zero messages."""
+    if k > 0:
+        return render(k, True)
+    try:
+        return render(0, True)
+    except Exception:  # many templates index messages[0]; an empty conversation is not a real prompt
+        return None
+
+
+def _compare(renderer: TemplateRenderer, conversation: Conversation, kind: str, cut: tuple[int, int],
+             earlier: Rendered, later: Rendered, render: Any) -> Violation | None:
+    d = first_divergence(earlier.ids, later.ids)
+    if d is None:
+        return None
+    evidence = Evidence(kind=kind, cut=cut, earlier=earlier.text, later=later.text,
+                        position=earlier.starts[d] if d < len(earlier.starts) else len(earlier.text),
+                        earlier_dates=tuple(earlier.dates), messages=conversation.messages,
+                        tools=conversation.tools or (), eos_token=str(renderer.tokenizer.eos_token or ""),
+                        prompt_start=_text_length(render, cut[0]) if kind == "generation_prompt" else None)
+    return Violation(kind=kind, cut=cut, first_divergence=d, cause=classify(evidence),
+                     miss_tokens=len(earlier.ids) - d,
+                     before=renderer.pieces(earlier.ids[max(0, d - CONTEXT_TOKENS):d]),
+                     earlier=renderer.pieces(earlier.ids[d:d + CONTEXT_TOKENS]),
+                     later=renderer.pieces(later.ids[d:d + CONTEXT_TOKENS]))
+
+
+def _text_length(render: Any, cut: int) -> int:
+    try:
+        return len(render(cut, False).text)
+    except Exception:  # an empty conversation some templates cannot render: the prompt is all there is
+        return 0
+
+
+def lint(renderer: TemplateRenderer, conversations: Sequence[Conversation]) -> list[Verdict]:
+    """Verdicts for every conversation; a template that crashes (not a deliberate refusal) is bad input."""
+    verdicts = []
+    for index, conversation in enumerate(conversations):
+        try:
+            verdicts.append(_analyze_either_argument_form(renderer, conversation, index))
+        except InputError:
+            raise
+        except Exception as exc:
+            raise InputError(f"the template raised on conversation {index}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
+    return verdicts
+
+
+def _analyze_either_argument_form(renderer: TemplateRenderer, conversation: Conversation, index: int) -> Verdict:
+    """Tool-call arguments go in as given; a template that crashes on them gets the other form.
+
+    Some templates iterate over argument objects (``|items``), others concatenate
+    argument strings (DeepSeek); both forms are valid chat-template input.
+    """
+    try:
+        return analyze(renderer, conversation, index)
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as first:
+        other = with_arguments_flipped(conversation)
+        if other == conversation:
+            raise
+        try:
+            return analyze(renderer, other, index)
+        except Exception:
+            raise first from None
+
+
+def with_arguments_flipped(conversation: Conversation) -> Conversation:
+    """The conversation with tool-call arguments as JSON text where they were objects, and back."""
+    def flip(arguments: Any) -> Any:
+        return json.loads(arguments) if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+    messages = []
+    for message in conversation.messages:
+        calls = message.get("tool_calls")
+        if calls:
+            calls = [{**c, "function": {**c["function"], "arguments": flip(c["function"].get("arguments", {}))}}
+                     if isinstance(c.get("function"), dict) else c for c in calls]
+            message = {**message, "tool_calls": calls}
+        messages.append(message)
+    return conversation.model_copy(update={"messages": tuple(messages)})
+
+
+def exit_code(verdicts: Sequence[Verdict]) -> int:
+    """0 when every supported conversation is stable, 1 when any drifts."""
+    return 1 if any(v.prefix_stable is False for v in verdicts) else 0

@@ -1,0 +1,190 @@
+"""gpt-oss (the harmony format): ``<|start|>role<|channel|>…<|message|>…<|end|>``.
+
+Every render starts with a system message holding the knowledge cut-off,
+"Current date: …" (the template reads the clock; here ``today`` fixes it) and
+"Reasoning: <effort>". The user's system message becomes a ``developer``
+message, followed by the tools as a TypeScript-like ``namespace functions``.
+The model reasons on the ``analysis`` channel, calls tools on ``commentary``
+(ending ``<|call|>``) and answers on ``final`` (ending ``<|return|>``).
+
+Not prefix-stable: the template drops analysis from turns before the last
+final answer and rewrites the sampled ``<|return|>`` as ``<|end|>`` once a
+turn is in history. ``bridge`` keeps both as sampled.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from verbatim.datamodel import Message
+from verbatim.errors import RenderError
+from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
+from verbatim.renderers.completion import parse_json_arguments, tojson
+
+START, MESSAGE, CHANNEL, END = "<|start|>", "<|message|>", "<|channel|>", "<|end|>"
+RETURN, CALL = "<|return|>", "<|call|>"
+IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
+
+
+def typescript_type(spec: dict) -> str:
+    """A JSON-schema property as the template's TypeScript-like type (the common cases)."""
+    kind = spec.get("type")
+    if kind == "array":
+        items = spec.get("items") or {}
+        inner = {"string": "string[]", "number": "number[]", "integer": "number[]", "boolean": "boolean[]"}
+        text = inner.get(items.get("type"), "any[]") if items else "any[]"
+        return text + (" | null" if spec.get("nullable") else "")
+    if isinstance(kind, list) and kind:
+        return " | ".join(kind)
+    if kind == "string":
+        if spec.get("enum"):
+            return '"' + '" | "'.join(spec["enum"]) + '"'
+        return "string" + (" | null" if spec.get("nullable") else "")
+    return {"number": "number", "integer": "number", "boolean": "boolean", "object": "object"}.get(kind, "any")
+
+
+def tool_namespace(tools: list[dict]) -> str:
+    text = "## functions\n\nnamespace functions {\n\n"
+    for tool in tools:
+        function = tool["function"]
+        text += f"// {function['description']}\ntype {function['name']} = "
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties") or {}
+        if not properties:
+            text += "() => any;\n\n"
+            continue
+        text += "(_: {\n"
+        required = parameters.get("required") or []
+        for name, spec in properties.items():
+            if spec.get("description"):
+                text += f"// {spec['description']}\n"
+            text += name + ("" if name in required else "?") + ": " + typescript_type(spec)
+            if "default" in spec:
+                text += f", // default: {tojson(spec['default'])}"
+            text += ",\n"
+        text += "}) => any;\n\n"
+    return text + "} // namespace functions"
+
+
+class Harmony(ChatFormat):
+    name = "gpt-oss"
+    templates = ("gpt_oss.jinja",)
+    prefix_stable = False
+    stop_tokens = (RETURN, CALL)
+    close_text = END
+    message_dict_options = {"reasoning_key": "thinking"}
+
+    def __init__(self, tokenizer: Any, *, today: str = "2024-07-26", reasoning_effort: str = "medium") -> None:
+        super().__init__(tokenizer)
+        self.today = today
+        self.reasoning_effort = reasoning_effort
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"reasoning_effort": self.reasoning_effort}
+
+    def system_text(self, tools: list[dict] | None) -> str:
+        text = (f"{IDENTITY}\nKnowledge cutoff: 2024-06\nCurrent date: {self.today}\n\n"
+                f"Reasoning: {self.reasoning_effort}\n\n"
+                "# Valid channels: analysis, commentary, final. Channel must be included for every message.")
+        if tools:
+            text += "\nCalls to these tools must go to the commentary channel: 'functions'."
+        return f"{START}system{MESSAGE}{text}{END}"
+
+    def pieces(self, messages: list[Message], tools: list[dict] | None,
+               add_generation_prompt: bool) -> list[Piece]:
+        has_developer = messages[0].role == "system"
+        out = [Piece(self.system_text(tools))]
+        developer = messages[0].content if has_developer else ""
+        if developer or tools:
+            text = f"# Instructions\n\n{developer}\n\n" if developer else ""
+            text += f"# Tools\n\n{tool_namespace(tools)}" if tools else ""
+            out.append(Piece(f"{START}developer{MESSAGE}{text}{END}", 0 if has_developer else PREAMBLE))
+        start = 1 if has_developer else 0
+        last_call: str | None = None
+        for i in range(start, len(messages)):
+            text, last_call = self.message_text(messages, i, last_call, add_generation_prompt)
+            out.append(Piece(text, i))
+        if add_generation_prompt:
+            out.append(Piece(f"{START}assistant", len(messages)))
+        return out
+
+    def message_text(self, messages: list[Message], i: int, last_call: str | None,
+                     add_generation_prompt: bool) -> tuple[str, str | None]:
+        message = messages[i]
+        if message.role == "user":
+            return f"{START}user{MESSAGE}{message.content}{END}", last_call
+        if message.role == "tool":
+            if last_call is None:
+                raise RenderError("gpt-oss: a tool message needs an earlier assistant tool call")
+            return (f"{START}functions.{last_call} to=assistant{CHANNEL}commentary{MESSAGE}"
+                    f"{tojson(message.content)}{END}"), last_call
+        if message.role != "assistant":
+            return "", last_call
+        if message.tool_calls:
+            return self.call_text(messages, i), message.tool_calls[0].name
+        final = f"{START}assistant{CHANNEL}final{MESSAGE}{message.content}"
+        if i == len(messages) - 1 and not add_generation_prompt:
+            analysis = self.analysis(message.reasoning) if message.reasoning is not None else ""
+            return analysis + final + RETURN, None
+        return final + END, None
+
+    def call_text(self, messages: list[Message], i: int) -> str:
+        message = messages[i]
+        later_final = any(m.role == "assistant" and not m.tool_calls for m in messages[i + 1:])
+        if message.content and message.reasoning:
+            raise RenderError("gpt-oss: an assistant tool-call message cannot have both content and reasoning")
+        thought = message.content or message.reasoning
+        text = self.analysis(thought) if thought and not later_final else ""
+        call = message.tool_calls[0]
+        return (text + f"{START}assistant to=functions.{call.name}{CHANNEL}commentary json{MESSAGE}"
+                + tojson(call.arguments) + CALL)
+
+    @staticmethod
+    def analysis(text: str) -> str:
+        return f"{START}assistant{CHANNEL}analysis{MESSAGE}{text}{END}"
+
+    def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
+                      tools: list[dict] | None) -> list[Piece]:
+        last_call = self.last_call_name(previous_ids)
+        out = []
+        for i in range(len(new_messages)):
+            text, last_call = self.message_text(new_messages, i, last_call, True)
+            out.append(Piece(text))
+        return out + [Piece(f"{START}assistant")]
+
+    def last_call_name(self, previous_ids: Sequence[int]) -> str | None:
+        """The function the last assistant message called, read from its header tokens."""
+        start_id = self._token_id(START)
+        begin = next((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id), None)
+        if begin is None:
+            return None
+        found = re.search(r"to=functions\.([^\s<]+)", self.tokenizer.decode(list(previous_ids[begin:])))
+        return found.group(1) if found else None
+
+    def parse_text(self, text: str, *, finished: bool) -> Message:
+        problems = [] if finished else ["completion ended without <|return|> or <|call|>"]
+        reasoning, content, calls = [], [], []
+        for header, body in split_messages(text):
+            channel = re.search(r"<\|channel\|>(\w+)", header)
+            target = re.search(r"to=functions\.([^\s<]+)", header)
+            if target:
+                call, problem = parse_json_arguments(target.group(1), body, header + MESSAGE + body)
+                calls.append(call) if call is not None else problems.append(problem)
+            elif channel and channel.group(1) == "analysis":
+                reasoning.append(body)
+            else:
+                content.append(body)
+        return Message(role="assistant", content="".join(content),
+                       reasoning="".join(reasoning) if reasoning else None,
+                       tool_calls=tuple(calls), problems=tuple(problems))
+
+
+def split_messages(text: str) -> list[tuple[str, str]]:
+    """``(header, body)`` per harmony message in a completion (which starts after ``<|start|>assistant``)."""
+    parts = []
+    for chunk in re.split(r"<\|end\|><\|start\|>assistant", text):
+        header, _, body = chunk.partition(MESSAGE)
+        parts.append((header, body.removesuffix(END)))
+    return parts

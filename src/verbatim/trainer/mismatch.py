@@ -1,0 +1,111 @@
+"""The mismatch report: recompute π for every model token of a trace and compare with the sampler's μ.
+
+For each rollout the trainer-side logprob log π of every model token is
+recomputed with transformers (fp32) on the given weights, over exactly the
+trace's token sequence; the importance-ratio correction then runs with its
+defaults. The report says how far the sampler and the trainer disagree, what
+the correction would mask, and how that depends on the version lag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verbatim.datamodel import Rollout, Source
+from verbatim.errors import InputError, TraceError
+from verbatim.trainer.batch import behaviour_batch
+from verbatim.trainer.correction import CorrectionConfig, correct
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    rollouts: int
+    model_tokens: int
+    trainer_version: int
+    mean_abs_log_ratio: float
+    log_ratios: np.ndarray
+    metrics: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rollouts": self.rollouts, "model_tokens": self.model_tokens,
+                "trainer_version": self.trainer_version, "mean_abs_log_ratio": self.mean_abs_log_ratio,
+                "metrics": self.metrics}
+
+
+def usable_rollouts(rollouts: list[Rollout]) -> list[Rollout]:
+    """Rollouts with at least one sampled token that carries a finite logprob."""
+    usable = []
+    for rollout in rollouts:
+        model = rollout.tokens.source == Source.MODEL
+        if model.any() and np.isfinite(rollout.tokens.logprob[model]).all():
+            usable.append(rollout)
+    if not usable:
+        raise TraceError("the trace has no sampled tokens with logprobs to compare",
+                         hint="record a run with 'verbatim run' (every model token carries its sampler logprob)")
+    return usable
+
+
+def check_vocabulary(rollouts: list[Rollout], vocab_size: int, model_name: str) -> None:
+    highest = max(int(r.tokens.token_id.max()) for r in rollouts if len(r.tokens))
+    if highest >= vocab_size:
+        raise InputError(f"token id {highest} in the trace is outside {model_name}'s vocabulary of {vocab_size}",
+                         hint="pass the --model the trace was sampled with")
+
+
+def trainer_logprobs(model: Any, token_ids: np.ndarray) -> np.ndarray:
+    """log π of every token given the tokens before it (position 0 gets NaN)."""
+    ids = torch.tensor(np.asarray(token_ids, dtype=np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return np.concatenate([[np.nan], picked.numpy()]).astype(np.float32)
+
+
+def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None = None,
+             config: CorrectionConfig | None = None) -> MismatchReport:
+    rollouts = usable_rollouts(rollouts)
+    batch = behaviour_batch([r.tokens for r in rollouts])
+    logp_pi = torch.zeros_like(batch.logp_mu)
+    for i, rollout in enumerate(rollouts):
+        n = len(rollout.tokens)
+        logp_pi[i, :n] = torch.from_numpy(np.nan_to_num(trainer_logprobs(model, rollout.tokens.token_id), nan=0.0))
+    version = int(batch.versions.max()) if trainer_version is None else trainer_version
+    logp_mu = torch.nan_to_num(batch.logp_mu, nan=0.0)
+    result = correct(logp_pi, logp_mu, batch.loss_mask, batch.versions, version, config)
+    ratios = result.log_ratio[batch.loss_mask].numpy()
+    return MismatchReport(rollouts=len(rollouts), model_tokens=int(batch.loss_mask.sum()), trainer_version=version,
+                          mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
+                          metrics=result.metrics.as_dict())
+
+
+def load_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def plot_histogram(report: MismatchReport, path: Path) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise InputError("--plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.hist(report.log_ratios, bins=60, color="#3b6ea8")
+    axis.axvline(0.0, color="black", linewidth=0.8)
+    axis.set_yscale("log")
+    axis.set_xlabel("log π − log μ  (trainer minus sampler, per model token)")
+    axis.set_ylabel("tokens")
+    axis.set_title(f"{report.model_tokens} model tokens in {report.rollouts} rollouts; "
+                   f"mean |Δ| = {report.mean_abs_log_ratio:.2e}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
