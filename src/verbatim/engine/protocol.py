@@ -81,11 +81,6 @@ class EngineStats(Frozen):
     """KV cache size in tokens (blocks × block size); 0 when the engine does not say."""
     extra: dict[str, Any] = Field(default_factory=dict)
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
 WeightSource = str | os.PathLike[str] | dict[str, Any]
 """A checkpoint folder, or a state dict (name → tensor)."""
 

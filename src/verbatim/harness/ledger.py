@@ -47,11 +47,6 @@ class Ledger:
     def turns(self) -> tuple[Turn, ...]:
         return tuple(self._turns)
 
-    @property
-    def turn_index(self) -> int:
-        """Index of the turn the next completion will belong to."""
-        return len(self._turns)
-
     def column(self, name: str) -> np.ndarray:
         """A read-only view of one column (no copy)."""
         view = self._buffers[name][: self._size]

@@ -9,7 +9,6 @@ Messages in files use the Hugging Face chat format (``role``, ``content``,
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +107,3 @@ def load_conversations(path: str | Path) -> list[Conversation]:
     if not conversations:
         raise InputError(f"{path} holds no conversations")
     return conversations
-
-
-def dump_conversations(conversations: Sequence[Conversation]) -> str:
-    return "".join(json.dumps(c.model_dump(exclude_defaults=True), ensure_ascii=False) + "\n"
-                   for c in conversations)

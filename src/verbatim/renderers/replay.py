@@ -15,19 +15,6 @@ from verbatim.errors import RenderError
 from verbatim.renderers.base import ChatFormat
 
 
-def turn_boundaries(messages: Sequence[Message]) -> list[tuple[int, int]]:
-    """``(first, end)`` message ranges of environment messages between assistant turns."""
-    ranges, first = [], 0
-    for index, message in enumerate(messages):
-        if message.role == "assistant":
-            if index > first:
-                ranges.append((first, index))
-            first = index + 1
-    if first < len(messages):
-        ranges.append((first, len(messages)))
-    return ranges
-
-
 def replay(renderer: ChatFormat, messages: Sequence[Message], *,
            tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids an append-only harness holds after ``messages`` (ending with a prompt if the last is not assistant)."""
