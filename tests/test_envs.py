@@ -19,7 +19,7 @@ from verbatim.envs.base import Env, EnvFactory, StepResult
 from verbatim.envs.longdoc import TOWNS, build_register
 from verbatim.envs.registry import BUILTIN_ENVS, EnvClassFactory, env_names, load_env
 from verbatim.envs.taskfile import load_tasks
-from verbatim.envs.toolkit import TOOL_DEFINITIONS, format_number
+from verbatim.envs.tool_functions import TOOL_DEFINITIONS, format_number
 from verbatim.errors import InputError
 from verbatim.renderers.chatml import ChatML
 

@@ -38,7 +38,7 @@ SHORT = ["--env", "guess", "--group-size", str(GROUP_SIZE), "--max-turns", "2", 
 
 WARM_START = """
 import pathlib, sys, time
-import pyarrow.parquet, verbatim.cli.app, verbatim.envs.registry, verbatim.harness.launch
+import pyarrow.parquet, verbatim.cli.app, verbatim.envs.registry, verbatim.cli.run
 from verbatim.engine.models import resolve
 from verbatim.renderers.registry import get_renderer
 get_renderer("smollm2", model_dir=resolve("default"))  # the tokenizer's imports are the slow part

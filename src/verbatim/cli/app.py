@@ -162,7 +162,7 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
 ) -> None:
     """Sample one completion from token IDs on the bundled vLLM engine; print tokens and logprobs."""
-    from verbatim.engine.smoke import generate_once
+    from verbatim.engine.generate import generate_once
 
     result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
     table = Table(title=f"{len(result.completion.token_ids)} sampled tokens "
@@ -215,7 +215,7 @@ def run(
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
-    from verbatim.harness.launch import RunOptions, run_command
+    from verbatim.cli.run import RunOptions, run_command
 
     options = RunOptions(env=env, tasks=tasks, model=model, renderer=renderer, groups=groups,
                          group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,

@@ -19,7 +19,7 @@ from verbatim.datamodel import Message, ToolCall
 from verbatim.envs.answers import final_number, numbers_match
 from verbatim.envs.base import Reset, StepResult
 from verbatim.envs.taskfile import TaskSpec, parse_task
-from verbatim.envs.toolkit import TOOL_DEFINITIONS, TOOL_SUMMARY, UNITS, format_number, run_tool
+from verbatim.envs.tool_functions import TOOL_DEFINITIONS, TOOL_SUMMARY, UNITS, format_number, run_tool
 from verbatim.errors import InputError
 
 SYSTEM = (

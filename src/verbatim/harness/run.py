@@ -28,8 +28,8 @@ from pydantic import Field
 from verbatim.datamodel import Frozen, Rollout
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import EngineError, InputError, RunInterrupted, VerbatimError
+from verbatim.harness.engine_gate import FAILURES_TO_STOP, EngineGate
 from verbatim.harness.env_output import describe_failure, jsonable
-from verbatim.harness.gate import FAILURES_TO_STOP, EngineGate
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer, RolloutSpec
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest, read_run
 from verbatim.harness.summary import RunSummary, summarize
