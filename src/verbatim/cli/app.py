@@ -13,11 +13,11 @@ from typing import Any
 import typer
 import typer.core
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
 from verbatim import __version__
 from verbatim.cli.bench import bench_app
+from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.errors import VerbatimError
 
@@ -33,8 +33,6 @@ def _validation_line(exc: ValidationError) -> str:
     return f"invalid {exc.title} setting{' ' + where if where else ''}: {message}"
 
 
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-console = Console(highlight=False)
 
 
 class _OneLineErrors(typer.core.TyperGroup):

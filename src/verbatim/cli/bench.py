@@ -7,12 +7,8 @@ line and an exit code; this module never imports it.
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
-# The same settings as cli/app.py's consoles; rich looks up sys.stdout/sys.stderr at print
-# time, so these write to the same streams.
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-console = Console(highlight=False)
+from verbatim.cli.console import console, err_console
 
 bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
                         no_args_is_help=True, rich_markup_mode=None)

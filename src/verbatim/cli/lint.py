@@ -12,13 +12,9 @@ import sys
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-# The same settings as cli/app.py's consoles; rich looks up sys.stdout/sys.stderr at print
-# time, so these write to the same streams.
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-console = Console(highlight=False)
+from verbatim.cli.console import console, err_console
 
 lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
                        rich_markup_mode=None)
