@@ -1,0 +1,73 @@
+"""The layers of docs/architecture.md, checked against every import in the package.
+
+Imports point one way: data model → renderers / engine / envs / trainer → harness → cli, with
+sim, lint and bench beside the harness. vLLM is imported only in engine/, torch only where
+models run (engine/, trainer/, bench/).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "verbatim"
+
+DATA = {"datamodel", "errors", "paths", "prefix_cache"}
+ALLOWED: dict[str, set[str]] = {
+    # the data model: plain types, errors and where files are; imports nothing above it
+    **{room: DATA for room in DATA},
+    "renderers": DATA,
+    "engine": DATA,
+    "envs": DATA,
+    "trainer": DATA,
+    "harness": DATA | {"renderers", "engine", "envs", "trainer"},
+    "sim": DATA | {"engine", "harness"},
+    "lint": DATA | {"engine", "harness"},
+    "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint"},
+    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint", "bench"},
+}
+THIRD_PARTY = {"vllm": {"engine"}, "torch": {"engine", "trainer", "bench"}}
+
+
+def _room(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+def test_every_room_is_placed_in_a_layer() -> None:
+    rooms = {_room(p) for p in MODULES}
+    assert rooms <= set(ALLOWED), f"rooms missing from the layer map: {rooms - set(ALLOWED)}"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(module: Path) -> None:
+    room = _room(module)
+    for name in _imports(module):
+        top, _, rest = name.partition(".")
+        if top == "verbatim" and rest:
+            target = rest.split(".")[0]
+            assert target == room or target in ALLOWED[room], f"{room} may not import verbatim.{target} ({name})"
+        elif top in THIRD_PARTY:
+            assert room in THIRD_PARTY[top], f"{top} is imported only in {sorted(THIRD_PARTY[top])}, not {room}"
+
+
+def test_no_relative_imports() -> None:
+    """Absolute imports only, so a module says which room it reads from."""
+    relative = [str(p.relative_to(PACKAGE)) for p in MODULES
+                if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(ast.parse(p.read_text())))]
+    assert relative == []
