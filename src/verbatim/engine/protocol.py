@@ -81,6 +81,7 @@ class EngineStats(Frozen):
     """KV cache size in tokens (blocks × block size); 0 when the engine does not say."""
     extra: dict[str, Any] = Field(default_factory=dict)
 
+
 WeightSource = str | os.PathLike[str] | dict[str, Any]
 """A checkpoint folder, or a state dict (name → tensor)."""
 
