@@ -1,1 +1,1 @@
-"""harness"""
+"""The rollout loop, runs (groups, resume, graceful stop), the append-only ledger and trace storage."""
