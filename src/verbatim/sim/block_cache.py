@@ -1,16 +1,16 @@
 """A replica's prefix cache, as the simulator models it: a finite pool of hashed full blocks, LRU eviction.
 
-The pure rules (whole blocks, the hash chain, the last prompt token always
-computed) are :mod:`verbatim.prefix_cache`'s; this module is the stateful pool
-beside them. The model follows the documented behaviour of vLLM's v1 prefix
-cache (automatic prefix caching): the KV cache is cut into blocks of ``block_size`` tokens; a *full*
+The pure rules (whole blocks, the hash chain, the last prompt token always computed)
+are :mod:`verbatim.prefix_cache`'s; this module is the stateful pool beside them.
+The model follows the documented behaviour of vLLM's v1 prefix cache (automatic
+prefix caching): the KV cache is cut into blocks of ``block_size`` tokens; a *full*
 block is identified by a hash of its parent block's hash, its token ids and extra
 keys (here: the cache salt), so equal hashes mean equal prefixes; a request's cache
 hit is the longest run of its leading full blocks that are present; at least one
 prompt token is always computed, so a prompt that is entirely cached still
-recomputes its last block; blocks held by running requests are never evicted;
-when a request finishes its blocks become evictable, tail block first, and eviction
-takes the least recently freed block.
+recomputes its last block; blocks held by running requests are never evicted; when a
+request finishes its blocks become evictable, tail block first, and eviction takes
+the least recently freed block.
 
 Simplifications (stated, not hidden): a request reserves all the blocks it will use
 (prompt plus completion) when it is scheduled, where vLLM grows its allocation one
