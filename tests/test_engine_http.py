@@ -37,6 +37,23 @@ def test_multi_turn_reuse_over_http(vllm_server):
     assert stats.prefix_cache_hits >= turn2.cached_tokens and stats.prefix_cache_queries > 0
 
 
+@pytest.mark.engine
+@pytest.mark.slow
+def test_an_http_engine_learns_the_block_size_the_server_was_started_with(default_model_dir, tmp_path):
+    from verbatim.engine.server import ServerProcess
+
+    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=512, block_size=64)
+
+    async def learned(url: str) -> tuple[int, int]:
+        engine = HttpEngine(url)
+        before = engine.block_size
+        async with engine:
+            return before, engine.block_size
+
+    with ServerProcess(config, log_path=tmp_path / "serve.log") as proc:
+        assert asyncio.run(learned(proc.url)) == (EngineConfig().block_size, 64)
+
+
 def test_unreachable_server_fails_fast_with_one_error():
     async def call():
         engine = HttpEngine(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05, connect_timeout_s=1.0)

@@ -17,7 +17,8 @@ from verbatim.engine.routing import RouteConfig
 from verbatim.errors import InputError
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.store import RunManifest, TraceWriter
-from verbatim.sim.block_cache import BlockCache, chain_hashes, token_block_hashes
+from verbatim.prefix_cache import chain_hashes, token_block_hashes
+from verbatim.sim.block_cache import BlockCache
 from verbatim.sim.replay import replay_check
 from verbatim.sim.simulator import CostModel, SimConfig, simulate
 from verbatim.sim.workload import (

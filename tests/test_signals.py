@@ -27,12 +27,16 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.lint.trace import lint_run
+from verbatim.prefix_cache import reusable_tokens, shared_prefix
 
 SIGINT_STOP = StopRequest("interrupted by SIGINT", "interrupted", exit_code=130)
 
 
 class GatedEngine:
-    """Answers "ok" + stop; from turn ``hold_from`` on, a request waits until ``release`` is set."""
+    """Answers "ok" + stop; from turn ``hold_from`` on, a request waits until ``release`` is set.
+
+    Its prefix cache never evicts: a request finds cached the whole blocks of what its session computed.
+    """
 
     block_size = 32
     version = 0
@@ -42,6 +46,7 @@ class GatedEngine:
         self.release = asyncio.Event()
         self.calls = 0
         self.held = 0
+        self.computed: dict[str | None, np.ndarray] = {}
 
     async def generate(self, prompt_ids, sampling=None, *, session_id=None, group_id=None, cache_salt=None):
         self.calls += 1
@@ -52,9 +57,12 @@ class GatedEngine:
             if self.fail_after_hold:
                 raise EngineError("the engine core died (it got the terminal's SIGINT too)")
         ids = [ord("o") + 10, ord("k") + 10, STOP]
+        prompt = np.asarray(prompt_ids)
+        known = shared_prefix(self.computed.get(session_id, prompt[:0]), prompt)
+        self.computed[session_id] = np.concatenate([prompt, ids[:-1]])
         return Completion(token_ids=np.asarray(ids, np.int32), logprobs=np.full(3, -0.5, np.float32),
                           versions=np.zeros(3, np.int32), finish_reason="stop", prompt_tokens=len(prompt_ids),
-                          cached_tokens=0)
+                          cached_tokens=reusable_tokens(known, len(prompt), self.block_size))
 
 
 class TurnsEnv:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from verbatim.cli.app import app
 from verbatim.datamodel import Completion, Rollout, Source, TokenColumns, Turn
+from verbatim.errors import TraceFormatError
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.store import RunManifest, TraceWriter
 from verbatim.lint.trace import CacheSettings, lint_rollout, lint_rollouts, lint_run, reusable_prefix
@@ -231,12 +232,31 @@ def test_cause_comes_from_the_manifest(tmp_path: Path):
     assert table.exit_code == 1 and "[cause: flush]" in text and "0/1 rollouts clean" in text
 
 
-def test_block_size_defaults_to_128(tmp_path: Path):
-    writer = TraceWriter(tmp_path / "run", RunManifest(run_id="run"))
-    writer.write_batch([make_rollout(prompt_len=100, sampled=40, cached={1: 128, 2: 128})])
-    report = lint_run(tmp_path / "run")  # turn 2 could reuse 186 computed tokens → 128 with 128-token blocks
-    assert report.ok
-    assert not lint_rollouts([make_rollout(prompt_len=100, sampled=40, cached={1: 128, 2: 128})], KEEP).ok
+def test_block_size_comes_from_the_manifest(tmp_path: Path):
+    # turn 0 computed 40 + 10 - 1 = 49 tokens: turn 1 can reuse 48 with 16-token blocks, 32 with 32, 0 with 128
+    partial, none = make_rollout("a", turns=2, cached={1: 32}), make_rollout("b", turns=2, cached={1: 0})
+    writer = TraceWriter(tmp_path / "b32", RunManifest(run_id="run", engine={"block_size": 32}))
+    writer.write_batch([partial, none])
+    a, b = lint_run(tmp_path / "b32").verdicts
+    assert a.ok and kinds(b.problems) == [("cache_shortfall", 1)]
+    assert "0 of 32 reusable" in b.problems[0].detail and "block size 32" in b.problems[0].detail
+    a, b = lint_run(write_run(tmp_path / "b16", [[partial, none]])).verdicts
+    assert kinds(a.problems) == [("cache_shortfall", 1)] and "32 of 48 reusable" in a.problems[0].detail
+
+
+@pytest.mark.parametrize("engine,said", [({}, "does not record the engine's block size"),
+                                         ({"block_size": "32"}, "records an invalid ('32') engine block size"),
+                                         ({"block_size": 0}, "records an invalid (0) engine block size")])
+def test_a_manifest_without_the_engine_block_size_is_refused_in_one_line(tmp_path: Path, engine, said):
+    writer = TraceWriter(tmp_path / "run", RunManifest(run_id="run", engine=engine))
+    writer.write_batch([make_rollout(turns=2, cached={1: 0})])
+    with pytest.raises(TraceFormatError, match="engine.block_size"):
+        lint_run(tmp_path / "run")
+    result = runner.invoke(app, ["lint", "trace", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0]
+    assert '"block_size": N' in lines[0] and "manifest.json" in lines[0]
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +286,8 @@ def test_errored_and_truncated_rollouts_are_linted_not_failed():
     ledger = Ledger()
     ledger.append_prompt([1, 2, 3])
     errored = ledger.to_rollout(run_id="run", group_id="g", rollout_id="e", status="error", error="env raised")
-    report = lint_rollouts([errored, make_rollout("t").model_copy(update={"status": "truncated", "error": "budget"})])
+    report = lint_rollouts([errored, make_rollout("t").model_copy(update={"status": "truncated", "error": "budget"})],
+                           KEEP)
     assert report.ok
     nan_model = with_columns(make_rollout("x"), logprob={45: np.nan}).model_copy(update={"status": "error",
                                                                                           "error": "boom"})
@@ -296,8 +317,8 @@ def group_of(first_cached: list[int], *, salts: list | None = None, same_prompt:
 
 
 def test_group_check_numbers():
-    from verbatim.datamodel import shared_prefix
     from verbatim.lint.group import group_reusable
+    from verbatim.prefix_cache import shared_prefix
 
     a, b = np.array([1, 2, 3, 4, 5]), np.array([1, 2, 9, 4])
     assert shared_prefix(a, b) == 2 and shared_prefix(a, a) == 5 and shared_prefix(a, a[:0]) == 0

@@ -79,13 +79,6 @@ COLUMN_DTYPES: dict[str, np.dtype] = {
 """The per-token columns of a rollout, in order, with their dtypes."""
 
 
-def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
-
-
 def _readonly(values: Any, dtype: np.dtype) -> np.ndarray:
     array = np.array(values, dtype=dtype, copy=True).reshape(-1)
     array.flags.writeable = False

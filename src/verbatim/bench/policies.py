@@ -17,6 +17,7 @@ import numpy as np
 
 from verbatim.datamodel import Frozen
 from verbatim.engine.protocol import CachePolicy, Engine, Sampling, cache_salt
+from verbatim.prefix_cache import computed_tokens, reusable_tokens
 
 GREEDY = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -53,7 +54,8 @@ async def measure_policy(engine: Engine, policy: CachePolicy, *, base: Path, upd
     turn2 = await engine.generate(history, GREEDY, cache_salt=cache_salt(policy, start + 1, start))
     fresh_rollout = await engine.generate(prompt, GREEDY, cache_salt=cache_salt(policy, start + 1, start + 1))
     fresh = await engine.generate(history, GREEDY, cache_salt=f"reference-new-{start}")
-    reusable = (len(prompt) + len(first.token_ids)) // engine.block_size * engine.block_size
+    computed = computed_tokens(len(prompt), len(first.token_ids))  # turn 1's KV, all a prefix of ``history``
+    reusable = reusable_tokens(computed, len(history), engine.block_size)
     return PolicyRow(
         policy=policy.value,
         reusable_tokens=reusable,

@@ -24,7 +24,7 @@ from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, plan_specs
 from verbatim.harness.store import RunManifest, read_run
-from verbatim.harness.summary import min_prefill
+from verbatim.prefix_cache import min_prefill
 
 
 class HarnessResult(Frozen):

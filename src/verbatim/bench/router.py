@@ -64,11 +64,12 @@ def load_workload(traces: Sequence[Path]) -> TraceWorkload:
         trace = read_run(run_dir)
         rollouts.extend(trace.rollouts)
         shapes.extend(shapes_from_rollouts(trace.rollouts))  # per run: group ids repeat across runs
-        block = block or trace.manifest.engine.get("block_size")
+        size = trace.manifest.block_size(run_dir)  # every run must say; the first one's is kept
+        block = block or size
         runs.append(_describe(trace.manifest))
     if not shapes:
         raise InputError("the traces hold no rollout with a turn", hint="pass run directories of verbatim run")
-    return TraceWorkload(runs=tuple(runs), block_size=int(block or 16), costs=fit_costs(rollouts),
+    return TraceWorkload(runs=tuple(runs), block_size=block, costs=fit_costs(rollouts),
                          groups=tuple(shapes))
 
 

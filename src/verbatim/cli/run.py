@@ -123,7 +123,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(
         run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
-        engine={"kind": options.engine, "block_size": getattr(engine, "block_size", 128),
+        engine={"kind": options.engine, "block_size": engine.block_size,
                 "cache_policy": policy.value, "urls": urls, "route": route},
         config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
                 "plan": plan.model_dump(exclude={"run_id"})},

@@ -23,6 +23,7 @@ import numpy as np
 
 from verbatim.datamodel import Completion
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
+from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.errors import EngineError, InputError
 
 SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
@@ -73,9 +74,13 @@ class HttpEngine:
     body that is not JSON, with exponential backoff, all within ``budget_s`` of wall time: an attempt
     never outlives the budget, even against a server that trickles its answer. Credentials in the URL
     (``user:password@``, ``?api_key=…``) are sent but never printed: errors name :func:`redact`'s URL.
+
+    ``block_size`` is the server's KV block size: :meth:`start` asks the server (the ``block_size``
+    label of its ``vllm:cache_config_info`` metric) and keeps the given value, by default the bundled
+    engine's, only when the server does not say.
     """
 
-    def __init__(self, url: str, *, model: str | None = None, block_size: int = 32,
+    def __init__(self, url: str, *, model: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None) -> None:
         base, params, auth = _split_url(url)
@@ -96,7 +101,8 @@ class HttpEngine:
                                          auth=httpx.BasicAuth(*auth) if auth and not api_key else None)
 
     async def start(self) -> HttpEngine:
-        """Check the server and learn its model name: one ``GET /v1/models``, no retries.
+        """Check the server and learn its model name and block size: ``GET /v1/models`` and
+        ``GET /metrics``, once each, no retries.
 
         Anything but a JSON list of model ids (no connection, a 4xx/5xx, an HTML page) means the URL
         is not a vLLM server, which is bad input (:class:`InputError`, exit code 2).
@@ -119,7 +125,16 @@ class HttpEngine:
         if not names:
             raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
         self.model = self.model or names[0]
+        self.block_size = await self._served_block_size() or self.block_size
         return self
+
+    async def _served_block_size(self) -> int | None:
+        """The block size the server reports in its metrics; None when it reports none."""
+        try:
+            response = await self._request("GET", "/metrics", None, None, START_TIMEOUT_S)
+        except _Retry:
+            return None
+        return reported_block_size(response.text) if response.status_code == 200 else None
 
     def _not_vllm(self, what: str) -> InputError:
         return InputError(self._scrub(f"{redact(self.url)} is not a vLLM server (GET /v1/models {what})"),
@@ -300,15 +315,25 @@ def parse_prometheus(text: str) -> dict[str, float]:
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def capacity_tokens(text: str) -> int:
-    """KV cache size in tokens from ``vllm:cache_config_info`` (its num_gpu_blocks and block_size labels)."""
+def cache_config(text: str) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` (the server's cache configuration); empty if absent."""
     for line in text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
-            labels = dict(_LABEL.findall(line))
-            blocks, block = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-            if blocks.isdigit() and block.isdigit():
-                return int(blocks) * int(block)
-    return 0
+            return dict(_LABEL.findall(line))
+    return {}
+
+
+def capacity_tokens(text: str) -> int:
+    """KV cache size in tokens from ``vllm:cache_config_info`` (its num_gpu_blocks and block_size labels)."""
+    labels = cache_config(text)
+    blocks, block = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    return int(blocks) * int(block) if blocks.isdigit() and block.isdigit() else 0
+
+
+def reported_block_size(text: str) -> int | None:
+    """The KV block size from ``vllm:cache_config_info``'s block_size label; None if it has none."""
+    block = cache_config(text).get("block_size", "")
+    return int(block) if block.isdigit() and int(block) > 0 else None
 
 
 class _Retry(Exception):

@@ -91,7 +91,10 @@ class Engine(Protocol):
     """What the harness needs from an inference engine."""
 
     version: int
+    """The policy version of the weights now loaded."""
     block_size: int
+    """The KV cache's block size in tokens: prefix-cache hits come in whole blocks of it. A run records it
+    in its manifest (``engine.block_size``), and everything that judges cache hits reads it from there."""
 
     async def generate(self, prompt_ids: Sequence[int] | Any, sampling: Sampling | None = None, *,
                        session_id: str | None = None, group_id: str | None = None,

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import Completion, shared_prefix
+from verbatim.datamodel import Completion
 from verbatim.engine.protocol import CachePolicy, Engine, EngineStats, Sampling, WeightSource
 from verbatim.engine.routing import Decision, Pins, ReplicaState, Residency, RouteConfig, RouteRequest, admit, route
 from verbatim.errors import EngineError, InputError
+from verbatim.prefix_cache import shared_prefix, whole_blocks
 
 
 @dataclass
@@ -64,7 +65,6 @@ class Router:
         self.pins = Pins()
         self.poll_s = poll_s
         self.admission_timeout_s = admission_timeout_s
-        self.block_size = min(int(getattr(e, "block_size", 32)) for e in engines)
         self.version = 0
         self.migrations = 0
         self.lost_tokens = 0
@@ -74,6 +74,11 @@ class Router:
         """Each group with live sessions: its first member's prompt and how many members are live."""
         self._shares: dict[str, tuple[str, int]] = {}
         """Each live grouped session: its group and the tokens of its context shared with the group."""
+
+    @property
+    def block_size(self) -> int:
+        """The smallest of the replicas' block sizes (a replica learns its server's when it starts)."""
+        return min(int(r.engine.block_size) for r in self.replicas)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -161,7 +166,7 @@ class Router:
         first, live = self._groups.get(group_id, (prompt, 0))
         if session not in self._shares:
             self._groups[group_id] = (first, live + 1)
-        shared = shared_prefix(first, prompt) // self.block_size * self.block_size
+        shared = whole_blocks(shared_prefix(first, prompt), self.block_size)
         self._shares[session] = (group_id, shared)
         return shared
 

@@ -20,6 +20,11 @@ INSTALL_HINT = ("run: pip install 'verbatim-rl[cpu]' (CPU; add the PyTorch CPU i
                 "or pip install 'verbatim-rl[gpu]'")
 
 
+DEFAULT_BLOCK_SIZE = 32
+"""The engine's KV block size unless configured: ``EngineConfig.block_size``, and what an HTTP engine
+assumes of a server that does not report its own."""
+
+
 class EngineConfig(Frozen):
     """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
 
@@ -35,7 +40,7 @@ class EngineConfig(Frozen):
     model: str = "default"
     dtype: str = "float32"
     max_model_len: int = Field(default=4096, ge=64)
-    block_size: int = Field(default=32, ge=32, multiple_of=32)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=32, multiple_of=32)
     kv_cache_gib: int = Field(default=2, ge=1)
     kv_blocks: int | None = Field(default=None, ge=2)
     """Cap the KV cache at this many blocks (vLLM's ``num_gpu_blocks_override``): a small cache on purpose."""

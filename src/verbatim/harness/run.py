@@ -165,6 +165,7 @@ class Run:
     async def _play_locked(self, resume: bool) -> RunSummary:
         self._check_plan(resume)
         clear_unfinished_writes(self.out)
+        self._record_block_size()
         done = self.completed_ids() if resume else set()
         writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)
@@ -187,11 +188,17 @@ class Run:
         whole = len({r.rollout_id for r in trace.rollouts}) == self.total and not self._interrupted
         status = self.stopped.status if self.stopped and not whole else "completed"
         writer.write_manifest(self.manifest.model_copy(update={"status": status}))
-        self.summary = summarize(trace.rollouts, block_size=getattr(self.engine, "block_size", 128),
+        self.summary = summarize(trace.rollouts, block_size=self.manifest.block_size(self.out),
                                  wall_s=time.perf_counter() - started, renderer=self.renderer)
         if self.stopped:
             raise self._stop_error(len(trace.rollouts))
         return self.summary
+
+    def _record_block_size(self) -> None:
+        """The manifest records the engine's block size as the started engine reports it (an HTTP engine
+        learns its server's when it starts); lint and the summary read it from there."""
+        engine = {**self.manifest.engine, "block_size": int(self.engine.block_size)}
+        self.manifest = self.manifest.model_copy(update={"engine": engine})
 
     async def _settle(self, tasks: dict[asyncio.Task, str]) -> None:
         """Wait for every rollout; once the gate is cut, give the stragglers ``LATE_S`` and then cancel them."""

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, ValidationError
 
 from verbatim.datamodel import SCHEMA_VERSION, Frozen, Rollout
+from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.errors import InputError, TraceError, TraceFormatError
 from verbatim.harness.tracefile import brief, from_json_line, from_table, to_json_line, to_table
 
@@ -49,6 +50,21 @@ class RunManifest(Frozen):
     config: dict[str, Any] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=lambda: package_versions())
     status: str = "running"
+
+    def block_size(self, run_dir: str | os.PathLike[str]) -> int:
+        """The engine's KV block size as the run recorded it (``engine.block_size``); no default.
+
+        Every verdict on cache hits depends on it, so a manifest without it is bad input
+        (:class:`TraceFormatError`, one line saying what to add), never a guess.
+        """
+        block = self.engine.get("block_size")
+        if isinstance(block, int) and not isinstance(block, bool) and block >= 1:
+            return block
+        said = "does not record the engine's" if block is None else f"records an invalid ({block!r}) engine"
+        raise TraceFormatError(f"{Path(run_dir) / MANIFEST} {said} block size (engine.block_size)",
+                               hint='add "block_size": N to its "engine" object: the KV block size of the '
+                                    f"engine that served the run, {DEFAULT_BLOCK_SIZE} for verbatim's engine "
+                                    "unless configured")
 
 
 def package_versions() -> dict[str, str]:

@@ -1,28 +1,26 @@
 """Run accounting: prompt, cached and prefill tokens, and what the minimum and a re-render would cost.
 
 ``min_prefill_tokens`` is a lower bound on what any prefix cache must prefill
-(design invariant 5: ``prefill_tokens >= min_prefill_tokens``). Taking the
-requests in order, a prompt token needs prefilling unless its prefix was
-already computed: as part of an earlier prompt, or while decoding an earlier
-completion (the engine computes the KV of every sampled token but the last
-one, and vLLM caches full blocks of them too). Every request prefills at least
-one token (the engine needs the last prompt token's logits). Real prefill
-exceeds the bound by the partial blocks a block cache cannot reuse, and by
-whatever was evicted. ``rerender_prefill_tokens`` is the same bound for a
-harness that re-renders each turn's prompt from messages with the chat
-template: its prefix cache can reuse only up to the first token where a
-re-render departs from what it sent before.
+(design invariant 5: ``prefill_tokens >= min_prefill_tokens``), computed by
+:func:`verbatim.prefix_cache.min_prefill` over the requests in the order sent.
+Real prefill exceeds the bound by the partial blocks a block cache cannot
+reuse, and by whatever was evicted. ``rerender_prefill_tokens`` is the same
+bound for a harness that re-renders each turn's prompt from messages with the
+chat template: its prefix cache can reuse only up to the first token where a
+re-render departs from what it sent before. ``block_size`` is the engine's, as
+the run's manifest records it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
 
 from verbatim.datamodel import Frozen, Message, Rollout
 from verbatim.errors import VerbatimError
+from verbatim.prefix_cache import min_prefill
 
 
 class RunSummary(Frozen):
@@ -34,7 +32,8 @@ class RunSummary(Frozen):
     min_prefill_tokens: int = 0
     rerender_prefill_tokens: int | None = None
     generated_tokens: int = 0
-    block_size: int = 128
+    block_size: int = Field(ge=1)
+    """The engine's KV block size (the run manifest's ``engine.block_size``)."""
     wall_s: float = 0.0
     statuses: dict[str, int] = Field(default_factory=dict)
     mean_reward: float | None = None
@@ -49,24 +48,6 @@ class RunSummary(Frozen):
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def min_prefill(requests: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
-    """Least prefill for ``(prompt, completion)`` requests in the order sent (see the module docstring)."""
-    computed: set[int] = set()
-    total = 0
-    for prompt, completion in requests:
-        key, new = 0, 0
-        for token in prompt:
-            key = hash((key, int(token)))
-            if key not in computed:
-                computed.add(key)
-                new += 1
-        total += max(new, 1)
-        for token in list(completion)[:-1]:  # decoding computes the KV of every sampled token but the last
-            key = hash((key, int(token)))
-            computed.add(key)
-    return total
 
 
 def request_prompts(rollout: Rollout) -> list[Sequence[int]]:

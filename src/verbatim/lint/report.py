@@ -7,7 +7,7 @@ import os
 from rich.table import Table
 from rich.text import Text
 
-from verbatim.lint.trace import Problem, TraceReport
+from verbatim.lint.findings import Problem, TraceReport
 
 MAX_PROBLEMS_SHOWN = 4
 

@@ -13,7 +13,9 @@ rollout:
   every other token has logprob NaN and version −1.
 * **version order** — the versions of model tokens never decrease.
 * **cache** — turn k (k ≥ 1) should find in the prefix cache what turn k−1
-  computed (see :func:`reusable_prefix`); a shortfall names its likely cause.
+  computed (:func:`verbatim.prefix_cache.reusable_prefix`, with the engine block
+  size the manifest records); a shortfall names its likely cause
+  (:func:`verbatim.lint.findings.miss_cause`).
 * **duplicates** — a rollout id appears once in the run.
 
 First turns are not checked against other rollouts of their group: a group's
@@ -24,79 +26,24 @@ concurrent request is still computing, so a shortfall there is not a defect.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import Rollout, Source, Turn
+from verbatim.datamodel import Rollout, Source
+from verbatim.lint.findings import (
+    CacheSettings,
+    Problem,
+    RolloutVerdict,
+    TraceReport,
+    miss_cause,
+    sampled_version,
+    turn_replicas,
+)
+from verbatim.lint.group import check_groups
+from verbatim.prefix_cache import reusable_prefix
 
-DEFAULT_BLOCK_SIZE = 128
 POSITIVE_LOGPROB_TOLERANCE = 1e-3
-CAUSES = ("replica", "salt", "flush", "eviction")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a rollout; ``turn`` is None when it concerns the whole rollout or a file."""
-
-    kind: str
-    turn: int | None
-    detail: str
-    cause: str | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"kind": self.kind, "turn": self.turn, "detail": self.detail}
-        if self.cause is not None:
-            record["cause"] = self.cause
-        return record
-
-
-@dataclass(frozen=True)
-class RolloutVerdict:
-    rollout_id: str | None
-    group_id: str | None
-    problems: tuple[Problem, ...] = ()
-    status: str | None = None
-    turns: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def as_json(self) -> dict[str, Any]:
-        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "ok": self.ok,
-                "problems": [p.as_json() for p in self.problems]}
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """What the engine's prefix cache could reuse: block size and the weight-update cache policy."""
-
-    block_size: int = DEFAULT_BLOCK_SIZE
-    cache_policy: str | None = None
-
-    @classmethod
-    def from_manifest(cls, manifest: Any) -> CacheSettings:
-        engine, config = manifest.engine or {}, manifest.config or {}
-        block = engine.get("block_size") or config.get("block_size") or DEFAULT_BLOCK_SIZE
-        policy = engine.get("cache_policy") or config.get("cache_policy")
-        return cls(block_size=int(block), cache_policy=str(policy) if policy else None)
-
-
-@dataclass
-class TraceReport:
-    """One verdict per rollout, plus one per damaged file or failed group check (rollout_id None)."""
-
-    verdicts: list[RolloutVerdict] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(v.ok for v in self.verdicts)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
 
 # ---------------------------------------------------------------------------
@@ -105,26 +52,24 @@ class TraceReport:
 
 
 def lint_run(run_dir: str | os.PathLike[str], *, groups: bool = False) -> TraceReport:
-    """Read a run directory and lint it (raises TraceFormatError for a path that is not a trace).
+    """Read a run directory and lint it (raises TraceFormatError for a path that is not a trace, or
+    whose manifest does not record the engine's block size).
 
     ``groups`` adds the opt-in group check of :mod:`verbatim.lint.group`.
     """
     from verbatim.harness.store import read_run
 
     trace = read_run(run_dir)
-    settings = CacheSettings.from_manifest(trace.manifest)
+    settings = CacheSettings.from_manifest(trace.manifest, run_dir)
     report = lint_rollouts(trace.rollouts, settings)
     if groups:
-        from verbatim.lint.group import check_groups
-
         report.verdicts.extend(check_groups(trace.rollouts, settings))
     for problem in trace.problems:
         report.verdicts.append(RolloutVerdict(None, None, (Problem("damaged_file", None, problem),)))
     return report
 
 
-def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings | None = None) -> TraceReport:
-    settings = settings or CacheSettings()
+def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings) -> TraceReport:
     seen: set[str] = set()
     report = TraceReport()
     for rollout in rollouts:
@@ -138,9 +83,8 @@ def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings | None = None
     return report
 
 
-def lint_rollout(rollout: Rollout, settings: CacheSettings | None = None) -> list[Problem]:
+def lint_rollout(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
     """Every problem of one rollout, in check order."""
-    settings = settings or CacheSettings()
     problems = check_extension(rollout)
     if not problems:  # spans are only meaningful when the offsets are
         problems += check_spans(rollout)
@@ -268,19 +212,6 @@ def check_version_order(rollout: Rollout) -> list[Problem]:
 # ---------------------------------------------------------------------------
 
 
-def reusable_prefix(previous: Turn, turn: Turn, block_size: int) -> int:
-    """Prompt tokens of ``turn`` the cache should hold after ``previous``, in whole blocks.
-
-    The engine computed KV for the previous prompt and every sampled token but the
-    last (the last one is returned, never fed back). The engine always recomputes
-    at least the last prompt token, and caches whole blocks only; so the reusable
-    prefix is ``min(previous KV, prompt − 1)`` rounded down to ``block_size``.
-    """
-    computed = previous.completion_end - 1 if previous.completion_tokens else previous.prompt_end
-    limit = min(computed, turn.prompt_end - 1)
-    return max(limit, 0) // block_size * block_size
-
-
 def check_cache(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
     problems = []
     for k in range(1, len(rollout.turns)):
@@ -296,33 +227,10 @@ def check_cache(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
 
 
 def shortfall_cause(rollout: Rollout, k: int, settings: CacheSettings) -> str:
-    """Why turn k missed: a different replica, a salt change, a flush on a weight update, else eviction."""
+    """Why turn k missed what turn k−1 computed (see :func:`~verbatim.lint.findings.miss_cause`)."""
     previous, turn = rollout.turns[k - 1], rollout.turns[k]
     replicas = turn_replicas(rollout)
-    if replicas is not None and replicas[k - 1] != replicas[k]:
-        return "replica"
-    if turn.cache_salt != previous.cache_salt:
-        return "salt"
-    if settings.cache_policy == "flush":
-        before, after = _version_at(rollout, previous, last=True), _version_at(rollout, turn, last=False)
-        if before is not None and after is not None and before != after:
-            return "flush"
-    return "eviction"
-
-
-def turn_replicas(rollout: Rollout) -> list[Any] | None:
-    """Per-turn replica ids: each turn's ``replica`` (written by the router), else ``info["replicas"]``."""
-    if rollout.turns and all(t.replica is not None for t in rollout.turns):
-        return [t.replica for t in rollout.turns]
-    replicas = rollout.info.get("replicas")
-    if isinstance(replicas, list) and len(replicas) >= len(rollout.turns):
-        return replicas
-    return None
-
-
-def _version_at(rollout: Rollout, turn: Turn, *, last: bool) -> int | None:
-    """The policy version of a turn's last (or first) sampled token; None for an empty completion."""
-    if not turn.completion_tokens:
-        return None
-    at = turn.completion_end - 1 if last else turn.prompt_end
-    return int(rollout.tokens.policy_version[at])
+    return miss_cause(replicas[k - 1: k + 1] if replicas is not None else None,
+                      [previous.cache_salt, turn.cache_salt],
+                      [sampled_version(rollout, previous, last=True), sampled_version(rollout, turn, last=False)],
+                      settings)

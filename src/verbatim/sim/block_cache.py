@@ -1,14 +1,16 @@
-"""A replica's prefix cache, as the simulator models it: hashed full blocks, LRU eviction.
+"""A replica's prefix cache, as the simulator models it: a finite pool of hashed full blocks, LRU eviction.
 
+The pure rules (whole blocks, the hash chain, the last prompt token always computed)
+are :mod:`verbatim.prefix_cache`'s; this module is the stateful pool beside them.
 The model follows the documented behaviour of vLLM's v1 prefix cache (automatic
 prefix caching): the KV cache is cut into blocks of ``block_size`` tokens; a *full*
 block is identified by a hash of its parent block's hash, its token ids and extra
 keys (here: the cache salt), so equal hashes mean equal prefixes; a request's cache
 hit is the longest run of its leading full blocks that are present; at least one
 prompt token is always computed, so a prompt that is entirely cached still
-recomputes its last block; blocks held by running requests are never evicted;
-when a request finishes its blocks become evictable, tail block first, and eviction
-takes the least recently freed block.
+recomputes its last block; blocks held by running requests are never evicted; when a
+request finishes its blocks become evictable, tail block first, and eviction takes
+the least recently freed block.
 
 Simplifications (stated, not hidden): a request reserves all the blocks it will use
 (prompt plus completion) when it is scheduled, where vLLM grows its allocation one
@@ -19,33 +21,10 @@ registered under the same hash is kept as a private duplicate rather than merged
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-_ROOT = 0x5EED  # the parent "hash" of a sequence's first block
-
-
-def chain_hashes(keys: Iterable[object], salt: int = 0) -> list[int]:
-    """Block hashes of a sequence whose full blocks have these content keys, each chained to its parent."""
-    hashes, parent = [], _ROOT
-    for key in keys:
-        parent = hash((parent, key, salt))
-        hashes.append(parent)
-    return hashes
-
-
-def token_block_hashes(token_ids: np.ndarray, block_size: int, salt: int = 0) -> list[int]:
-    """Hashes of the full blocks of a real token sequence (a trailing partial block has none)."""
-    full = len(token_ids) // block_size
-    rows = np.asarray(token_ids[:full * block_size], dtype=np.int64).reshape(full, block_size)
-    return chain_hashes((tuple(row) for row in rows.tolist()), salt)
-
-
-def cacheable_blocks(prompt_tokens: int, block_size: int) -> int:
-    """Leading full blocks a prompt may take from the cache (its last token is always computed)."""
-    return max(prompt_tokens - 1, 0) // block_size
+from verbatim.prefix_cache import cacheable_blocks
 
 
 @dataclass

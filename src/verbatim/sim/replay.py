@@ -47,7 +47,7 @@ def replay_check(run_dir: Path, *, kv_blocks: int | None = None, route: str | No
     config = RouteConfig.parse(spec, high_water=options.get("high_water", 0.9),
                                admission=options.get("admission", True))
     workload = workload_from_rollouts(rollouts)
-    block = int(engine.get("block_size", 16))
+    block = trace.manifest.block_size(run_dir)
     blocks = kv_blocks or (workload.longest // block + 2) * len(rollouts)
     result = simulate(workload, SimConfig(route=config, replicas=replicas, kv_blocks=blocks, block_size=block,
                                           costs=CostModel(**fit_costs(rollouts)),

@@ -33,6 +33,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Frozen
 from verbatim.engine.routing import ReplicaState, Residency
+from verbatim.prefix_cache import computed_tokens, full_blocks
 from verbatim.sim.block_cache import Allocation, BlockCache
 from verbatim.sim.workload import SimSession
 
@@ -126,7 +127,7 @@ class SimReplica:
         finished = []
         while self.running and self.running[0][0] <= self.decoded + TIME_EPS:
             req = heapq.heappop(self.running)[2]
-            computed = (req.prompt + req.completion - 1) // self.cache.block_size
+            computed = full_blocks(computed_tokens(req.prompt, req.completion), self.cache.block_size)
             self.cache.release(req.allocation, req.hashes, computed)
             finished.append(req)
         if not self.prefill:
@@ -150,7 +151,7 @@ class SimReplica:
             if not self.cache.fits(total, req.prompt):
                 break
             hit = self.cache.hit_blocks(req.hashes, req.prompt)
-            allocation = self.cache.allocate(req.hashes, hit, req.prompt // block, total)
+            allocation = self.cache.allocate(req.hashes, hit, full_blocks(req.prompt, block), total)
             if allocation is None:
                 break
             self.waiting.popleft()

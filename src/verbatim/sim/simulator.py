@@ -40,6 +40,7 @@ from pydantic import Field
 from verbatim.datamodel import Frozen
 from verbatim.engine.routing import Pins, ReplicaState, RouteConfig, RouteRequest, admit, route
 from verbatim.errors import InputError
+from verbatim.prefix_cache import whole_blocks
 from verbatim.sim.replica import TIME_EPS, CostModel, LiveSession, SimReplica, SimRequest
 from verbatim.sim.workload import SimSession, Workload
 
@@ -214,7 +215,7 @@ class _Simulation:
             self.touch(replica)
 
     def shared_blocks(self, spec: SimSession) -> int:
-        return spec.shared // self.config.block_size * self.config.block_size
+        return whole_blocks(spec.shared, self.config.block_size)
 
     def settle(self, replica: SimReplica) -> None:
         replica.advance(self.now)

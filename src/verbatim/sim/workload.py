@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import Field
 
-from verbatim.datamodel import Frozen, Rollout, shared_prefix
+from verbatim.datamodel import Frozen, Rollout
 from verbatim.errors import InputError
-from verbatim.sim.block_cache import chain_hashes, token_block_hashes
+from verbatim.prefix_cache import chain_hashes, common_prefix, full_blocks, token_block_hashes
 
 
 class RolloutShape(Frozen):
@@ -74,9 +74,9 @@ class SimSession:
         """Hashes of every full block of the session's final sequence."""
         if self.tokens is not None:
             return token_block_hashes(self.tokens[:self.length], block_size, salt)
-        shared_blocks = self.shared // block_size
+        shared_blocks = full_blocks(self.shared, block_size)
         keys = [(0, self.group_index, i) if i < shared_blocks else (1, self.index, i)
-                for i in range(self.length // block_size)]
+                for i in range(full_blocks(self.length, block_size))]
         return chain_hashes(keys, salt)
 
 
@@ -121,14 +121,12 @@ def shapes_from_rollouts(rollouts: Sequence[Rollout]) -> list[GroupShape]:
     groups = []
     for members in by_group.values():
         shapes = tuple(s for s in map(shape_of, members) if s is not None)
-        groups.append(GroupShape(shared=_common_prefix([m.tokens.token_id[:m.turns[0].prompt_end] for m in members]),
-                                 rollouts=shapes))
+        groups.append(GroupShape(shared=common_prefix(first_prompts(members)), rollouts=shapes))
     return groups
 
 
-def _common_prefix(sequences: list[np.ndarray]) -> int:
-    first = sequences[0]
-    return min((shared_prefix(first, other) for other in sequences[1:]), default=len(first))
+def first_prompts(members: Sequence[Rollout]) -> list[np.ndarray]:
+    return [m.tokens.token_id[:m.turns[0].prompt_end] for m in members]
 
 
 def sample_workload(shapes: Sequence[GroupShape], sessions: int, group_size: int, group_rate_per_s: float,
@@ -168,7 +166,7 @@ def workload_from_rollouts(rollouts: Sequence[Rollout]) -> Workload:
             by_group.setdefault(rollout.group_id, []).append(rollout)
     groups, index = [], 0
     for g, (group_id, members) in enumerate(by_group.items()):
-        shared = _common_prefix([m.tokens.token_id[:m.turns[0].prompt_end] for m in members])
+        shared = common_prefix(first_prompts(members))
         sessions = []
         for rollout in members:
             turns = rollout.turns

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from verbatim.errors import TrainerError
+from verbatim.prefix_cache import common_prefix
 from verbatim.trainer.causal_lm import KV, PrefixCausalLM, sequence_logprobs
 from verbatim.trainer.prefix_offload import DormantStore, Offload
 
@@ -72,15 +73,8 @@ class PrefixGroup:
 
 
 def shared_prefix_len(sequences: Sequence[torch.Tensor]) -> int:
-    """Length of the longest token-for-token common prefix of ``sequences``."""
-    length = min(int(s.numel()) for s in sequences)
-    first = sequences[0][:length]
-    for s in sequences[1:]:
-        differs = torch.nonzero(s[:length] != first).flatten()
-        if differs.numel():
-            length = int(differs[0])
-            first = first[:length]
-    return length
+    """Length of the longest token-for-token common prefix of ``sequences`` (token ids, any device)."""
+    return common_prefix([s.detach().cpu().numpy() for s in sequences])
 
 
 def group_from_sequences(sequences: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> PrefixGroup:
