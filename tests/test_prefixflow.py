@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.causal_lm import dropout_settings, prefix_lm
 from verbatim.trainer.prefixflow import (
     PrefixGroup,
     encode_prefix,
@@ -305,3 +305,28 @@ def test_unknown_architecture_is_refused():
     with pytest.raises(TrainerError, match="no adapter for model type 'gpt2'"):
         prefix_lm(Model())
 
+
+@pytest.mark.parametrize("setting", [{"attention_dropout": 0.1}, {"hidden_dropout": 0.2}])
+def test_dropout_in_train_mode_is_refused(setting):
+    """A shared prefix would carry one dropout mask for the whole group: not full-sequence training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, **setting)
+    model = LlamaForCausalLM(config).train()
+    assert dropout_settings(model) == setting
+    group = make_group(2, 0.5, loss_in_prefix=False, seed=10)
+    with pytest.raises(TrainerError, match="cannot train a model with dropout") as info:
+        prefixflow_backward(prefix_lm(model), group, rl_like_loss(group), [[0, 1]])
+    line = info.value.one_line()
+    assert "\n" not in line and f"{next(iter(setting))}=" in line and "one dropout mask" in line
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()  # dropout off: training through the adapter is allowed
+    prefixflow_backward(prefix_lm(model), group, rl_like_loss(group), [[0, 1]])
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def test_dropout_modules_are_found_and_zero_dropout_is_not_refused(tiny):
+    assert dropout_settings(tiny) == {}
+    wrapped = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3), torch.nn.Dropout(0.0))
+    assert dropout_settings(wrapped) == {"1": pytest.approx(0.3)}
