@@ -119,7 +119,8 @@ def test_versions_are_exact_across_an_update_during_generation(engine_runner, de
 
 def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_dir, default_tokenizer):
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from verbatim.trainer.reference import load_model, reference_logprobs
 
     engine = engine_runner.engine
     prompt = default_tokenizer.apply_chat_template(
@@ -127,11 +128,10 @@ def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_d
         add_generation_prompt=True, tokenize=True, return_dict=False)
     got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=24, temperature=1.0, seed=5),
                                              cache_salt="logprob-check"))
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([list(prompt) + got.token_ids.tolist()])
+    model = load_model(default_model_dir)
+    ids = list(prompt) + got.token_ids.tolist()
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    expected = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None])[:, 0].numpy()
+        expected = reference_logprobs(model, ids, range(len(prompt), len(ids))).numpy()
     diff = np.abs(expected - got.logprobs)
     assert diff.max() < 1e-3, f"max |Δ logprob| = {diff.max():.2e}"  # measured ≈ 1e-5 (docs/engine.md)
 

@@ -9,7 +9,8 @@ import torch
 from verbatim.datamodel import Completion
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.ledger import Ledger
-from verbatim.trainer.mismatch import check_vocabulary, mismatch, trainer_logprobs, usable_rollouts
+from verbatim.trainer.mismatch import check_vocabulary, mismatch, usable_rollouts
+from verbatim.trainer.reference import reference_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def _rollout(model, rng, *, shift: float = 0.0, version: int = 0, rollout_id: st
     for turn in range(2):
         sampled = rng.integers(0, 64, 5)
         full = np.concatenate([ledger.view(), sampled])
-        lp = trainer_logprobs(model, full)[-5:] + shift
+        with torch.no_grad():
+            lp = reference_logprobs(model, full)[-5:].numpy() + shift
         ledger.append_completion(Completion(token_ids=sampled, logprobs=lp, versions=[version] * 5,
                                             finish_reason="length", prompt_tokens=len(ledger), cached_tokens=0))
         if turn == 0:

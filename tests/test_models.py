@@ -40,10 +40,9 @@ def test_tokenizer_has_the_chat_template(default_tokenizer):
 
 
 def test_transformers_greedy_generation_returns_text(default_model_dir: Path, default_tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
+    from verbatim.trainer.reference import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model = load_model(default_model_dir)
     ids = default_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                 add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)

@@ -3,6 +3,10 @@
 Error metric, per parameter: max |g_prefixflow − g_full| / max |g_full|; the test takes the
 worst parameter. fp32 must stay within 1e-5 on a small random Llama; float64 (with the
 norm computed in float64) shows the algorithm is exact to rounding on the default model too.
+
+Two references: ``full_sequence_backward`` (the same adapter, the same ``sequence_logprobs``)
+and, independent of both, the plain Hugging Face forward ``model(ids).logits``
+(``verbatim.trainer.reference``), which also checks PrefixFlow's logprobs column by column.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import pytest
 import torch
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.causal_lm import dropout_settings, prefix_lm
 from verbatim.trainer.prefixflow import (
     PrefixGroup,
     encode_prefix,
@@ -23,6 +27,7 @@ from verbatim.trainer.prefixflow import (
     shared_prefix_len,
     suffix_backward,
 )
+from verbatim.trainer.reference import reference_backward, reference_logprobs
 
 VOCAB = 97
 SEQ = 60
@@ -109,6 +114,43 @@ def compare(model, group, loss_fn, splits_list, offload="none", **kw) -> list[fl
     return errors
 
 
+def recording(loss_fn, seen: dict[int, torch.Tensor]):
+    """``loss_fn`` that also keeps the logprobs each group row was given (full-sequence coordinates)."""
+
+    def wrapped(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        for k, row in enumerate(rows.tolist()):
+            seen[row] = logprobs[k].detach().clone()
+        return loss_fn(logprobs, rows)
+
+    return wrapped
+
+
+def logprob_rel_err(model, group: PrefixGroup, seen: dict[int, torch.Tensor]) -> float:
+    """Max |lp_prefixflow − lp_hf| / max |lp_hf| over every column of every row (0 expected off the mask)."""
+    worst, scale = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(group.size):
+            sequence, mask = group.sequence(i), group.loss_masks[i]
+            want = torch.zeros(seen[i].shape, dtype=torch.float64)
+            positions = torch.nonzero(mask).flatten()
+            want[positions] = reference_logprobs(model, sequence, positions).double()
+            worst = max(worst, float((seen[i].double() - want).abs().max()))
+            scale = max(scale, float(want.abs().max()))
+    return worst / scale if scale > 0 else worst
+
+
+def compare_with_hf(model, group, loss_fn, splits) -> tuple[float, float]:
+    """PrefixFlow against the plain Hugging Face forward/backward: (logprob error, gradient error)."""
+    model.zero_grad(set_to_none=True)
+    want_loss = reference_backward(model, group, loss_fn)
+    want = grads_of(model)
+    seen: dict[int, torch.Tensor] = {}
+    got_loss = prefixflow_backward(prefix_lm(model), group, recording(loss_fn, seen), splits)
+    assert sorted(seen) == list(range(group.size))
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    return logprob_rel_err(model, group, seen), max_rel_err(grads_of(model), want)
+
+
 @pytest.mark.parametrize("group_size", [1, 2, 8])
 @pytest.mark.parametrize("ratio", [0.1, 0.5, 0.83, 0.95])
 def test_fp32_gradients_equal_full_sequence_training(tiny, group_size, ratio):
@@ -117,6 +159,25 @@ def test_fp32_gradients_equal_full_sequence_training(tiny, group_size, ratio):
                    microbatches(group_size, 3), [list(range(group_size))[::-1]]]
     errors = compare(tiny, group, rl_like_loss(group), splits_list)
     assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("group_size", [1, 8])
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.95])
+@pytest.mark.parametrize("loss_in_prefix", [False, True])
+def test_fp32_logprobs_and_gradients_equal_the_plain_hf_forward(tiny, group_size, ratio, loss_in_prefix):
+    group = make_group(group_size, ratio, loss_in_prefix, seed=group_size + int(ratio * 100))
+    lp_err, grad_err = compare_with_hf(tiny, group, rl_like_loss(group), microbatches(group_size, 3))
+    assert lp_err <= 1e-5 and grad_err <= 1e-5, (lp_err, grad_err)
+
+
+def test_fp32_untied_and_boundary_only_equal_the_plain_hf_forward():
+    model = tiny_llama(tied=False, seed=3)
+    group = make_group(8, 0.83, loss_in_prefix=True, seed=4)
+    assert max(compare_with_hf(model, group, rl_like_loss(group), [[5, 0, 2], [7, 1], [3, 4, 6]])) <= 1e-5
+    p = group.prefix_len
+    masks = tuple(torch.nn.functional.one_hot(torch.tensor(p), p + s.numel()).bool() for s in group.suffixes)
+    boundary_only = PrefixGroup(group.prefix, group.suffixes, masks)
+    assert max(compare_with_hf(model, boundary_only, rl_like_loss(boundary_only), microbatches(8, 3))) <= 1e-5
 
 
 def test_fp32_untied_embeddings_and_loss_inside_the_prefix():
@@ -154,6 +215,7 @@ def test_float64_exact_to_rounding(float64_norm):
     model = tiny_llama(seed=7, dtype=torch.float64)
     group = make_group(8, 0.5, loss_in_prefix=True, seed=7)
     assert max(compare(model, group, rl_like_loss(group), [microbatches(8, 3)])) <= 1e-12
+    assert max(compare_with_hf(model, group, rl_like_loss(group), microbatches(8, 3))) <= 1e-12
 
 
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
@@ -242,3 +304,29 @@ def test_unknown_architecture_is_refused():
 
     with pytest.raises(TrainerError, match="no adapter for model type 'gpt2'"):
         prefix_lm(Model())
+
+
+@pytest.mark.parametrize("setting", [{"attention_dropout": 0.1}, {"hidden_dropout": 0.2}])
+def test_dropout_in_train_mode_is_refused(setting):
+    """A shared prefix would carry one dropout mask for the whole group: not full-sequence training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, **setting)
+    model = LlamaForCausalLM(config).train()
+    assert dropout_settings(model) == setting
+    group = make_group(2, 0.5, loss_in_prefix=False, seed=10)
+    with pytest.raises(TrainerError, match="cannot train a model with dropout") as info:
+        prefixflow_backward(prefix_lm(model), group, rl_like_loss(group), [[0, 1]])
+    line = info.value.one_line()
+    assert "\n" not in line and f"{next(iter(setting))}=" in line and "one dropout mask" in line
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()  # dropout off: training through the adapter is allowed
+    prefixflow_backward(prefix_lm(model), group, rl_like_loss(group), [[0, 1]])
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def test_dropout_modules_are_found_and_zero_dropout_is_not_refused(tiny):
+    assert dropout_settings(tiny) == {}
+    wrapped = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3), torch.nn.Dropout(0.0))
+    assert dropout_settings(wrapped) == {"1": pytest.approx(0.3)}

@@ -4,7 +4,9 @@ In float32 the default model's gradients carry rounding noise well above 1e-5 (m
 per parameter) whatever the method: full-sequence training against itself with another
 microbatch split already differs by 3-7e-5, and 1e-4 from float64. So this test proves exactness in float64
 (norms computed in float64 too) and checks that in float32 PrefixFlow is as close to the
-float64 gradients as full-sequence float32 training is.
+float64 gradients as full-sequence float32 training is. Both against the project's
+full-sequence reference and against the plain Hugging Face forward/backward
+(``model(ids).logits``), which shares no code with PrefixFlow.
 """
 
 from __future__ import annotations
@@ -14,34 +16,57 @@ import torch
 
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward
+from verbatim.trainer.reference import load_model, reference_backward
 
-from .test_prefixflow import float64_norm, grads_of, make_group, max_rel_err, rl_like_loss  # noqa: F401
+from .test_prefixflow import (  # noqa: F401
+    float64_norm,
+    grads_of,
+    logprob_rel_err,
+    make_group,
+    max_rel_err,
+    recording,
+    rl_like_loss,
+)
 
 
 @pytest.mark.slow
 def test_default_model_gradients_match_full_sequence_training(default_model_dir, float64_norm):  # noqa: F811
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model = load_model(default_model_dir)
     lm = prefix_lm(model)
     group = make_group(3, 0.75, loss_in_prefix=True, seed=11, seq=32, vocab=model.config.vocab_size)
     loss_fn = rl_like_loss(group)
     everything, split = [[0, 1, 2]], [[2, 0], [1]]
+    seen32: dict[int, torch.Tensor] = {}
+    seen64: dict[int, torch.Tensor] = {}
 
     full_sequence_backward(lm, group, loss_fn, everything)
     full32 = grads_of(model)
-    prefixflow_backward(lm, group, loss_fn, split)
+    prefixflow_backward(lm, group, recording(loss_fn, seen32), split)
     flow32 = grads_of(model)
+    reference_backward(model, group, loss_fn)
+    hf32 = grads_of(model)
+    lp_err32 = logprob_rel_err(model, group, seen32)
     model.double()
     full_sequence_backward(lm, group, loss_fn, everything)
     full64 = grads_of(model)
-    prefixflow_backward(lm, group, loss_fn, split)
+    prefixflow_backward(lm, group, recording(loss_fn, seen64), split)
     flow64 = grads_of(model)
+    reference_backward(model, group, loss_fn)
+    hf64 = grads_of(model)
+    lp_err64 = logprob_rel_err(model, group, seen64)
 
+    # float64: PrefixFlow, the full-sequence reference and the plain HF forward compute one function
     assert max_rel_err(flow64, full64) <= 1e-10
+    assert max_rel_err(flow64, hf64) <= 1e-10 and lp_err64 <= 1e-10
     fp32_noise = max_rel_err(full32, full64)
+    hf_noise = max_rel_err(hf32, hf64)
     print(f"default model: float64 {max_rel_err(flow64, full64):.2e}, float32 prefixflow vs full "
           f"{max_rel_err(flow32, full32):.2e}, float32 full vs float64 {fp32_noise:.2e}, "
           f"float32 prefixflow vs float64 {max_rel_err(flow32, full64):.2e}")
+    print(f"plain HF forward: float64 gradients {max_rel_err(flow64, hf64):.2e}, logprobs {lp_err64:.2e}; "
+          f"float32 prefixflow vs HF gradients {max_rel_err(flow32, hf32):.2e}, logprobs {lp_err32:.2e}; "
+          f"float32 HF vs float64 {hf_noise:.2e}")
     # measured: float32 full-sequence training is 1e-4 off float64, PrefixFlow 2-4e-4
     assert max_rel_err(flow32, full64) <= 5 * max(fp32_noise, 1e-5)
+    assert max_rel_err(flow32, hf64) <= 5 * max(hf_noise, 1e-5)
+    assert lp_err32 <= 1e-5

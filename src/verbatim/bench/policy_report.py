@@ -43,9 +43,10 @@ def logprob_agreement(model: str = "default", dtype: str = "float32", *, prompts
     """Sample on vLLM in ``dtype``; recompute each sampled token's logprob with transformers in fp32."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from verbatim.engine.protocol import Sampling
+    from verbatim.trainer.reference import load_model, reference_logprobs
 
     engine = InprocEngine(EngineConfig(model=model, dtype=dtype, kv_cache_gib=1, max_model_len=2048))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
@@ -60,13 +61,12 @@ def logprob_agreement(model: str = "default", dtype: str = "float32", *, prompts
                     for i, p in enumerate(rendered)]
 
     completions = asyncio.run(sample())
-    reference = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    reference = load_model(engine.model_dir)
     diffs = []
     for prompt, done in zip(rendered, completions):
-        ids = torch.tensor([list(prompt) + done.token_ids.tolist()])
+        ids = list(prompt) + done.token_ids.tolist()
         with torch.no_grad():
-            logits = reference(ids).logits[0, len(prompt) - 1:-1].float()
-        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].numpy()
+            expected = reference_logprobs(reference, ids, range(len(prompt), len(ids))).cpu().numpy()
         diffs.append(np.abs(expected - done.logprobs))
     flat = np.concatenate(diffs)
     return {"dtype": dtype, "tokens": int(flat.size), "max_abs": float(flat.max()),

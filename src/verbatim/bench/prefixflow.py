@@ -28,6 +28,7 @@ import torch
 from verbatim.trainer.causal_lm import prefix_lm
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.prefixflow import LossFn, PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
+from verbatim.trainer.reference import load_model
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
         "speedup", "ideal_speedup", "grad_max_rel_err", "peak_mb_baseline", "peak_mb_prefixflow",
@@ -180,14 +181,6 @@ def _status_kb(status: Path, field: str) -> int:
     raise OSError(f"{field} not in {status}")
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train()
-    return model
-
-
 def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
               micro_batch: int, offload: bool = True, repeats: int = 1, threads: int | None = None,
               progress: Callable[[dict], None] | None = None) -> list[dict]:
@@ -199,7 +192,7 @@ def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq
     """
     if threads is not None:
         torch.set_num_threads(threads)
-    model = load_model(model_path)
+    model = load_model(model_path).train()
     warm_up(model)
     results = []
     for ratio in ratios:

@@ -193,7 +193,7 @@ def run_bench(model: str = "default") -> str:
 
     from verbatim.engine.inproc import InprocEngine
     from verbatim.engine.runtime import EngineConfig, vllm_version
-    from verbatim.trainer.mismatch import load_model
+    from verbatim.trainer.reference import load_model
 
     engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)

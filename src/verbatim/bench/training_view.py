@@ -28,9 +28,12 @@ class ViewMismatch(Frozen):
 
 
 def _logprobs(model: Any, ids: Sequence[int]) -> np.ndarray:
-    from verbatim.trainer.mismatch import trainer_logprobs
+    import torch
 
-    return trainer_logprobs(model, np.asarray(ids, dtype=np.int64))
+    from verbatim.trainer.reference import reference_logprobs
+
+    with torch.no_grad():
+        return reference_logprobs(model, ids).cpu().numpy()
 
 
 def verbatim_view(rollouts: Sequence[Rollout], model: Any,

@@ -13,6 +13,10 @@ Hugging Face Llama-family models (the bundled default model is one) through the
 library's own modules and a ``DynamicCache`` built from the given keys/values. Another
 architecture is added by writing one more adapter and registering its ``model_type``
 in :data:`ADAPTERS`.
+
+A model in train mode with dropout is refused: the shared prefix runs once, so every
+sequence of the group would see one dropout mask on it, which full-sequence training
+(an independent mask per sequence) never does.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class HFLlamaLM:
                       keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
         from transformers import DynamicCache
 
+        if self.model.training:
+            refuse_dropout(self.model)
         batch, length = ids.shape
         positions = torch.arange(start, start + length, device=ids.device).expand(batch, length)
         cache = None
@@ -73,6 +79,39 @@ class HFLlamaLM:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
+
+
+def dropout_settings(model: nn.Module) -> dict[str, float]:
+    """Every dropout probability above 0: config entries (``*dropout*``, ``*pdrop*``) and ``nn.Dropout`` modules."""
+    found: dict[str, float] = {}
+    config = getattr(model, "config", None)
+    pending = [("", config.to_dict())] if hasattr(config, "to_dict") else []
+    while pending:
+        prefix, entries = pending.pop()
+        for key, value in entries.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                pending.append((name + ".", value))
+            elif ("dropout" in str(key) or "pdrop" in str(key)) and _positive(value):
+                found[name] = float(value)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found[name] = float(module.p)
+    return found
+
+
+def refuse_dropout(model: nn.Module) -> None:
+    """A :class:`TrainerError` for a model that would apply dropout (train mode, a probability above 0)."""
+    settings = dropout_settings(model)
+    if settings:
+        listed = ", ".join(f"{key}={value:g}" for key, value in sorted(settings.items()))
+        raise TrainerError(f"PrefixFlow cannot train a model with dropout ({listed}): the shared prefix runs once, "
+                           "so the whole group would share one dropout mask",
+                           hint="set the dropout to 0 in the model config, or call model.eval()")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 ADAPTERS: dict[str, Callable[[nn.Module], PrefixCausalLM]] = {"llama": HFLlamaLM}

@@ -2,9 +2,10 @@
 
 For each rollout the trainer-side logprob log π of every model token is
 recomputed with transformers (fp32) on the given weights, over exactly the
-trace's token sequence; the importance-ratio correction then runs with its
-defaults. The report says how far the sampler and the trainer disagree, what
-the correction would mask, and how that depends on the version lag.
+trace's token sequence (:func:`verbatim.trainer.reference.reference_logprobs`);
+the importance-ratio correction then runs with its defaults. The report says
+how far the sampler and the trainer disagree, what the correction would mask,
+and how that depends on the version lag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from verbatim.datamodel import Rollout, Source
 from verbatim.errors import InputError, TraceError
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.reference import load_model as load_model  # re-exported: `verbatim mismatch` loads from here
+from verbatim.trainer.reference import reference_logprobs
 
 
 @dataclass(frozen=True)
@@ -57,23 +60,15 @@ def check_vocabulary(rollouts: list[Rollout], vocab_size: int, model_name: str) 
                          hint="pass the --model the trace was sampled with")
 
 
-def trainer_logprobs(model: Any, token_ids: np.ndarray) -> np.ndarray:
-    """log π of every token given the tokens before it (position 0 gets NaN)."""
-    ids = torch.tensor(np.asarray(token_ids, dtype=np.int64))[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0, :-1].float()
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-    return np.concatenate([[np.nan], picked.numpy()]).astype(np.float32)
-
-
 def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None = None,
              config: CorrectionConfig | None = None) -> MismatchReport:
     rollouts = usable_rollouts(rollouts)
     batch = behaviour_batch([r.tokens for r in rollouts])
     logp_pi = torch.zeros_like(batch.logp_mu)
-    for i, rollout in enumerate(rollouts):
-        n = len(rollout.tokens)
-        logp_pi[i, :n] = torch.from_numpy(np.nan_to_num(trainer_logprobs(model, rollout.tokens.token_id), nan=0.0))
+    with torch.no_grad():
+        for i, rollout in enumerate(rollouts):
+            n = len(rollout.tokens)
+            logp_pi[i, :n] = torch.nan_to_num(reference_logprobs(model, rollout.tokens.token_id), nan=0.0)
     version = int(batch.versions.max()) if trainer_version is None else trainer_version
     logp_mu = torch.nan_to_num(batch.logp_mu, nan=0.0)
     result = correct(logp_pi, logp_mu, batch.loss_mask, batch.versions, version, config)
@@ -81,12 +76,6 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
     return MismatchReport(rollouts=len(rollouts), model_tokens=int(batch.loss_mask.sum()), trainer_version=version,
                           mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
                           metrics=result.metrics.as_dict())
-
-
-def load_model(model_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def plot_histogram(report: MismatchReport, path: Path) -> Path:
