@@ -122,3 +122,19 @@ def test_computed_blocks_cover_exactly_the_full_blocks_after_the_cached_ones(pro
     assert [w.index for w in writes] == list(range(cached // B, (prompt_len + len(versions) - 1) // B))
     assert all(w.versions and w.versions <= set(versions) for w in writes)
     assert sum(w.vllm_missed for w in writes) <= 1
+
+
+def test_finish_reads_before_it_records_and_falls_back_when_it_cannot_know():
+    kv = KvProvenance(B)
+    prompt = tokens(13, 9)
+    first = np.array(tokens(14, 4))
+    assert kv.finish(None, prompt, first, np.zeros(4), 0, "a", kv.epoch) == ()
+    kv.serve(1)
+    history = prompt + first.tolist()
+    assert kv.finish(None, history, np.array([1, 2]), np.ones(2), 12, "b", kv.epoch) == (0,)
+    assert kv.finish(None, history + [1], np.array([3]), np.ones(1), 12, "c", kv.epoch) == (0,)
+    assert kv.finish(None, history, np.array([3]), np.ones(1), 6, "d", kv.epoch) == (0, 1)  # off the block grid
+    epoch = kv.epoch
+    kv.flush(2)
+    assert kv.finish(None, history, np.array([3]), np.full(1, 1), 8, "e", epoch) == (0, 1)  # flushed meanwhile
+    assert kv.reused(None, history, 4) is None  # and it recorded nothing

@@ -146,3 +146,22 @@ class KvProvenance:
             for _, versions in copies:
                 found |= versions
         return frozenset(found)
+
+    def finish(self, salt: str | None, prompt: Sequence[int] | np.ndarray, token_ids: np.ndarray,
+               versions: np.ndarray, cached_tokens: int, writer: str, epoch: int) -> tuple[int, ...]:
+        """For an engine that sees a request only once it ended, and never runs one across an update:
+        name the versions of the KV it reused (a superset if unknown), then record what it computed.
+
+        ``epoch`` is the epoch at submission: after a flush since, its records and its blocks are gone.
+        A ``cached_tokens`` off the block grid means the server's block size is not ``block_size``.
+        """
+        if not cached_tokens:
+            reads: frozenset[int] | None = frozenset()
+        elif epoch != self.epoch or cached_tokens % self.block_size:
+            reads = None
+        else:
+            reads = self.reused(salt, prompt, cached_tokens)
+        if epoch == self.epoch and cached_tokens % self.block_size == 0:
+            self.record(salt, np.concatenate([np.asarray(prompt, dtype=np.int64), token_ids]), writer,
+                        computed_blocks(len(prompt), cached_tokens, versions, self.block_size))
+        return tuple(sorted(self.served(epoch) if reads is None else reads))
