@@ -104,6 +104,35 @@ def test_kv_versions_name_only_the_writers_of_the_blocks_reused(engine_runner, d
     assert (reuse.versions == a + 2).all()
 
 
+def test_kv_versions_of_a_turn_that_reuses_tokens_generated_across_a_keep_update(engine_runner, default_model_dir,
+                                                                                  perturbed_dir):
+    """The KV of generated token i is computed in the step that samples token i+1: a turn 2 that reuses
+    blocks on both sides of a keep update in turn 1 names both versions, and only those."""
+    engine = engine_runner.engine
+    old = engine.version + 1
+    run(engine_runner, engine.update_weights(default_model_dir, old, "flush"))
+    prompt, extra = scenario_prompts(seed=71, prompt_len=64, new_len=40)
+
+    async def generate_across_an_update():
+        task = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=160, temperature=0.0,
+                                                                    ignore_eos=True)))
+        await asyncio.sleep(1.0)
+        while not task.done() and (await engine.stats()).running == 0:
+            await asyncio.sleep(0.05)
+        await engine.update_weights(perturbed_dir, old + 1, "keep")
+        return await task
+
+    turn1 = run(engine_runner, generate_across_an_update())
+    history = prompt + turn1.token_ids.tolist()
+    turn2 = run(engine_runner, engine.generate(history + extra, Sampling(max_tokens=2)))
+    run(engine_runner, engine.update_weights(default_model_dir, old + 2, "flush"))  # a clean cache again
+    split = int((turn1.versions == old).sum())
+    assert 1 <= split <= 128, f"the update should land within the first 128 tokens (split {split})"
+    # turn 1 computed the KV of every position but its last token's, so turn 2 reuses the blocks before it
+    assert turn2.cached_tokens == (len(history) - 1) // engine.block_size * engine.block_size == 192
+    assert turn2.kv_versions == (old, old + 1)
+
+
 def test_versions_are_exact_across_an_update_during_generation(engine_runner, default_model_dir, perturbed_dir):
     """Flush mid-generation: tokens before the split are the old weights' greedy tokens; the ones after are
     the new weights' greedy continuation of everything before them."""
