@@ -58,7 +58,8 @@ def computed_blocks(prompt_len: int, cached_tokens: int, versions: Sequence[int]
                     recomputed_before: int | None = None) -> list[BlockWrite]:
     """The full blocks a finished request computed, with the versions that computed each.
 
-    The prompt's uncached part is prefilled in the step that samples token 0 (prefills are never chunked),
+    The prompt's uncached part is prefilled in the step that samples token 0 (the engine does not chunk
+    prefills unless ``max_num_batched_tokens`` is set below the context length),
     so with ``versions[0]``; the KV of generated token i is computed in the step that samples token i+1,
     so with ``versions[i+1]``; the last token's KV is never computed. ``recomputed_before=s`` says a cache
     flush reset the request before it sampled token s: it then recomputed everything before it (prompt
