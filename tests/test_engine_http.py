@@ -34,6 +34,7 @@ def test_multi_turn_reuse_over_http(vllm_server):
     block = EngineConfig().block_size  # the server was started with the default
     assert turn2.cached_tokens >= len(history) // block * block
     assert salted.cached_tokens == 0
+    assert turn2.kv_versions == (0,) and salted.kv_versions == ()  # turn 2 reused turn 1's KV, from version 0
     assert stats.prefix_cache_hits >= turn2.cached_tokens and stats.prefix_cache_queries > 0
 
 

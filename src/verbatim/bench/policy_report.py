@@ -14,7 +14,7 @@ from verbatim.engine.protocol import CachePolicy
 from verbatim.engine.runtime import EngineConfig, vllm_version
 from verbatim.paths import verbatim_home
 
-_DOC = Path(__file__).resolve().parent.parent / "docs" / "engine.md"
+_DOC = Path(__file__).resolve().parents[3] / "docs" / "engine.md"  # the checkout's docs/ (src/verbatim/bench/ → root)
 
 
 def run_policy_report(model: str = "default", *, write_docs: bool = False) -> str:

@@ -12,9 +12,11 @@ every token's version is exact.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -22,6 +24,7 @@ import httpx
 import numpy as np
 
 from verbatim.datamodel import Completion
+from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.errors import EngineError, InputError
@@ -90,6 +93,8 @@ class HttpEngine:
         self.model = model
         self.block_size = block_size
         self.version = 0
+        self._kv = KvProvenance(block_size)
+        self._ids = itertools.count()
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
@@ -254,10 +259,12 @@ class HttpEngine:
             body["seed"] = sampling.seed
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        version = self.version
+        version, epoch = self.version, self._kv.epoch
         started = time.perf_counter()
         answer = await self._call("POST", "/v1/completions", json=body)
-        return _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
+        done = _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
+        return replace(done, kv_versions=self._kv.finish(cache_salt, prompt, done.token_ids, done.versions,
+                                                         done.cached_tokens, f"http-{next(self._ids)}", epoch))
 
     # -- weights and cache ----------------------------------------------------------
 
@@ -275,15 +282,21 @@ class HttpEngine:
                              json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
             if policy is CachePolicy.FLUSH:
-                await self.reset_prefix_cache()
+                await self._reset_cache(version)
+            else:
+                self._kv.serve(version)
             self.version = version
         finally:
             await self._call("POST", "/resume")
 
     async def reset_prefix_cache(self) -> None:
+        await self._reset_cache(self.version)
+
+    async def _reset_cache(self, version: int) -> None:
         answer = await self._call("POST", "/reset_prefix_cache")
         if isinstance(answer, dict) and answer.get("success") is False:
             raise EngineError("the server could not reset its prefix cache (blocks still in use)")
+        self._kv.flush(version)
 
     async def stats(self) -> EngineStats:
         text = await self._call("GET", "/metrics")

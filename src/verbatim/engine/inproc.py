@@ -23,8 +23,9 @@ import numpy as np
 
 from verbatim.datamodel import Completion
 from verbatim.engine.checkpoints import state_dict_checkpoint
+from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource, salt_version
+from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
 from verbatim.errors import EngineError, InputError
 
@@ -85,7 +86,7 @@ class InprocEngine:
         self._llm: Any = None
         self._counters = _Counters()
         self._update_lock = asyncio.Lock()
-        self._kv_writers: dict[str | None, set[int]] = {}
+        self._kv = KvProvenance(self.block_size)
         self._weights_dirs: list[Path] = []
 
     # -- life cycle -------------------------------------------------------------
@@ -110,6 +111,7 @@ class InprocEngine:
         except Exception as exc:  # vLLM raises plain RuntimeErrors on start-up failure
             raise EngineError(f"vLLM failed to start on {self.model_dir}: {exc}") from exc
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        self._kv.limit_blocks = max(DEFAULT_LIMIT_BLOCKS, 4 * self._counters.capacity_tokens // self.block_size)
         return self
 
     async def __aenter__(self) -> InprocEngine:
@@ -165,14 +167,14 @@ class InprocEngine:
         if cache_salt is not None:
             request["cache_salt"] = cache_salt
         request_id = f"{session_id or 'req'}-{next(self._ids)}"
-        kv_writers = sorted(self._kv_writers.get(cache_salt, ()))
         started = time.perf_counter()
-        seen = {"first_token_s": 0.0, "final": None}
+        seen: dict[str, Any] = {"first_token_s": 0.0, "final": None, "reads": None, "epoch": self._kv.epoch}
 
         async def consume() -> None:
             async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id):
                 if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
                     seen["first_token_s"] = time.perf_counter() - started
+                    self._prefilled(output, prompt, cache_salt, request_id, seen)
                 seen["final"] = output
 
         try:  # a timeout cancels the stream, and vLLM aborts a request whose stream is cancelled
@@ -185,9 +187,39 @@ class InprocEngine:
         first_token_s, final = seen["first_token_s"], seen["final"]
         completion = _completion(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
                                  self.version)
-        reused = kv_writers if completion.cached_tokens else []
-        self._kv_writers.setdefault(cache_salt, set()).update(int(v) for v in completion.versions)
-        return _with_kv_versions(completion, reused, cache_salt)
+        return await self._settle(completion, prompt, request_id, seen)
+
+    # -- which weights computed the reused KV (see kv_provenance) ----------------------
+
+    def _prefilled(self, output: Any, prompt: np.ndarray, salt: str | None, request_id: str,
+                   seen: dict[str, Any]) -> None:
+        """At the first token: read the records of the blocks it reused, record the blocks it prefilled."""
+        first = int(_token_versions(output.outputs[0], 1, self.version)[0])
+        if self._kv.epoch != seen["epoch"] and first < self._kv.flushed_at:
+            return  # it read a cache flushed since: its records are gone (the read falls back)
+        cached = int(output.num_cached_tokens or 0)
+        seen["epoch"] = self._kv.epoch
+        seen["reads"] = self._kv.reused(salt, prompt, cached)
+        self._kv.record(salt, prompt, request_id, computed_blocks(prompt.size, cached, [first], self.block_size))
+
+    async def _settle(self, completion: Completion, prompt: np.ndarray, request_id: str,
+                      seen: dict[str, Any]) -> Completion:
+        """Record every block the request computed; name the versions of the KV it reused."""
+        kv, salt, reads = self._kv, completion.cache_salt, seen["reads"]
+        for _ in range(8):  # a writer prefilled in the same step may not have recorded yet
+            if reads is not None or not completion.cached_tokens or kv.epoch != seen["epoch"]:
+                break
+            await asyncio.sleep(0)
+            reads = kv.reused(salt, prompt, completion.cached_tokens)
+        if reads is None:
+            reads = kv.served(seen["epoch"])
+        versions = completion.versions
+        after_flush = int(np.searchsorted(versions, kv.flushed_at)) if kv.epoch != seen["epoch"] else 0
+        if after_flush < len(versions):  # else a flush dropped its blocks after its last step
+            tokens = np.concatenate([prompt, completion.token_ids])
+            kv.record(salt, tokens, request_id, computed_blocks(
+                prompt.size, completion.cached_tokens, versions, self.block_size, after_flush or None))
+        return replace(completion, kv_versions=tuple(sorted(reads)) if completion.cached_tokens else ())
 
     # -- weights ------------------------------------------------------------------
 
@@ -206,7 +238,9 @@ class InprocEngine:
                 await llm.update_weight_version(str(version))
                 if policy is CachePolicy.FLUSH:
                     await llm.reset_prefix_cache(reset_running_requests=True)
-                    self._kv_writers.clear()
+                    self._kv.flush(version)
+                else:
+                    self._kv.serve(version)
                 self.version = version
             except Exception as exc:
                 raise EngineError(f"weight update to version {version} failed: {exc}") from exc
@@ -224,8 +258,8 @@ class InprocEngine:
         return folder
 
     async def reset_prefix_cache(self) -> None:
-        await self._require_started().reset_prefix_cache()
-        self._kv_writers.clear()
+        if await self._require_started().reset_prefix_cache():  # False while running requests hold blocks
+            self._kv.flush(self.version)
 
     async def stats(self) -> EngineStats:
         c = self._counters
@@ -277,11 +311,3 @@ def _completion(output: Any, prompt_len: int, cache_salt: str | None, first_toke
         total_s=total_s,
     )
 
-
-def _with_kv_versions(completion: Completion, writers: list[int], cache_salt: str | None) -> Completion:
-    """Record which weights produced the reused KV: the salt's version, else every version that wrote it."""
-    named = salt_version(cache_salt)
-    kv = tuple(sorted(set(writers) | ({named} if named is not None and completion.cached_tokens else set())))
-    if completion.cached_tokens and not kv:
-        kv = (int(completion.versions[0]) if len(completion.versions) else 0,)
-    return replace(completion, kv_versions=kv)

@@ -61,13 +61,6 @@ def cache_salt(policy: CachePolicy, version: int, rollout_start_version: int) ->
     return None
 
 
-def salt_version(salt: str | None) -> int | None:
-    """The policy version a salt made by :func:`cache_salt` names (None if it names none)."""
-    if salt and salt.startswith("verbatim-v") and salt[10:].isdigit():
-        return int(salt[10:])
-    return None
-
-
 class EngineStats(Frozen):
     """A snapshot of the engine's load and cache counters."""
 
