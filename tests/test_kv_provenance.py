@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verbatim.engine.kv_provenance import BlockWrite, KvProvenance, block_keys, computed_blocks
+from verbatim.engine.kv_provenance import BlockWrite, KvProvenance, computed_blocks
+from verbatim.prefix_cache import token_block_keys
 
 B = 4
 
@@ -26,9 +27,9 @@ def write(kv: KvProvenance, prompt: list[int], versions: list[int], cached: int 
 def test_block_keys_chain_over_every_earlier_token():
     a, b = tokens(1, 12), tokens(1, 12)
     b[1] += 1
-    assert len(block_keys(a, B)) == 3 and block_keys(a, B, 2) == block_keys(a, B)[:2]
-    assert block_keys(a[:11], B) == block_keys(a, B)[:2]  # only full blocks
-    assert all(x != y for x, y in zip(block_keys(a, B), block_keys(b, B)))  # a change upstream changes all
+    assert len(token_block_keys(a, B)) == 3 and token_block_keys(a, B, 2) == token_block_keys(a, B)[:2]
+    assert token_block_keys(a[:11], B) == token_block_keys(a, B)[:2]  # only full blocks
+    assert all(x != y for x, y in zip(token_block_keys(a, B), token_block_keys(b, B)))  # a change upstream changes all
 
 
 def test_computed_blocks_prefill_with_the_first_version_and_each_token_with_the_next_one():

@@ -25,7 +25,8 @@ applies them:
   :func:`min_prefill`).
 * **block hashes** — a full block is named by a hash of its parent block's hash,
   its tokens and the cache salt, so equal hashes mean equal prefixes
-  (:func:`chain_hashes`, :func:`token_block_hashes`).
+  (:func:`chain_hashes`, :func:`token_block_hashes`; :func:`token_block_keys` for
+  exact keys of real token data).
 
 The block size itself is the engine's (``Engine.block_size``), recorded in a run's
 manifest under ``engine.block_size``; nothing here assumes one.
@@ -33,6 +34,7 @@ manifest under ``engine.block_size``; nothing here assumes one.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -169,3 +171,20 @@ def token_block_hashes(token_ids: Any, block_size: int, salt: int = 0) -> list[i
     full = full_blocks(len(token_ids), block_size)
     rows = np.asarray(token_ids[:full * block_size], dtype=np.int64).reshape(full, block_size)
     return chain_hashes((tuple(row) for row in rows.tolist()), salt)
+
+
+def token_block_keys(tokens: Any, block_size: int, count: int | None = None) -> list[bytes]:
+    """Collision-resistant hash-chain keys of the first ``count`` full blocks (all when None).
+
+    Key i names ``tokens[:(i+1)·B]`` exactly (a 128-bit digest chained over the token bytes), for
+    bookkeeping about real token data (which weights computed a block: ``engine/kv_provenance.py``);
+    :func:`token_block_hashes` is the cheap form the simulator uses.
+    """
+    array = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    full = len(array) // block_size if count is None else min(count, len(array) // block_size)
+    keys, parent = [], b""
+    for i in range(full):
+        parent = hashlib.blake2b(parent + array[i * block_size:(i + 1) * block_size].tobytes(),
+                                 digest_size=16).digest()
+        keys.append(parent)
+    return keys

@@ -22,12 +22,13 @@ What cannot be seen from outside vLLM, and what is recorded then:
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from verbatim.prefix_cache import token_block_keys
 
 DEFAULT_LIMIT_BLOCKS = 65536
 """Blocks remembered when the engine's cache size is unknown (the oldest records go first)."""
@@ -40,18 +41,6 @@ class BlockWrite(NamedTuple):
     versions: frozenset[int]
     vllm_missed: bool
     """vLLM looked the block up for this request and found no copy: any earlier record of it is stale."""
-
-
-def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, count: int | None = None) -> list[bytes]:
-    """Hash-chain keys of the first ``count`` full blocks (all of them when None): key i names tokens[:(i+1)·B]."""
-    array = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    full = len(array) // block_size if count is None else min(count, len(array) // block_size)
-    keys, parent = [], b""
-    for i in range(full):
-        parent = hashlib.blake2b(parent + array[i * block_size:(i + 1) * block_size].tobytes(),
-                                 digest_size=16).digest()
-        keys.append(parent)
-    return keys
 
 
 def computed_blocks(prompt_len: int, cached_tokens: int, versions: Sequence[int] | np.ndarray, block_size: int,
@@ -117,7 +106,7 @@ class KvProvenance:
         """``writer`` computed these blocks of ``tokens`` (recording the same writer again replaces its copy)."""
         if not writes:
             return
-        keys = block_keys(tokens, self.block_size, max(w.index for w in writes) + 1)
+        keys = token_block_keys(tokens, self.block_size, max(w.index for w in writes) + 1)
         for write in writes:
             if write.index >= len(keys):
                 continue
@@ -139,7 +128,7 @@ class KvProvenance:
                cached_tokens: int) -> frozenset[int] | None:
         """The versions that computed the leading ``cached_tokens`` of ``tokens``; None if a block has no record."""
         found: set[int] = set()
-        for key in block_keys(tokens, self.block_size, cached_tokens // self.block_size):
+        for key in token_block_keys(tokens, self.block_size, cached_tokens // self.block_size):
             copies = self._copies.get((salt, key))
             if not copies:
                 return None
