@@ -71,3 +71,10 @@ def test_no_relative_imports() -> None:
     relative = [str(p.relative_to(PACKAGE)) for p in MODULES
                 if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(ast.parse(p.read_text())))]
     assert relative == []
+
+
+def test_the_architecture_picture_names_every_room() -> None:
+    picture = (PACKAGE.parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rooms = {_room(p) for p in MODULES}
+    missing = [r for r in sorted(rooms) if f"{r}/" not in picture and f"{r}.py" not in picture]
+    assert missing == [], f"docs/architecture.md does not place {missing}"
