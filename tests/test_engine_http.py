@@ -8,7 +8,8 @@ import time
 import pytest
 
 from verbatim.bench.policies import scenario_prompts
-from verbatim.engine.http import HttpEngine, parse_prometheus, redact
+from verbatim.engine.http import HttpEngine, redact
+from verbatim.engine.metrics import parse_prometheus
 from verbatim.engine.protocol import Sampling
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import check_bind, free_port

@@ -5,8 +5,9 @@ Token-ID prompts go to ``/v1/completions`` with ``return_token_ids``,
 tokens come back in ``usage.prompt_tokens_details.cached_tokens``. Connection
 errors and 5xx answers are retried with exponential backoff within a budget;
 every wait has a timeout. Weight updates drain running requests first (the
-server's ``/pause?mode=wait``), so no HTTP generation ever spans an update and
-every token's version is exact.
+client's :class:`~verbatim.engine.drain.Drain`, then the server's ``/pause?mode=wait``)
+and hold back new ones until the new version is set, so no HTTP generation ever spans
+an update and every token's version is exact.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import httpx
 import numpy as np
 
 from verbatim.datamodel import Completion
+from verbatim.engine.drain import Drain
 from verbatim.engine.kv_provenance import KvProvenance
+from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.errors import EngineError, InputError
@@ -94,6 +97,7 @@ class HttpEngine:
         self.block_size = block_size
         self.version = 0
         self._kv = KvProvenance(block_size)
+        self._drain = Drain()
         self._ids = itertools.count()
         self.retries = retries
         self.backoff_s = backoff_s
@@ -259,9 +263,10 @@ class HttpEngine:
             body["seed"] = sampling.seed
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        version, epoch = self.version, self._kv.epoch
-        started = time.perf_counter()
-        answer = await self._call("POST", "/v1/completions", json=body)
+        async with self._drain.request():  # no update starts before this answer is in
+            version, epoch = self.version, self._kv.epoch
+            started = time.perf_counter()
+            answer = await self._call("POST", "/v1/completions", json=body)
         done = _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
         return replace(done, kv_versions=self._kv.finish(cache_salt, prompt, done.token_ids, done.versions,
                                                          done.cached_tokens, f"http-{next(self._ids)}", epoch))
@@ -276,18 +281,19 @@ class HttpEngine:
                              hint="save the state dict to a folder first")
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
-        await self._call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"})
-        try:
-            await self._call("POST", "/collective_rpc",
-                             json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
-            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-            if policy is CachePolicy.FLUSH:
-                await self._reset_cache(version)
-            else:
-                self._kv.serve(version)
-            self.version = version
-        finally:
-            await self._call("POST", "/resume")
+        async with self._drain.update():
+            await self._call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"})
+            try:
+                await self._call("POST", "/collective_rpc",
+                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
+                await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+                if policy is CachePolicy.FLUSH:
+                    await self._reset_cache(version)
+                else:
+                    self._kv.serve(version)
+                self.version = version
+            finally:
+                await self._call("POST", "/resume")
 
     async def reset_prefix_cache(self) -> None:
         await self._reset_cache(self.version)
@@ -310,43 +316,6 @@ class HttpEngine:
             version=self.version,
             capacity_tokens=capacity_tokens(text if isinstance(text, str) else ""),
         )
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum each metric's samples over their labels (one replica's totals)."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
-    return totals
-
-
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def cache_config(text: str) -> dict[str, str]:
-    """The labels of ``vllm:cache_config_info`` (the server's cache configuration); empty if absent."""
-    for line in text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            return dict(_LABEL.findall(line))
-    return {}
-
-
-def capacity_tokens(text: str) -> int:
-    """KV cache size in tokens from ``vllm:cache_config_info`` (its num_gpu_blocks and block_size labels)."""
-    labels = cache_config(text)
-    blocks, block = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-    return int(blocks) * int(block) if blocks.isdigit() and block.isdigit() else 0
-
-
-def reported_block_size(text: str) -> int | None:
-    """The KV block size from ``vllm:cache_config_info``'s block_size label; None if it has none."""
-    block = cache_config(text).get("block_size", "")
-    return int(block) if block.isdigit() and int(block) > 0 else None
 
 
 class _Retry(Exception):
