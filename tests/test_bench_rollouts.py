@@ -79,3 +79,18 @@ def test_dialogue_workload_lasts_exactly_its_turns():
     env.reset(DialogueFactory().tasks(1, 0)[0], 0)
     done = [env.step(Message(role="assistant", content="ok")).done for _ in range(10)]
     assert done == [False] * 9 + [True]
+
+
+@pytest.mark.parametrize("command", ["rollouts", "policies", "logprobs", "router", "prefixflow", "render"])
+def test_every_bench_refuses_a_write_target_without_its_section_before_any_work(tmp_path, command):
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    missing = CliRunner().invoke(app, ["bench", command, "--write", str(tmp_path / "nope.md")])
+    assert missing.exit_code == 2 and "no such file" in missing.output
+    doc = tmp_path / "plain.md"
+    doc.write_text("# Plain\n")
+    unmarked = CliRunner().invoke(app, ["bench", command, "--write", str(doc)])
+    assert unmarked.exit_code == 2 and ":begin -->" in unmarked.output and "add those two lines" in unmarked.output
+    assert len(unmarked.output.strip().splitlines()) == 1 and doc.read_text() == "# Plain\n"

@@ -139,6 +139,8 @@ def default_model(model_dir: Path) -> dict[str, float]:
     with float64_norm():
         full_sequence_backward(lm, group, loss_fn, everything)
         full32 = grads_of(model)
+        full_sequence_backward(lm, group, loss_fn, split)
+        full32_split = grads_of(model)
         prefixflow_backward(lm, group, loss_fn, split)
         flow32 = grads_of(model)
         model.double()
@@ -147,7 +149,8 @@ def default_model(model_dir: Path) -> dict[str, float]:
         prefixflow_backward(lm, group, loss_fn, split)
         flow64 = grads_of(model)
     return {"fp64": max_rel_err(flow64, full64), "fp32": max_rel_err(flow32, full32),
-            "full32_vs_64": max_rel_err(full32, full64), "flow32_vs_64": max_rel_err(flow32, full64)}
+            "full32_vs_64": max_rel_err(full32, full64), "flow32_vs_64": max_rel_err(flow32, full64),
+            "full32_split": max_rel_err(full32_split, full32)}
 
 
 def random_bf16(seeds: int = 3) -> tuple[list[float], list[float]]:
@@ -193,7 +196,8 @@ def measure_table(model_dir: Path, command: str) -> str:
          "`tests/test_prefixflow_default_model.py` (slow)"),
         ("float32, default model, 3 × 32 tokens, loss inside the prefix: PrefixFlow vs full",
          f"{default['fp32']:.1e} (full fp32 vs float64: {default['full32_vs_64']:.1e}; PrefixFlow fp32 vs "
-         f"float64: {default['flow32_vs_64']:.1e})", "5 × full fp32's distance to float64", "same test"),
+         f"float64: {default['flow32_vs_64']:.1e}; full fp32 vs itself with another microbatch split: "
+         f"{default['full32_split']:.1e})", "5 × full fp32's distance to float64", "same test"),
         ("bfloat16, random Llama, PrefixFlow bf16 vs full-sequence bf16",
          f"{_span(bf16[0])} ({len(bf16[0])} cases; full bf16 vs float32: {_span(bf16[1])})", "3e-2",
          "`test_bf16_tolerance_measured`"),
