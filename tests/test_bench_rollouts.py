@@ -94,3 +94,15 @@ def test_every_bench_refuses_a_write_target_without_its_section_before_any_work(
     unmarked = CliRunner().invoke(app, ["bench", command, "--write", str(doc)])
     assert unmarked.exit_code == 2 and ":begin -->" in unmarked.output and "add those two lines" in unmarked.output
     assert len(unmarked.output.strip().splitlines()) == 1 and doc.read_text() == "# Plain\n"
+
+
+def test_logprob_agreement_table_has_a_row_per_dtype_and_names_its_command():
+    from verbatim.bench.policy_report import agreement_table
+
+    results = [{"dtype": "float32", "tokens": 152, "max_abs": 6.6e-5, "mean_abs": 5.6e-6, "p99_abs": 3.2e-5},
+               {"dtype": "bfloat16", "tokens": 160, "max_abs": 0.21, "mean_abs": 0.036, "p99_abs": 0.16}]
+    table = agreement_table(results, "smollm2", "verbatim bench logprobs --dtype float32 --dtype bfloat16")
+    lines = table.splitlines()
+    assert lines[2] == "| float32 | 152 | 5.6e-06 | 3.2e-05 | 6.6e-05 |"
+    assert lines[3] == "| bfloat16 | 160 | 0.036 | 0.16 | 0.21 |"
+    assert "`verbatim bench logprobs --dtype float32 --dtype bfloat16`" in table and "smollm2" in table
