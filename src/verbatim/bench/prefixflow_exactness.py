@@ -190,7 +190,8 @@ def measure_table(model_dir: Path, command: str) -> str:
          "0.83, 0.95, uneven suffixes, loss inside and outside the prefix, 4 microbatch splits each",
          f"{_span(fp32)} ({len(fp32)} runs)", "1e-5", "`tests/test_prefixflow.py::test_fp32_gradients_equal_full_"
          "sequence_training`"),
-        ("float64, random Llama (RMSNorm kept in float64)", f"{_span(fp64)} ({len(fp64)} runs)", "1e-12",
+        ("float64, random Llama (RMSNorm kept in float64), G = 8, prefix ratio 0.5, 3 seeds",
+         f"{_span(fp64)} ({len(fp64)} runs)", "1e-12",
          "`test_float64_exact_to_rounding`"),
         ("float64, default model (RMSNorm kept in float64)", f"{default['fp64']:.1e}", "1e-10",
          "`tests/test_prefixflow_default_model.py` (slow)"),
@@ -198,7 +199,8 @@ def measure_table(model_dir: Path, command: str) -> str:
          f"{default['fp32']:.1e} (full fp32 vs float64: {default['full32_vs_64']:.1e}; PrefixFlow fp32 vs "
          f"float64: {default['flow32_vs_64']:.1e}; full fp32 vs itself with another microbatch split: "
          f"{default['full32_split']:.1e})", "5 × full fp32's distance to float64", "same test"),
-        ("bfloat16, random Llama, PrefixFlow bf16 vs full-sequence bf16",
+        ("bfloat16, random Llama, G = 8, prefix ratios 0.5, 0.83, 0.95, 3 seeds: PrefixFlow bf16 vs "
+         "full-sequence bf16 (the test: r = 0.83, 2 seeds)",
          f"{_span(bf16[0])} ({len(bf16[0])} cases; full bf16 vs float32: {_span(bf16[1])})", "3e-2",
          "`test_bf16_tolerance_measured`"),
     ]
