@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from verbatim.bench.rollouts import SCENARIOS, DialogueFactory, HarnessResult, markdown, write_section
+import asyncio
+
+import numpy as np
+import pytest
+
+from verbatim.bench.rollouts import SCENARIOS, DialogueFactory, HarnessResult, engine_counts, markdown, write_section
+from verbatim.bench.think_first import ThinkFirst, call_counts
+from verbatim.datamodel import Completion
+from verbatim.engine.protocol import Sampling
+from verbatim.errors import InputError
 
 
 def _row(name: str, prefill: int) -> HarnessResult:
@@ -19,14 +28,48 @@ def test_table_reports_the_ratio_against_verbatim():
     assert "| 25.0 |" in lines[2]  # generated tokens per second
 
 
-def test_section_is_appended_once_then_replaced(tmp_path):
+def test_section_is_replaced_between_its_markers_only(tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Renderers\n\nkeep me\n")
-    write_section(doc, "| first |")
-    write_section(doc, "| second |")
+    with pytest.raises(InputError, match="bench-rollouts:begin"):
+        write_section(doc, "| first |", machine_line="M.")
+    doc.write_text("# Benchmarks\n\nkeep me\n\n<!-- bench-rollouts:begin -->\n<!-- bench-rollouts:end -->\n\nafter\n")
+    write_section(doc, "| first |", machine_line="M.")
+    write_section(doc, "| second |", machine_line="M.")
     text = doc.read_text()
-    assert "keep me" in text and "| second |" in text and "| first |" not in text
-    assert text.count("## Rollouts (verbatim bench rollouts)") == 1
+    assert "keep me" in text and "| second |\n\nM.\n<!-- bench-rollouts:end -->\n\nafter\n" in text
+    assert "| first |" not in text
+
+
+class _Engine:
+    """Answers every request with ``reply`` tokens; the prefix cache holds all but the last 3 prompt tokens."""
+
+    def __init__(self, reply: tuple[int, ...]) -> None:
+        self.reply, self.prompts = reply, []
+
+    async def generate(self, prompt_ids, sampling=None, **route) -> Completion:
+        self.prompts.append(list(prompt_ids))
+        n = len(self.reply)
+        return Completion(token_ids=np.array(self.reply), logprobs=np.zeros(n), versions=np.zeros(n),
+                          finish_reason="stop", prompt_tokens=len(prompt_ids), cached_tokens=len(prompt_ids) - 3)
+
+
+def test_reasoning_workload_counts_both_engine_calls_of_a_turn():
+    think = ThinkFirst(_Engine((7, 8, 9, 2)), r"<think>.*", stop_ids=(2,))  # the think block ends with EOS (2)
+
+    async def two_turns():
+        first = await think.generate([1] * 10, Sampling(max_tokens=16), session_id="s")
+        await think.generate([1] * 10 + list(first.token_ids) + [5] * 4, Sampling(max_tokens=16), session_id="s")
+
+    asyncio.run(two_turns())
+    # per turn: think (prompt P), answer (prompt P + 3 think tokens); turn 2's P = 10 + 3 + 4 + 4 + 4 = 21
+    prompts = [len(p) for p in think.engine.prompts]
+    assert prompts == [10, 13, 21, 24]
+    counts = engine_counts(think, {"requests": 2})
+    assert counts["requests"] == 4 and counts["prompt_tokens"] == 68
+    assert counts["cached_tokens"] == 68 - 4 * 3 and counts["prefill_tokens"] == 12
+    assert counts == call_counts(think.calls) and 0 < counts["min_prefill_tokens"] <= 21 + 4
+    assert engine_counts(object(), {"requests": 2}) == {"requests": 2}  # unwrapped: the harness's own counts
 
 
 def test_dialogue_workload_lasts_exactly_its_turns():
@@ -36,3 +79,30 @@ def test_dialogue_workload_lasts_exactly_its_turns():
     env.reset(DialogueFactory().tasks(1, 0)[0], 0)
     done = [env.step(Message(role="assistant", content="ok")).done for _ in range(10)]
     assert done == [False] * 9 + [True]
+
+
+@pytest.mark.parametrize("command", ["rollouts", "policies", "logprobs", "router", "prefixflow", "render"])
+def test_every_bench_refuses_a_write_target_without_its_section_before_any_work(tmp_path, command):
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    missing = CliRunner().invoke(app, ["bench", command, "--write", str(tmp_path / "nope.md")])
+    assert missing.exit_code == 2 and "no such file" in missing.output
+    doc = tmp_path / "plain.md"
+    doc.write_text("# Plain\n")
+    unmarked = CliRunner().invoke(app, ["bench", command, "--write", str(doc)])
+    assert unmarked.exit_code == 2 and ":begin -->" in unmarked.output and "add those two lines" in unmarked.output
+    assert len(unmarked.output.strip().splitlines()) == 1 and doc.read_text() == "# Plain\n"
+
+
+def test_logprob_agreement_table_has_a_row_per_dtype_and_names_its_command():
+    from verbatim.bench.policy_report import agreement_table
+
+    results = [{"dtype": "float32", "tokens": 152, "max_abs": 6.6e-5, "mean_abs": 5.6e-6, "p99_abs": 3.2e-5},
+               {"dtype": "bfloat16", "tokens": 160, "max_abs": 0.21, "mean_abs": 0.036, "p99_abs": 0.16}]
+    table = agreement_table(results, "smollm2", "verbatim bench logprobs --dtype float32 --dtype bfloat16")
+    lines = table.splitlines()
+    assert lines[2] == "| float32 | 152 | 5.6e-06 | 3.2e-05 | 6.6e-05 |"
+    assert lines[3] == "| bfloat16 | 160 | 0.036 | 0.16 | 0.21 |"
+    assert "`verbatim bench logprobs --dtype float32 --dtype bfloat16`" in table and "smollm2" in table

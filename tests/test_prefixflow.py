@@ -1,5 +1,8 @@
 """PrefixFlow exactness: its gradients equal full-sequence training's, parameter by parameter.
 
+The model, group and loss builders are those `verbatim bench prefixflow --exactness` measures
+with (bench/prefixflow_exactness.py), so the table in docs/trainer.md is of these settings.
+
 Error metric, per parameter: max |g_prefixflow − g_full| / max |g_full|; the test takes the
 worst parameter. fp32 must stay within 1e-5 on a small random Llama; float64 (with the
 norm computed in float64) shows the algorithm is exact to rounding on the default model too.
@@ -14,6 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verbatim.bench.prefixflow_exactness import (
+    VOCAB,
+    grads_of,
+    make_group,
+    max_rel_err,
+    rl_like_loss,
+    tiny_llama,
+)
+from verbatim.bench.prefixflow_exactness import float64_norm as keep_float64_norm
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import dropout_settings, prefix_lm
 from verbatim.trainer.prefixflow import (
@@ -29,19 +41,6 @@ from verbatim.trainer.prefixflow import (
 )
 from verbatim.trainer.reference import reference_backward, reference_logprobs
 
-VOCAB = 97
-SEQ = 60
-
-
-def tiny_llama(tied: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=tied)
-    return LlamaForCausalLM(config).to(dtype)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -55,50 +54,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()
-
-
-def make_group(group_size: int, ratio: float, loss_in_prefix: bool, seed: int = 0,
-               seq: int = SEQ, vocab: int = VOCAB) -> PrefixGroup:
-    """Uneven suffixes; the loss starts 2 tokens before the suffixes when ``loss_in_prefix``."""
-    gen = torch.Generator().manual_seed(seed)
-    p = max(1, round(ratio * seq))
-    prefix = torch.randint(0, vocab, (p,), generator=gen)
-    suffixes, masks = [], []
-    for i in range(group_size):
-        length = max(1, seq - p - (5 * i) % 7)
-        suffixes.append(torch.randint(0, vocab, (length,), generator=gen))
-        mask = torch.zeros(p + length, dtype=torch.bool)
-        mask[max(1, p - 2) if loss_in_prefix else p:] = True
-        masks.append(mask)
-    return PrefixGroup(prefix=prefix, suffixes=tuple(suffixes), loss_masks=tuple(masks))
-
-
-def rl_like_loss(group: PrefixGroup, seed: int = 1):
-    """A per-row sum: signed per-token terms plus a nonlinear sequence-level term, global normaliser."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(group.prefix_len + s.numel() for s in group.suffixes)
-    coef = torch.randn(group.size, width, generator=gen, dtype=torch.float64)
-    advantage = torch.randn(group.size, generator=gen, dtype=torch.float64)
-    tokens = torch.tensor([float(m.sum()) for m in group.loss_masks], dtype=torch.float64).clamp(min=1)
-    total = float(tokens.sum())
-
-    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        c = coef[rows, : logprobs.shape[1]].to(logprobs.dtype)
-        mean_lp = logprobs.sum(dim=1) / tokens[rows].to(logprobs.dtype)
-        sequence_term = advantage[rows].to(logprobs.dtype) * torch.exp(torch.clamp(mean_lp + 4.0, max=3.0))
-        return ((c * logprobs).sum() + sequence_term.sum()) / total
-
-    return loss_fn
-
-
-def grads_of(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-30)) for n in want)
 
 
 def compare(model, group, loss_fn, splits_list, offload="none", **kw) -> list[float]:
@@ -201,14 +156,10 @@ def test_boundary_token_alone(tiny):
 
 
 @pytest.fixture
-def float64_norm(monkeypatch):
+def float64_norm():
     """Hugging Face's Llama RMSNorm computes in float32 even for float64 weights; keep float64 throughout."""
-    from transformers.models.llama import modeling_llama
-
-    def forward(self, hidden):
-        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    with keep_float64_norm():
+        yield
 
 
 def test_float64_exact_to_rounding(float64_norm):

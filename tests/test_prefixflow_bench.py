@@ -64,3 +64,33 @@ def test_peak_memory_sees_a_large_allocation():
         block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
         del block
     assert peak.mb is not None and 60 <= peak.mb < 200
+
+
+def test_write_puts_the_timings_into_the_named_section(tmp_path, tiny_model_dir):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- bench-prefixflow-small:begin -->\nold\n<!-- bench-prefixflow-small:end -->\n\nkeep\n")
+    args = ["bench", "prefixflow", "--model", str(tiny_model_dir), "--seq-len", "40", "--prefix-ratio", "0.5",
+            "--group-size", "2", "--no-offload", "--write", str(doc)]
+    refused = runner.invoke(app, args)  # the default section is not in this file: refused before any work
+    assert refused.exit_code == 2 and "bench-prefixflow:begin" in refused.output and "r=0.5" not in refused.output
+    result = runner.invoke(app, args + ["--section", "bench-prefixflow-small"])
+    assert result.exit_code == 0, result.output
+    text = doc.read_text()
+    assert "old" not in text and text.endswith("<!-- bench-prefixflow-small:end -->\n\nkeep\n")
+    assert "| 0.5 | 2 | 20 | 20 |" in text and "Machine (detected): " in text and "torch " in text
+    assert (f"`verbatim bench prefixflow --prefix-ratio 0.5 --group-size 2 --seq-len 40 --micro-batch 2 --repeats 1 "
+            f"--model {tiny_model_dir} --no-offload --write {doc} --section bench-prefixflow-small`") in text
+
+
+def test_exactness_table_is_measured_and_written(tmp_path, tiny_model_dir):
+    doc = tmp_path / "trainer.md"
+    doc.write_text("# T\n\n<!-- prefixflow-exactness:begin -->\n<!-- prefixflow-exactness:end -->\n")
+    result = runner.invoke(app, ["bench", "prefixflow", "--exactness", "--model", str(tiny_model_dir),
+                                 "--write", str(doc)])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
+    assert len(rows) == 5 and "(96 runs)" in rows[0] and "(3 runs)" in rows[1] and "(9 cases;" in rows[4]
+    measured = [float(row.split(" | ")[1].split(" ")[0]) for row in rows]
+    bounds = [1e-5, 1e-12, 1e-10]
+    assert all(0 <= m <= b for m, b in zip(measured, bounds)) and 0 < measured[4] <= 3e-2
+    assert f"`verbatim bench prefixflow --exactness --model {tiny_model_dir} --write {doc}`" in doc.read_text()

@@ -26,22 +26,29 @@ def test_bench_rows_grow_with_the_history(default_model_dir: Path, chat_template
 
 def test_write_section_leaves_other_sections_alone(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\n## Rollouts\n\nkeep me\n")
-    write_section(doc, "smollm2", "t.jinja", "here", "| a |")
-    write_section(doc, "smollm2", "t.jinja", "here", "| b |")  # rewrites its own section only
+    doc.write_text(f"# Benchmarks\n\n## Rollouts\n\nkeep me\n\n## Renderers\n\n<!-- {SECTION}:begin -->\nOLD-TABLE\n"
+                   f"<!-- {SECTION}:end -->\n\n## Later\n\nalso keep\n")
+    write_section(doc, "smollm2", "t.jinja", "verbatim bench render", "| a |", machine_line="Machine: M.")
+    write_section(doc, "smollm2", "t.jinja", "verbatim bench render", "| b |", machine_line="Machine: M.")
     text = doc.read_text()
-    assert text.count(SECTION) == 1 and "| b |" in text and "| a |" not in text
-    assert text.startswith("# Benchmarks\n\n## Rollouts\n\nkeep me\n")
-    doc.write_text(f"# B\n\n{SECTION}\n\nOLD-TABLE\n\n## Later\n\nalso keep\n")
-    write_section(doc, "smollm2", "t.jinja", "here", "| c |")
-    text = doc.read_text()
-    assert "OLD-TABLE" not in text and text.endswith("## Later\n\nalso keep\n") and "| c |" in text
+    assert "| b |" in text and "| a |" not in text and "OLD-TABLE" not in text
+    assert text.startswith("# Benchmarks\n\n## Rollouts\n\nkeep me\n\n## Renderers\n\n")
+    assert text.endswith("| b |\n\nMachine: M.\n<!-- bench-render:end -->\n\n## Later\n\nalso keep\n")
+    assert "`verbatim bench render`" in text
 
 
 def test_bench_render_command(tmp_path: Path, default_model_dir: Path) -> None:
     doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# B\n\n<!-- {SECTION}:begin -->\n<!-- {SECTION}:end -->\n")
     result = CliRunner().invoke(app, ["bench", "render", "--turns", "2,3", "--repeats", "2", "--write", str(doc)])
     assert result.exit_code == 0, result.output
-    assert "| 3 |" in doc.read_text() and "bridge (ms/turn)" in result.stdout
+    text = doc.read_text()
+    assert "| 3 |" in text and "bridge (ms/turn)" in result.stdout
+    assert f"`verbatim bench render --renderer smollm2 --turns 2,3 --repeats 2 --write {doc}`" in text
+    assert "Machine (detected): " in text and ("cores (" in text or "core (" in text)
     bad = CliRunner().invoke(app, ["bench", "render", "--turns", "two"])
     assert bad.exit_code == 2
+    unmarked = tmp_path / "plain.md"
+    unmarked.write_text("# Plain\n")
+    refused = CliRunner().invoke(app, ["bench", "render", "--write", str(unmarked)])
+    assert refused.exit_code == 2 and "bench-render:begin" in refused.output and unmarked.read_text() == "# Plain\n"

@@ -288,9 +288,13 @@ def test_router_command_writes_json_and_only_its_own_doc_section(tmp_path: Path,
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## Other\n\n<!-- bench-rollouts:begin -->\nkeep me\n<!-- bench-rollouts:end -->\n")
     args = dict(traces=[], replicas=[4], sessions=[64], group_sizes=[8], seed=0, as_json=True,
-                console=Console(file=open(tmp_path / "console.txt", "w")), doc=doc,
-                policies=("round_robin", "sticky_least_loaded+group"))
-    rows = bench_router.router_command(write=True, **args)
+                console=Console(file=open(tmp_path / "console.txt", "w")),
+                policies=("round_robin", "sticky_least_loaded+group"), machine_line="Machine: M.")
+    with pytest.raises(InputError, match="bench-router:begin"):  # checked before simulating
+        bench_router.router_command(write=doc, **args)
+    assert capsys.readouterr().out == ""
+    doc.write_text(doc.read_text() + "\n## Router\n\n<!-- bench-router:begin -->\n<!-- bench-router:end -->\n")
+    rows = bench_router.router_command(write=doc, **args)
     assert [r.policy for r in rows] == ["round_robin", "sticky_least_loaded+group"]
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["policy"] for p in printed] == ["round_robin", "sticky_least_loaded+group"]
@@ -298,7 +302,8 @@ def test_router_command_writes_json_and_only_its_own_doc_section(tmp_path: Path,
     text = doc.read_text()
     assert "keep me" in text and text.count("<!-- bench-router:begin -->") == 1
     assert (tmp_path / bench_router.PLOT_NAME).stat().st_size > 1000
-    bench_router.router_command(write=True, **args)
+    assert f"--seed 0 --write {doc}`" in text and "Machine: M.\n<!-- bench-router:end -->" in text
+    bench_router.router_command(write=doc, **args)
     again = doc.read_text()
     assert again.count("## Router") == 1 and again.count("<!-- bench-router:end -->") == 1
     assert "keep me" in again

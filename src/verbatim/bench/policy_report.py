@@ -1,4 +1,7 @@
-"""``verbatim bench policies``: run the cache-policy scenario on the bundled engine, write the table."""
+"""``verbatim bench policies`` and ``bench logprobs``: the cache-policy scenario and engine/trainer logprob agreement.
+
+Each writes its table (``--write PATH``) into its own marked section of a document.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from verbatim.bench import docsection
+from verbatim.bench import docsection, machine
 from verbatim.bench.policies import markdown_table, measure_policy
 from verbatim.engine.checkpoints import perturbed_checkpoint
 from verbatim.engine.inproc import InprocEngine
@@ -14,10 +17,12 @@ from verbatim.engine.protocol import CachePolicy
 from verbatim.engine.runtime import EngineConfig, vllm_version
 from verbatim.paths import verbatim_home
 
-_DOC = Path(__file__).resolve().parents[3] / "docs" / "engine.md"  # the checkout's docs/ (src/verbatim/bench/ → root)
+POLICY_SECTION = "policy-table"
+LOGPROB_SECTION = "bench-logprobs"
 
 
-def run_policy_report(model: str = "default", *, write_docs: bool = False) -> str:
+def run_policy_report(model: str = "default", *, write: Path | None = None) -> str:
+    """The policy table; also written into ``write``'s ``policy-table`` section when given."""
     async def run() -> str:
         engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=1, max_model_len=2048))
         home = verbatim_home()
@@ -33,8 +38,8 @@ def run_policy_report(model: str = "default", *, write_docs: bool = False) -> st
         return markdown_table(rows) + "\n\n" + note
 
     table = asyncio.run(run())
-    if write_docs:
-        docsection.write_section(_DOC, "policy-table", table)
+    if write is not None:
+        docsection.write_section(write, POLICY_SECTION, table, libraries=machine.ENGINE_LIBRARIES)
     return table
 
 
@@ -71,3 +76,22 @@ def logprob_agreement(model: str = "default", dtype: str = "float32", *, prompts
     flat = np.concatenate(diffs)
     return {"dtype": dtype, "tokens": int(flat.size), "max_abs": float(flat.max()),
             "mean_abs": float(flat.mean()), "p99_abs": float(np.quantile(flat, 0.99))}
+
+
+def agreement_table(results: list[dict], model_name: str, command: str, *, prompts: int = 4,
+                    max_tokens: int = 48) -> str:
+    """Markdown rows of :func:`logprob_agreement` results, one per engine dtype, and how they were measured."""
+    import time
+
+    lines = ["| engine dtype | sampled tokens | mean \\|Δ logprob\\| | p99 | max |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['mean_abs']:.2g} | {r['p99_abs']:.2g} | "
+                     f"{r['max_abs']:.2g} |")
+    return "\n".join(lines) + (
+        f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {model_name}; {prompts} chat prompts × up to "
+        f"{max_tokens} tokens at temperature 1, one run per dtype; reference: transformers in float32 on the "
+        "same weights).")
+
+
+def write_agreement(doc: Path, table: str) -> None:
+    docsection.write_section(doc, LOGPROB_SECTION, table, libraries=machine.ENGINE_LIBRARIES)

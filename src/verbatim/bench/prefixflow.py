@@ -220,3 +220,12 @@ def markdown_table(results: list[dict]) -> str:
 
 def _mb(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
+
+
+SECTION = "bench-prefixflow"
+
+
+def section_text(results: list[dict], model_name: str, command: str) -> str:
+    """The table and how it was measured, for the section ``--write`` replaces."""
+    return (markdown_table(results) + f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {model_name}, "
+            f"float32, torch threads: {torch.get_num_threads()}).")

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verbatim.bench import docsection
+from verbatim.bench import docsection, machine
 from verbatim.bench.baseline import baseline_run
-from verbatim.bench.think_first import ThinkFirst
+from verbatim.bench.think_first import EngineCall, ThinkFirst, call_counts
 from verbatim.bench.training_view import baseline_view, verbatim_view
 from verbatim.datamodel import Frozen, Message
 from verbatim.engine.protocol import Sampling
@@ -24,7 +24,6 @@ from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, plan_specs
 from verbatim.harness.store import RunManifest, read_run
-from verbatim.prefix_cache import min_prefill
 
 
 class HarnessResult(Frozen):
@@ -123,9 +122,10 @@ async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     summary = await run.play()
     skip = getattr(engine, "constrained", None)
     view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model, skip)
-    return HarnessResult(harness="verbatim", requests=summary.turns, prompt_tokens=summary.prompt_tokens,
-                         cached_tokens=summary.cached_tokens, prefill_tokens=summary.prefill_tokens,
-                         min_prefill_tokens=summary.min_prefill_tokens, generated_tokens=summary.generated_tokens,
+    counts = {"requests": summary.turns, "prompt_tokens": summary.prompt_tokens,
+              "cached_tokens": summary.cached_tokens, "prefill_tokens": summary.prefill_tokens,
+              "min_prefill_tokens": summary.min_prefill_tokens}
+    return HarnessResult(harness="verbatim", **engine_counts(engine, counts), generated_tokens=summary.generated_tokens,
                          wall_s=summary.wall_s, **view.model_dump())
 
 
@@ -138,15 +138,17 @@ async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     rollouts = await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
     wall_s = time.perf_counter() - started
     requests = [r for rollout in rollouts for r in rollout.requests]
-    prompt = sum(len(r.prompt_ids) for r in requests)
-    cached = sum(r.cached_tokens for r in requests)
+    counts = call_counts(EngineCall(r.prompt_ids, r.completion_ids, r.cached_tokens) for r in requests)
     view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
                                    getattr(engine, "constrained", None))
-    return HarnessResult(harness="re-render baseline", requests=len(requests), prompt_tokens=prompt,
-                         cached_tokens=cached, prefill_tokens=prompt - cached,
-                         min_prefill_tokens=min_prefill((r.prompt_ids, r.completion_ids) for r in requests),
+    return HarnessResult(harness="re-render baseline", **engine_counts(engine, counts),
                          generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s,
                          **view.model_dump())
+
+
+def engine_counts(engine: Any, harness_counts: dict[str, int]) -> dict[str, int]:
+    """Per engine call: the wrapper's own record where a turn makes several calls, else the harness's counts."""
+    return call_counts(engine.calls) if isinstance(engine, ThinkFirst) else harness_counts
 
 
 async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
@@ -188,11 +190,11 @@ def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
     return "\n".join(lines)
 
 
-def run_bench(model: str = "default") -> str:
+def run_bench(model: str = "default", command: str = "verbatim bench rollouts") -> str:
     from transformers import AutoTokenizer
 
     from verbatim.engine.inproc import InprocEngine
-    from verbatim.engine.runtime import EngineConfig, vllm_version
+    from verbatim.engine.runtime import EngineConfig
     from verbatim.trainer.reference import load_model
 
     engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
@@ -204,21 +206,17 @@ def run_bench(model: str = "default") -> str:
             return markdown(await measure(engine, tokenizer, trainer_model))
 
     table = asyncio.run(go())
-    note = (f"\n\nMeasured by `verbatim bench rollouts` ({time.strftime('%Y-%m-%d')}, vLLM {vllm_version()}, "
-            f"{engine.model_dir.name}, fp32, block size {engine.block_size}, 2-core CPU; temperature 1, "
-            "each harness on a cold prefix cache, one run).")
+    note = (f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {engine.model_dir.name}, fp32, "
+            f"block size {engine.block_size}; temperature 1, each harness on a cold prefix cache, one run). "
+            "Requests, prompt, cached and prefill tokens count engine calls: the reasoning workload makes two per "
+            "turn (the think block, then the answer, whose prompt holds the think block).")
     return table + note
 
 
-_HEADING = "## Rollouts (verbatim bench rollouts)"
-_INTRO = ("verbatim (append-only token history, a group's first request prefills the shared prompt before the "
-          "others start) against a baseline harness that keeps chat messages, re-renders the whole conversation "
-          "with the chat template before every request and sends a group's rollouts at once. Same engine, same "
-          "sampling; prefill = prompt − engine-reported cached tokens; min prefill = the least any prefix cache "
-          "could prefill for the harness's own requests: every token prefix once, except those computed while "
-          "decoding, and at least one token per request.")
+SECTION = "bench-rollouts"
+LIBRARIES = machine.ENGINE_LIBRARIES
 
 
-def write_section(doc: Path, table: str) -> None:
-    """Replace (or append) the rollouts section of docs/benchmarks.md."""
-    docsection.write_section(doc, "bench-rollouts", table, heading=_HEADING, intro=_INTRO)
+def write_section(doc: Path, table: str, *, machine_line: str | None = None) -> None:
+    """Replace the rollouts section of ``doc`` (its ``bench-rollouts`` markers)."""
+    docsection.write_section(doc, SECTION, table, libraries=LIBRARIES, machine_line=machine_line)

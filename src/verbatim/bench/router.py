@@ -188,8 +188,7 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-_HEADING = "## Router (simulated, verbatim bench router)"
-_DOCS = Path(__file__).resolve().parent.parent / "docs"
+SECTION = "bench-router"
 PLOT_NAME = "bench-router.png"
 
 
@@ -205,7 +204,8 @@ def section(rows: Sequence[Row], workload: TraceWorkload, settings: FleetSetting
         f"Produced by `{command}` ({time.strftime('%Y-%m-%d')}, seed fixed, deterministic). "
         f"Sessions are drawn with replacement from the turn lengths of real runs ({runs}; "
         f"{len(workload.groups)} groups, {sum(len(g.rollouts) for g in workload.groups)} rollouts). "
-        f"Cost model fitted to those runs' engine timings (vLLM on a 2-core CPU, block size {workload.block_size}): "
+        f"Cost model fitted to those runs' engine timings (block size {workload.block_size}, on the machine those "
+        "runs ran on, not the one below, which ran the simulation): "
         f"prefill step {c['prefill_base_s'] * 1e3:.0f} ms + {c['prefill_token_s'] * 1e3:.2f} ms per prefilled token, "
         f"decode {c['decode_token_s'] * 1e3:.0f} ms per token per running request. "
         f"Fleet: groups arrive (Poisson) at the rate that would load it to {settings.utilisation:g} if every turn "
@@ -216,36 +216,24 @@ def section(rows: Sequence[Row], workload: TraceWorkload, settings: FleetSetting
     ])
 
 
-def write_section(doc: Path, text: str, intro: str) -> None:
-    """Replace (or append) the router section of docs/benchmarks.md."""
-    docsection.write_section(doc, "bench-router", text, heading=_HEADING, intro=intro)
-
-
-INTRO = (
-    "A discrete-event simulator (`sim/simulator.py`) plays groups of multi-turn sessions on a fleet of "
-    "replicas, each with a finite prefix cache modelled on vLLM's (hashed full blocks chained to their parent, "
-    "longest cached chain of leading blocks, running requests' blocks pinned, LRU eviction of freed blocks, "
-    "tail block first), and routes every request with the router's own `route` and `admit` "
-    "(`engine/routing.py`). Hit rate = cached / prompt tokens; imbalance = max / mean replica busy time "
-    "(prefill steps in full, decode time weighted by the share of the batch in use); queueing = time from "
-    "reaching a replica to being scheduled; tokens lost = context of the turns that changed replica.\n\n"
-    "What it does not model: chunked prefill mixing with decodes (a prefill step pauses decoding), decode "
-    "step time growing with the batch, preemption (a request waits until its blocks fit), incremental block "
-    "allocation, network and tokenisation time, replica failures. Absolute times are for the CPU engine the "
-    "costs were fitted on; hit rates and prefill tokens depend on timing only through eviction order.")
+def write_section(doc: Path, text: str, *, machine_line: str | None = None) -> None:
+    """Replace the ``bench-router`` section of ``doc``."""
+    docsection.write_section(doc, SECTION, text, machine_line=machine_line)
 
 
 def router_command(traces: list[Path], replicas: list[int], sessions: list[int], group_sizes: list[int], seed: int,
-                   write: bool, as_json: bool, console: Any, *, policies: Sequence[str] = POLICIES,
-                   settings: FleetSettings | None = None, doc: Path | None = None) -> list[Row]:
+                   write: Path | None, as_json: bool, console: Any, *, policies: Sequence[str] = POLICIES,
+                   settings: FleetSettings | None = None, machine_line: str | None = None) -> list[Row]:
     """Simulate the routing policies on a fleet of replicas with finite prefix caches.
 
     Sessions are drawn from real `verbatim run` traces (the committed workload, or
     --trace RUN_DIR); for each policy, with and without +group: prefix-cache hit rate,
     prefill tokens, load imbalance, p50/p99 queueing, throughput, migrations.
-    --json prints one JSON object per row as it is measured; --write puts the table
-    and a plot into docs/benchmarks.md.
+    --json prints one JSON object per row as it is measured; --write PATH puts the table
+    into PATH's bench-router section and the plot beside PATH.
     """
+    if write is not None:
+        docsection.require_section(write, SECTION)
     settings = settings or FleetSettings()
     for spec in policies:
         RouteConfig.parse(spec)
@@ -259,11 +247,10 @@ def router_command(traces: list[Path], replicas: list[int], sessions: list[int],
     rows = run_grid(workload, replicas, sessions, group_sizes, settings, policies, seed, progress=show)
     if not as_json:
         console.print(rich_table(rows, f"router simulation ({time.perf_counter() - started:.0f} s)"))
-    if write:
-        doc = doc or _DOCS / "benchmarks.md"
-        plot(rows, doc.parent / PLOT_NAME)
-        command = _command_line(traces, replicas, sessions, group_sizes, seed)
-        write_section(doc, section(rows, workload, settings, command), INTRO)
+    if write is not None:
+        plot(rows, write.parent / PLOT_NAME)
+        command = _command_line(traces, replicas, sessions, group_sizes, seed, write)
+        write_section(write, section(rows, workload, settings, command), machine_line=machine_line)
     return rows
 
 
@@ -282,9 +269,9 @@ def rich_table(rows: Sequence[Row], title: str) -> Any:
 
 
 def _command_line(traces: Sequence[Path], replicas: Sequence[int], sessions: Sequence[int],
-                  group_sizes: Sequence[int], seed: int) -> str:
+                  group_sizes: Sequence[int], seed: int, write: Path) -> str:
     parts = ["verbatim bench router"]
     parts += [f"--trace {t}" for t in traces]
     parts += [f"--replicas {n}" for n in replicas] + [f"--sessions {n}" for n in sessions]
-    parts += [f"--group-size {n}" for n in group_sizes] + [f"--seed {seed}", "--write"]
+    parts += [f"--group-size {n}" for n in group_sizes] + [f"--seed {seed}", f"--write {write}"]
     return " ".join(parts)

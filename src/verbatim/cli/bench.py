@@ -1,4 +1,8 @@
-"""``verbatim bench``: benchmarks on real engines and models; results go to docs/.
+"""``verbatim bench``: benchmarks on real engines and models; ``--write PATH`` puts a table into a doc.
+
+Every ``--write PATH`` names an existing markdown file that holds the benchmark's marked
+section (``<!-- NAME:begin -->`` … ``<!-- NAME:end -->``); the file is checked before any
+work starts, and the section ends with the machine the benchmark ran on, detected.
 
 Registered on the root app by :mod:`verbatim.cli.app`, which turns known errors into one
 line and an exit code; this module never imports it.
@@ -6,11 +10,14 @@ line and an exit code; this module never imports it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from verbatim.bench import docsection
 from verbatim.cli.console import console, err_console
 
-bench_app = typer.Typer(help="Benchmarks on real engines and models; results go to docs/.",
+bench_app = typer.Typer(help="Benchmarks on real engines and models; --write PATH puts a table into a doc.",
                         no_args_is_help=True, rich_markup_mode=None)
 
 
@@ -22,42 +29,59 @@ bench_app = typer.Typer(help="Benchmarks on real engines and models; results go 
 @bench_app.command("policies")
 def bench_policies(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    write_docs: bool = typer.Option(False, "--write-docs", help="Replace the table in docs/engine.md."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                               "policy-table section (docs/engine.md)."),
 ) -> None:
     """Measure the four cache policies across a real weight update (cached tokens, output change)."""
-    from verbatim.bench.policy_report import run_policy_report
+    from verbatim.bench.policy_report import POLICY_SECTION, run_policy_report
 
-    table = run_policy_report(model, write_docs=write_docs)
+    if write is not None:
+        docsection.require_section(write, POLICY_SECTION)
+    table = run_policy_report(model, write=write)
     console.print(table)
 
 
 @bench_app.command("rollouts")
 def bench_rollouts(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    write: str = typer.Option(None, "--write", help="Write the table into this markdown file (docs/benchmarks.md)."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                               "bench-rollouts section (docs/benchmarks.md)."),
 ) -> None:
     """verbatim vs a re-rendering harness: a group sharing a long prompt, and 10-turn rollouts."""
-    from pathlib import Path
+    from verbatim.bench.rollouts import SECTION, run_bench, write_section
 
-    from verbatim.bench.rollouts import run_bench, write_section
-
-    table = run_bench(model)
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    table = run_bench(model, _command("rollouts", model=model, write=write))
     console.print(table)
-    if write:
-        write_section(Path(write), table)
+    if write is not None:
+        write_section(write, table)
 
 
 @bench_app.command("logprobs")
 def bench_logprobs(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    dtype: str = typer.Option("float32", "--dtype", help="Engine dtype: float32 or bfloat16."),
+    dtype: list[str] = typer.Option(None, "--dtype", help="Engine dtype: float32 or bfloat16 (repeatable, one "
+                                    "engine each; default float32)."),
+    write: Path = typer.Option(None, "--write", help="Also write a table of every dtype into this markdown "
+                               "file's bench-logprobs section (docs/engine.md)."),
 ) -> None:
     """Compare the engine's sampler logprobs with transformers' fp32 logprobs of the same tokens."""
     import json
 
-    from verbatim.bench.policy_report import logprob_agreement
+    from verbatim.bench.policy_report import LOGPROB_SECTION, agreement_table, logprob_agreement, write_agreement
+    from verbatim.engine.models import resolve
 
-    console.print(json.dumps(logprob_agreement(model, dtype)))
+    dtypes = dtype or ["float32"]
+    if write is not None:
+        docsection.require_section(write, LOGPROB_SECTION)
+    results = []
+    for name in dtypes:
+        results.append(logprob_agreement(model, name))
+        console.print(json.dumps(results[-1]))
+    if write is not None:
+        command = _command("logprobs", model=model, dtype=dtypes, write=write)
+        write_agreement(write, agreement_table(results, resolve(model).name, command))
 
 
 # ---------------------------------------------------------------------------
@@ -70,15 +94,14 @@ def bench_render(
     renderer: str = typer.Option("smollm2", "--renderer", help="Renderer family to time."),
     turns: str = typer.Option("10,50,200", "--turns", help="Comma-separated conversation lengths."),
     repeats: int = typer.Option(40, "--repeats", min=1, help="Timed repeats per bridge measurement."),
-    write: str = typer.Option(None, "--write", help="Also write the table into this markdown file's "
-                              "'## Renderers (verbatim bench render)' section (e.g. docs/benchmarks.md)."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                               "bench-render section (docs/benchmarks.md)."),
 ) -> None:
     """Per-turn time of Renderer.bridge versus a full apply_chat_template re-render."""
-    import platform
-
+    from verbatim.bench import machine
     from verbatim.bench.render import bench_render as run_bench
     from verbatim.bench.render import markdown_table
-    from verbatim.bench.render_report import write_section
+    from verbatim.bench.render_report import LIBRARIES, SECTION, write_section
     from verbatim.engine.models import prepare
     from verbatim.renderers.registry import get_renderer
     from verbatim.renderers.templates import resolve_template
@@ -87,15 +110,17 @@ def bench_render(
         counts = [int(t) for t in turns.split(",") if t.strip()]
     except ValueError:
         raise typer.BadParameter(f"--turns must be comma-separated integers, got {turns!r}") from None
+    if write is not None:
+        docsection.require_section(write, SECTION)
     chosen = get_renderer(renderer, model_dir=prepare())
     _, template = resolve_template(chosen.templates[0])
     rows = run_bench(chosen, template, counts, repeats)
     table = markdown_table(rows)
-    where = f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
-    console.print(f"renderer {chosen.name} ({chosen.templates[0]}), {where}")
+    console.print(f"renderer {chosen.name} ({chosen.templates[0]}), {machine.describe(machine.detect(LIBRARIES))}")
     console.print(table)
-    if write:
-        write_section(write, chosen.name, chosen.templates[0], where, table)
+    if write is not None:
+        command = _command("render", renderer=renderer, turns=turns, repeats=repeats, write=write)
+        write_section(write, chosen.name, chosen.templates[0], command, table)
         console.print(f"wrote {write}")
 
 
@@ -113,12 +138,11 @@ def bench_router(
                                        help="Sessions per simulation (repeatable; default 1000, 10000)."),
     group_size: list[int] = typer.Option(None, "--group-size", help="Rollouts per group (repeatable; default 8, 16)."),
     seed: int = typer.Option(0, "--seed", help="Workload and think-time seed (same seed, same table)."),
-    write: bool = typer.Option(False, "--write", help="Write the table and plot into docs/benchmarks.md."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's bench-router "
+                               "section (docs/benchmarks.md) and the plot beside it."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per simulation, one per line."),
 ) -> None:
     """Simulate the routing policies on a fleet with finite prefix caches; sessions drawn from real traces."""
-    from pathlib import Path
-
     from verbatim.bench.router import router_command
     from verbatim.errors import InputError
 
@@ -150,11 +174,20 @@ def bench_prefixflow(
     offload: bool = typer.Option(True, "--offload/--no-offload",
                                  help="Also measure peak memory with the prefix activations offloaded to disk."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per configuration, one per line."),
+    exactness: bool = typer.Option(False, "--exactness", help="Instead of timing: measure PrefixFlow's gradient "
+                                   "error against full-sequence training in float32, float64 and bfloat16 (small "
+                                   "random Llamas and the model), the settings of the exactness tests."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file: the timings "
+                               "into its --section, --exactness into its prefixflow-exactness section "
+                               "(docs/trainer.md)."),
+    section: str = typer.Option("bench-prefixflow", "--section", help="The marked section --write replaces "
+                                "with the timings (one per setting, e.g. docs/benchmarks.md's "
+                                "bench-prefixflow-target)."),
 ) -> None:
     """Actor-side forward+backward time and peak memory: PrefixFlow versus full-sequence training."""
     import json
 
-    from verbatim.bench.prefixflow import markdown_table, run_bench
+    from verbatim.bench.prefixflow import markdown_table, run_bench, section_text
     from verbatim.engine.models import resolve
     from verbatim.errors import InputError
 
@@ -162,6 +195,11 @@ def bench_prefixflow(
     sizes = group_size or [4, 8, 16]
     if any(not 0 < r < 1 for r in ratios) or any(g < 1 for g in sizes):
         raise InputError(f"--prefix-ratio must lie in (0, 1) and --group-size be >= 1, got {ratios} and {sizes}")
+    if exactness:
+        _prefixflow_exactness(model, write)
+        return
+    if write is not None:
+        docsection.require_section(write, section)
 
     def show(result: dict) -> None:
         if as_json:
@@ -174,3 +212,38 @@ def bench_prefixflow(
                         progress=show)
     if not as_json:
         console.print(markdown_table(results))
+    if write is not None:
+        command = _command("prefixflow", prefix_ratio=prefix_ratio, group_size=group_size, seq_len=seq_len,
+                           micro_batch=micro_batch, repeats=repeats, threads=threads, model=model,
+                           offload=None if offload else False, write=write,
+                           section=None if section == "bench-prefixflow" else section)
+        docsection.write_section(write, section, section_text(results, resolve(model).name, command),
+                                 libraries=("torch", "transformers"))
+
+
+def _prefixflow_exactness(model: str, write: Path | None) -> None:
+    from verbatim.bench.prefixflow_exactness import SECTION, measure_table
+    from verbatim.engine.models import resolve
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    table = measure_table(resolve(model), _command("prefixflow", exactness=True, model=model, write=write))
+    console.print(table)
+    if write is not None:
+        docsection.write_section(write, SECTION, table, libraries=("torch", "transformers"))
+
+
+def _command(name: str, **options: object) -> str:
+    """The command line as a reader would type it: options left at None (or a default model) are left out."""
+    parts = [f"verbatim bench {name}"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value == [] or (key == "model" and value == "default"):
+            continue
+        if value is True:
+            parts.append(flag)
+        elif value is False:
+            parts.append("--no-" + key.replace("_", "-"))
+        else:
+            parts += [f"{flag} {v}" for v in (value if isinstance(value, list) else [value])]
+    return " ".join(parts)

@@ -135,7 +135,8 @@ def mismatch_report(
 
     from verbatim.engine.models import resolve
     from verbatim.harness.store import read_run
-    from verbatim.trainer.mismatch import check_vocabulary, load_model, mismatch, plot_histogram, usable_rollouts
+    from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, usable_rollouts
+    from verbatim.trainer.reference import load_model
 
     trace = read_run(run_dir)
     for problem in trace.problems:

@@ -21,7 +21,6 @@ from verbatim.datamodel import Rollout, Source
 from verbatim.errors import InputError, TraceError
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import CorrectionConfig, correct
-from verbatim.trainer.reference import load_model as load_model  # re-exported: `verbatim mismatch` loads from here
 from verbatim.trainer.reference import reference_logprobs
 
 
