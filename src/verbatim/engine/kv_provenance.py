@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from verbatim.prefix_cache import token_block_keys
+from verbatim.prefix_cache import cacheable_blocks, computed_tokens, full_blocks, token_block_keys
 
 DEFAULT_LIMIT_BLOCKS = 65536
 """Blocks remembered when the engine's cache size is unknown (the oldest records go first)."""
@@ -58,7 +58,7 @@ def computed_blocks(prompt_len: int, cached_tokens: int, versions: Sequence[int]
     n = len(versions)
     if n == 0:
         return []
-    computed = np.empty(prompt_len + n - 1, dtype=np.int64)
+    computed = np.empty(computed_tokens(prompt_len, n), dtype=np.int64)
     computed[:prompt_len] = versions[0]
     computed[prompt_len:] = versions[1:]
     start = cached_tokens
@@ -67,10 +67,10 @@ def computed_blocks(prompt_len: int, cached_tokens: int, versions: Sequence[int]
         computed[:prompt_len + s] = versions[s]
         start = 0
     first = -(-start // block_size)
-    looked_up = (prompt_len - 1) // block_size  # vLLM searches the blocks within prompt_len - 1 tokens
+    looked_up = cacheable_blocks(prompt_len, block_size)  # vLLM searches the blocks within prompt_len - 1 tokens
     return [BlockWrite(j, frozenset(int(v) for v in np.unique(computed[j * block_size:(j + 1) * block_size])),
                        recomputed_before is None and j == first and j < looked_up)
-            for j in range(first, len(computed) // block_size)]
+            for j in range(first, full_blocks(len(computed), block_size))]
 
 
 class KvProvenance:
