@@ -1,5 +1,5 @@
-"""The `verbatim` command: the Typer app and its sub-apps."""
+"""The `verbatim` command: the Typer app (`cli/app.py`) and its sub-apps; `main` is the console script."""
 
-from verbatim.cli.app import app, main
+from verbatim.cli.app import main
 
-__all__ = ["app", "main"]
+__all__ = ["main"]
