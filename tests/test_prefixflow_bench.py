@@ -89,8 +89,11 @@ def test_exactness_table_is_measured_and_written(tmp_path, tiny_model_dir):
                                  "--write", str(doc)])
     assert result.exit_code == 0, result.output
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| ") and "setting" not in line]
-    assert len(rows) == 5 and "(96 runs)" in rows[0] and "(3 runs)" in rows[1] and "(9 cases;" in rows[4]
+    assert len(rows) == 6 and "(96 runs)" in rows[0] and "(24 runs)" in rows[1] and "(3 runs)" in rows[2]
+    assert "(9 cases;" in rows[5] and "vs the plain HF forward: " in rows[3]
     measured = [float(row.split(" | ")[1].split(" ")[0]) for row in rows]
-    bounds = [1e-5, 1e-12, 1e-10]
-    assert all(0 <= m <= b for m, b in zip(measured, bounds)) and 0 < measured[4] <= 3e-2
+    bounds = [1e-5, 1e-5, 1e-12, 1e-10]
+    assert all(0 <= m <= b for m, b in zip(measured, bounds)) and 0 < measured[5] <= 3e-2
+    against_hf = float(rows[3].split("vs the plain HF forward: ")[1].split(")")[0])
+    assert 0 <= against_hf <= 1e-10
     assert f"`verbatim bench prefixflow --exactness --model {tiny_model_dir} --write {doc}`" in doc.read_text()

@@ -1,10 +1,12 @@
 """``verbatim bench prefixflow --exactness``: PrefixFlow's gradients against full-sequence training's, measured.
 
 Error metric, per parameter: max |g_PrefixFlow − g_full| / max |g_full|; the worst
-parameter counts. Four measurements, the settings of the exactness tests
+parameter counts. The measurements, the settings of the exactness tests
 (``tests/test_prefixflow.py``, ``tests/test_prefixflow_default_model.py``), each reported
 with the bound its test holds it to: float32 and float64 on small random Llamas, float64
-and float32 on the default model, and bfloat16 on random Llamas.
+and float32 on the default model, and bfloat16 on random Llamas; and PrefixFlow against the plain
+Hugging Face forward/backward (``trainer.reference.reference_backward``, which shares no code with
+it), so an indexing bug shared by PrefixFlow and the full-sequence reference cannot pass.
 """
 
 from __future__ import annotations
@@ -107,6 +109,29 @@ def _flow_vs_full(model: torch.nn.Module, group: PrefixGroup, splits_list: list)
     return errors
 
 
+def _flow_vs_hf(model: torch.nn.Module, group: PrefixGroup, splits: list) -> float:
+    from verbatim.trainer.reference import reference_backward
+
+    loss_fn = rl_like_loss(group)
+    model.zero_grad(set_to_none=True)
+    reference_backward(model, group, loss_fn)
+    want = grads_of(model)
+    prefixflow_backward(prefix_lm(model), group, loss_fn, splits)
+    return max_rel_err(grads_of(model), want)
+
+
+def random_fp32_vs_hf() -> list[float]:
+    """Tied and untied embeddings × group sizes × prefix ratios, one microbatch per sequence."""
+    errors = []
+    for tied in (True, False):
+        model = tiny_llama(tied=tied, seed=0 if tied else 3)
+        for g in GROUP_SIZES:
+            for r in RATIOS:
+                group = make_group(g, r, loss_in_prefix=(g + int(r * 100)) % 2 == 0)
+                errors.append(_flow_vs_hf(model, group, microbatches(g, 1)))
+    return errors
+
+
 def random_fp32() -> list[float]:
     """Tied and untied embeddings × group sizes × prefix ratios × 4 microbatch splits."""
     errors = []
@@ -148,7 +173,8 @@ def default_model(model_dir: Path) -> dict[str, float]:
         full64 = grads_of(model)
         prefixflow_backward(lm, group, loss_fn, split)
         flow64 = grads_of(model)
-    return {"fp64": max_rel_err(flow64, full64), "fp32": max_rel_err(flow32, full32),
+        fp64_hf = _flow_vs_hf(model, group, split)
+    return {"fp64": max_rel_err(flow64, full64), "fp64_hf": fp64_hf, "fp32": max_rel_err(flow32, full32),
             "full32_vs_64": max_rel_err(full32, full64), "flow32_vs_64": max_rel_err(flow32, full64),
             "full32_split": max_rel_err(full32_split, full32)}
 
@@ -182,6 +208,7 @@ def measure_table(model_dir: Path, command: str) -> str:
     torch.set_num_threads(1)  # tiny tensors gain nothing from threads
     try:
         fp32, fp64, bf16 = random_fp32(), random_fp64(), random_bf16()
+        fp32_hf = random_fp32_vs_hf()
         default = default_model(model_dir)
     finally:
         torch.set_num_threads(before)
@@ -190,10 +217,15 @@ def measure_table(model_dir: Path, command: str) -> str:
          "0.83, 0.95, uneven suffixes, loss inside and outside the prefix, 4 microbatch splits each",
          f"{_span(fp32)} ({len(fp32)} runs)", "1e-5", "`tests/test_prefixflow.py::test_fp32_gradients_equal_full_"
          "sequence_training`"),
+        ("float32, random 3-layer Llama, the same groups, one sequence per microbatch: PrefixFlow vs the plain "
+         "Hugging Face forward/backward (`reference_backward`, no code shared with PrefixFlow)",
+         f"{_span(fp32_hf)} ({len(fp32_hf)} runs)", "1e-5",
+         "`test_fp32_logprobs_and_gradients_equal_the_plain_hf_forward`"),
         ("float64, random Llama (RMSNorm kept in float64), G = 8, prefix ratio 0.5, 3 seeds",
          f"{_span(fp64)} ({len(fp64)} runs)", "1e-12",
          "`test_float64_exact_to_rounding`"),
-        ("float64, default model (RMSNorm kept in float64)", f"{default['fp64']:.1e}", "1e-10",
+        ("float64, default model (RMSNorm kept in float64)",
+         f"{default['fp64']:.1e} (vs the plain HF forward: {default['fp64_hf']:.1e})", "1e-10",
          "`tests/test_prefixflow_default_model.py` (slow)"),
         ("float32, default model, 3 × 32 tokens, loss inside the prefix: PrefixFlow vs full",
          f"{default['fp32']:.1e} (full fp32 vs float64: {default['full32_vs_64']:.1e}; PrefixFlow fp32 vs "
