@@ -120,28 +120,26 @@ def _flow_vs_hf(model: torch.nn.Module, group: PrefixGroup, splits: list) -> flo
     return max_rel_err(grads_of(model), want)
 
 
-def random_fp32_vs_hf() -> list[float]:
-    """Tied and untied embeddings × group sizes × prefix ratios, one microbatch per sequence."""
-    errors = []
+def _random_fp32_groups() -> Iterator[tuple[torch.nn.Module, int, PrefixGroup]]:
+    """(model, G, group) over tied and untied embeddings × group sizes × prefix ratios."""
     for tied in (True, False):
         model = tiny_llama(tied=tied, seed=0 if tied else 3)
         for g in GROUP_SIZES:
             for r in RATIOS:
-                group = make_group(g, r, loss_in_prefix=(g + int(r * 100)) % 2 == 0)
-                errors.append(_flow_vs_hf(model, group, microbatches(g, 1)))
-    return errors
+                yield model, g, make_group(g, r, loss_in_prefix=(g + int(r * 100)) % 2 == 0)
+
+
+def random_fp32_vs_hf() -> list[float]:
+    """Every random float32 group against the plain HF forward, one microbatch per sequence."""
+    return [_flow_vs_hf(model, group, microbatches(g, 1)) for model, g, group in _random_fp32_groups()]
 
 
 def random_fp32() -> list[float]:
-    """Tied and untied embeddings × group sizes × prefix ratios × 4 microbatch splits."""
+    """Every random float32 group against full-sequence training, 4 microbatch splits each."""
     errors = []
-    for tied in (True, False):
-        model = tiny_llama(tied=tied, seed=0 if tied else 3)
-        for g in GROUP_SIZES:
-            for r in RATIOS:
-                group = make_group(g, r, loss_in_prefix=(g + int(r * 100)) % 2 == 0)
-                splits = [microbatches(g, g), microbatches(g, 1), microbatches(g, 3), [list(range(g))[::-1]]]
-                errors += _flow_vs_full(model, group, splits)
+    for model, g, group in _random_fp32_groups():
+        splits = [microbatches(g, g), microbatches(g, 1), microbatches(g, 3), [list(range(g))[::-1]]]
+        errors += _flow_vs_full(model, group, splits)
     return errors
 
 
