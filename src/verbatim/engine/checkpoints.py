@@ -57,7 +57,33 @@ def state_dict_checkpoint(state_dict: dict[str, Any], like: str | os.PathLike[st
     from safetensors.torch import save_file
 
     folder = Path(tempfile.mkdtemp(prefix="verbatim-weights-", dir=parent))
-    _copy_metadata(Path(like), folder)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        _copy_metadata(Path(like), folder)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
+
+
+def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], root: str | os.PathLike[str],
+                    version: int, keep: int = 2) -> Path:
+    """Write ``root/v{version:06d}`` atomically (a temporary folder renamed into place) for servers to reload.
+
+    A server never sees a half-written folder: the name appears only once every file is complete.
+    Older published versions beyond the newest ``keep`` are removed.
+    """
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        folder = state_dict_checkpoint(state_dict, like, parent=root)
+        final = root / f"v{version:06d}"
+        os.rename(folder, final)
+    except OSError as exc:
+        raise InputError(f"cannot publish the version {version} weights in {root}: {exc.strerror or exc}",
+                         hint="free space or pass another --out, then --resume") from exc
+    published = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
+    for old in published[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -230,7 +230,15 @@ class InprocEngine:
         policy = CachePolicy.parse(policy)
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
-        folder = self._weights_folder(source)
+        folder = await asyncio.to_thread(self._weights_folder, source)  # writing a state dict takes a while
+        try:
+            await self._reload(llm, folder, version, policy)
+        finally:
+            if isinstance(source, dict):  # our own temporary copy: the reload has read it
+                shutil.rmtree(folder, ignore_errors=True)
+                self._weights_dirs.remove(folder)
+
+    async def _reload(self, llm: Any, folder: Path, version: int, policy: CachePolicy) -> None:
         async with self._update_lock:
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:

@@ -50,6 +50,8 @@ class RolloutSpec(Frozen):
     rollout_id: str
     task: dict[str, Any]
     seed: int
+    step: int | None = None
+    """The training step it belongs to (recorded in ``info["step"]``), None outside training."""
 
 
 class _Ended(Exception):
@@ -131,6 +133,8 @@ class RolloutPlayer:
                 "stop_reason": state["stop"] if status == "ok" else reason, "env": jsonable(state["env_info"]),
                 "messages": [m.model_dump(mode="json", exclude_defaults=True) for m in state["messages"]],
                 "tools": state.get("tools")}
+        if spec.step is not None:
+            info["step"] = spec.step
         if state.get("routes"):  # the router's decision per turn: reason, migration, expected cache loss
             info["routes"] = state["routes"]
         return ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,

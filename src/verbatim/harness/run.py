@@ -45,6 +45,12 @@ class RunPlan(Frozen):
     concurrency: int = Field(default=16, ge=1)
     batch_size: int = Field(default=8, ge=1)
     """Rollouts per trace file: a crash loses at most this many finished rollouts."""
+    step: int | None = Field(default=None, ge=0)
+    """The training step these rollouts belong to (``verbatim train``): ids are prefixed ``sNNNN-`` and
+    each rollout records it in ``info["step"]``; None for a plain run."""
+
+    def group_id(self, g: int) -> str:
+        return f"g{g:04d}" if self.step is None else f"s{self.step:04d}-g{g:04d}"
 
 
 def plan_specs(plan: RunPlan, tasks: Sequence[dict[str, Any]]) -> list[list[RolloutSpec]]:
@@ -52,11 +58,12 @@ def plan_specs(plan: RunPlan, tasks: Sequence[dict[str, Any]]) -> list[list[Roll
         raise InputError(f"{plan.groups} groups need {plan.groups} tasks, only {len(tasks)} available",
                          hint="lower --groups or add tasks")
     groups = []
+    base = plan.seed * 1_000_003 + (plan.step or 0) * 100_003
     for g in range(plan.groups):
-        group_id = f"g{g:04d}"
+        group_id = plan.group_id(g)
         groups.append([
             RolloutSpec(run_id=plan.run_id, group_id=group_id, rollout_id=f"{group_id}-r{i:02d}",
-                        task=dict(tasks[g]), seed=plan.seed * 1_000_003 + g * plan.group_size + i)
+                        task=dict(tasks[g]), seed=base + g * plan.group_size + i, step=plan.step)
             for i in range(plan.group_size)
         ])
     return groups
@@ -115,6 +122,8 @@ class Run:
         self.gate = EngineGate(engine, self._engine_failing, failures_to_stop)
         self._playing: set[str] = set()
         self._interrupted = 0
+        self.rollouts: list[Rollout] = []
+        """After :meth:`play`: this plan's rollouts as written (those of earlier plays included)."""
 
     def completed_ids(self) -> set[str]:
         if not (self.out / "manifest.json").exists():
@@ -158,7 +167,13 @@ class Run:
 
     # -- playing ----------------------------------------------------------------------
 
-    async def play(self, *, resume: bool = False) -> RunSummary:
+    async def play(self, *, resume: bool = False, hold_lock: bool = True) -> RunSummary:
+        """Play every rollout of the plan not yet written (all of them unless ``resume``).
+
+        ``hold_lock=False`` is for a caller that holds the run directory's :class:`RunLock` itself
+        across several plays (``verbatim train`` plays one plan per step)."""
+        if not hold_lock:
+            return await self._play_locked(resume)
         with RunLock(self.out):  # held until the last write: no second writer clears or duplicates ours
             return await self._play_locked(resume)
 
@@ -184,14 +199,16 @@ class Run:
             await self._settle(tasks)
         finally:
             await batcher.flush()
-        trace = read_run(self.out)
-        whole = len({r.rollout_id for r in trace.rollouts}) == self.total and not self._interrupted
+        mine = self.rollout_ids
+        rollouts = [r for r in read_run(self.out).rollouts if r.rollout_id in mine]
+        whole = len({r.rollout_id for r in rollouts}) == self.total and not self._interrupted
         status = self.stopped.status if self.stopped and not whole else "completed"
         writer.write_manifest(self.manifest.model_copy(update={"status": status}))
-        self.summary = summarize(trace.rollouts, block_size=self.manifest.block_size(self.out),
+        self.rollouts = rollouts
+        self.summary = summarize(rollouts, block_size=self.manifest.block_size(self.out),
                                  wall_s=time.perf_counter() - started, renderer=self.renderer)
         if self.stopped:
-            raise self._stop_error(len(trace.rollouts))
+            raise self._stop_error(len(rollouts))
         return self.summary
 
     def _record_block_size(self) -> None:
@@ -226,6 +243,10 @@ class Run:
     @property
     def total(self) -> int:
         return sum(len(g) for g in self.groups)
+
+    @property
+    def rollout_ids(self) -> set[str]:
+        return {spec.rollout_id for group in self.groups for spec in group}
 
     def _stop_error(self, written: int) -> VerbatimError:
         stop = self.stopped
@@ -289,6 +310,8 @@ class Run:
     @staticmethod
     def _record(spec: RolloutSpec, status: str, reason: str) -> Rollout:
         """A rollout without tokens that ended before its first request, for ``reason``."""
+        info = {"session_id": spec.rollout_id, "seed": spec.seed, "stop_reason": reason}
+        if spec.step is not None:
+            info["step"] = spec.step
         return Rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
-                       task=jsonable(spec.task), status=status, error=reason,
-                       info={"session_id": spec.rollout_id, "seed": spec.seed, "stop_reason": reason})
+                       task=jsonable(spec.task), status=status, error=reason, info=info)

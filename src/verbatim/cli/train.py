@@ -1,0 +1,215 @@
+"""``verbatim train``: reinforcement learning on the real engine, from token-exact traces.
+
+Options are resolved before anything starts (bad input: one line, exit 2, nothing written);
+then the engine starts, the trainer loads the same weights in float32, and
+:class:`~verbatim.harness.train.TrainLoop` runs the steps. Each step prints one line; the end
+prints the reward table. SIGINT/SIGTERM finish the step being trained (its checkpoint is written),
+then stop (exit 130/143); ``--resume`` goes on from there, as it does after a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from rich.console import Console
+from rich.table import Table
+
+from verbatim.datamodel import Frozen
+from verbatim.engine.http import redact
+from verbatim.engine.models import resolve
+from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.errors import InputError
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import StopRequest
+from verbatim.harness.store import RunManifest
+from verbatim.harness.train import TrainLoop, TrainPlan, check_resumable
+from verbatim.trainer.advantages import Advantage
+from verbatim.trainer.learner import LearnerConfig
+
+
+class TrainOptions(Frozen):
+    """Everything ``verbatim train`` was asked to do (its ``train`` section is the run's config)."""
+
+    env: str
+    tasks: str | None = None
+    model: str = "default"
+    renderer: str | None = None
+    max_turns: int = Field(default=3, ge=1)
+    max_tokens: int = Field(default=48, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    plan: TrainPlan
+    learner: LearnerConfig
+    out: str = "runs/train"
+    engine: str = "inproc"
+    urls: tuple[str, ...] = ()
+    route: str | None = None
+    max_model_len: int = Field(default=2048, ge=256)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    resume: bool = False
+
+    def config(self) -> dict[str, Any]:
+        """What a --resume must match (the output path and --resume itself excluded)."""
+        train = self.model_dump(mode="json", exclude={"resume", "out"})
+        train["urls"] = [redact(u) for u in self.urls]
+        return {"train": train}
+
+
+def prepare(options: TrainOptions) -> TrainLoop:
+    """Resolve every input and build the loop; starts nothing (the engine starts in :func:`execute`)."""
+    from verbatim.cli.run import RunOptions, _make_engine, default_renderer
+    from verbatim.envs.registry import load_env, load_tasks
+    from verbatim.renderers.registry import get_renderer
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.reference import load_model
+
+    out = Path(options.out)
+    config = options.config()
+    check_resumable(out, options.resume, config)
+    factory = load_env(options.env)
+    tasks = _task_source(options, factory, load_tasks)
+    model_dir = resolve(options.model)
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
+    engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
+                                route=options.route, max_model_len=options.max_model_len,
+                                kv_cache_gib=options.kv_cache_gib, seed=options.plan.seed)
+    engine = _make_engine(engine_options)
+    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len,
+                      cache_policy=options.plan.cache_policy,
+                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+    run_id = _existing_run_id(out) or uuid.uuid4().hex[:12]
+    manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
+                           engine={"kind": options.engine, "block_size": engine.block_size,
+                                   "cache_policy": options.plan.cache_policy.value,
+                                   "urls": config["train"]["urls"], "route": options.route},
+                           config=config)
+    learner = Learner(load_model(model_dir), options.learner)
+    return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
+                     served=options.engine == "http")
+
+
+def _task_source(options: TrainOptions, factory: Any, load_tasks: Any) -> Any:
+    """Step k's tasks: the env's generator seeded by (seed, k), or the task file's in turn."""
+    groups, seed = options.plan.groups, options.plan.seed
+    if options.tasks is None:
+        factory.tasks(groups, seed)  # a generator that fails does so now, before the engine starts
+        return lambda k: list(factory.tasks(groups, seed * 100_003 + k))
+    pool = list(load_tasks(options.tasks))
+    if not pool:
+        raise InputError(f"{options.tasks} holds no tasks")
+    return lambda k: [pool[(k * groups + g) % len(pool)] for g in range(groups)]
+
+
+def _existing_run_id(out: Path) -> str | None:
+    from verbatim.harness.store import read_manifest
+
+    return read_manifest(out).run_id if (out / "manifest.json").exists() else None
+
+
+async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> list[dict[str, Any]]:
+    engine = loop.engine
+    try:
+        with console.status("starting engine…"):
+            await engine.start()
+        undo = _stop_on_signals(loop, console)
+        try:
+            return await loop.train(resume=options.resume)
+        finally:
+            undo()
+    finally:
+        close = getattr(engine, "aclose", None)
+        if close is not None:
+            await close()
+        else:
+            engine.close()
+
+
+def _stop_on_signals(loop: TrainLoop, console: Console) -> Any:
+    events = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        console.print(f"{name}: finishing the step being trained, then stopping (--resume goes on)")
+        loop.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        events.add_signal_handler(sig, on_signal, sig)
+    return lambda: [events.remove_signal_handler(s) for s in (signal.SIGINT, signal.SIGTERM)]
+
+
+def step_line(record: dict[str, Any], steps: int) -> str:
+    def num(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return "–" if value is None else format(value, fmt)
+
+    return (f"step {record['step'] + 1}/{steps} · v{record['version']} · reward {num('reward_mean', '.3f')}"
+            f" · success {num('success_rate', '.0%')} · loss {num('loss', '+.4f')} · |Δlogp| "
+            f"{num('mismatch_mean_abs', '.1e')} · cache hit {num('cache_hit_rate', '.0%')} · rollout "
+            f"{num('rollout_s', '.1f')}s train {num('train_s', '.1f')}s sync {num('weight_sync_s', '.1f')}s")
+
+
+def reward_table(history: list[dict[str, Any]], out: Path) -> Table:
+    table = Table(title=f"training ({out})")
+    for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit"):
+        table.add_column(column, justify="right")
+    for r in history:
+        table.add_row(str(r["step"] + 1), str(r["version"]), _fmt(r.get("reward_mean"), ".3f"),
+                      _fmt(r.get("success_rate"), ".0%"), _fmt(r.get("loss"), "+.4f"), _fmt(r.get("grad_norm"), ".3f"),
+                      _fmt(r.get("mismatch_mean_abs"), ".1e"), _fmt(r.get("cache_hit_rate"), ".0%"))
+    return table
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float) -> dict[str, Any]:
+    return {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
+            "mean_reward_by_step": [r.get("reward_mean") for r in history],
+            "success_rate_by_step": [r.get("success_rate") for r in history],
+            "mismatch_by_step": [r.get("mismatch_mean_abs") for r in history],
+            "cache_hit_rate_by_step": [r.get("cache_hit_rate") for r in history],
+            "wall_s": round(wall_s, 2), "run_dir": options.out}
+
+
+def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
+    started = time.perf_counter()
+    loop = prepare(options)
+    loop.on_step = lambda record: console.print(step_line(record, options.plan.steps))
+    try:
+        history = asyncio.run(execute(loop, options, console))
+    finally:
+        if loop.history:
+            console.print(reward_table(loop.history, Path(options.out)))
+        if summary_json and loop.history:
+            Path(summary_json).write_text(json.dumps(summary(loop.history, options,
+                                                             time.perf_counter() - started), indent=2) + "\n")
+    return history
+
+
+def parse_band(text: str | None, what: str) -> tuple[float, float] | None:
+    """``LOW,HIGH`` or ``none``."""
+    if text is None or text.strip().lower() in ("none", "off", ""):
+        return None
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(f"{what} must look like LOW,HIGH (e.g. 0.5,5) or none, got {text!r}") from None
+    return (low, high)
+
+
+def cache_policy_option(value: str) -> CachePolicy:
+    return CachePolicy.parse(value)
+
+
+def advantage_option(value: str) -> Advantage:
+    if value not in ("grpo", "rloo"):
+        raise InputError(f"unknown advantage {value!r}", hint="use grpo or rloo")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,224 @@
+"""``verbatim train``'s loop: play a step's groups, learn from exactly their tokens, push the weights.
+
+One step ``k``:
+
+1. play ``groups × group_size`` rollouts (:class:`~verbatim.harness.run.Run` with ``step=k``: the
+   ordinary trace, ids prefixed ``sNNNN-``, each rollout's ``info["step"]``);
+2. group-relative advantages, the learner's step on the traced tokens (in a worker thread);
+3. the new weights into the engine under the cache policy, as version ``k + 1`` (served replicas
+   reload a folder published atomically under ``RUN_DIR/weights/``; the router updates every
+   replica before the version is used);
+4. an atomic checkpoint ``RUN_DIR/checkpoints/step-{k+1}`` (weights, optimizer, RNG, version,
+   config, the metrics so far), then the step's line in ``RUN_DIR/metrics.jsonl``.
+
+``max_lag`` L: step ``k``'s rollouts start once ``k − L`` steps are trained, so with L ≥ 1 the
+next step plays while this one trains, and its tokens carry the versions that sampled them (an
+update lands mid-rollout). No token is more than L versions behind the trainer; the
+correction's version-lag rule masks any that would be.
+
+Resume (``resume=True``): the newest complete checkpoint's weights, optimizer, RNG and version
+are loaded, the engine gets those weights before any rollout, ``metrics.jsonl`` is cut back to
+the checkpointed steps, and the first unfinished step plays only its missing rollouts (the
+written ones were sampled by the checkpoint's version, or by versions the trace records).
+A step is counted once: its checkpoint is the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.checkpoints import publish_weights
+from verbatim.engine.protocol import CachePolicy
+from verbatim.envs.base import EnvFactory
+from verbatim.errors import InputError, RunInterrupted
+from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan, StopRequest
+from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes
+from verbatim.harness.train_step import step_input, step_record
+from verbatim.trainer.advantages import Advantage
+from verbatim.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from verbatim.trainer.learner import Learner
+
+CHECKPOINTS = "checkpoints"
+WEIGHTS = "weights"
+
+
+class TrainPlan(Frozen):
+    """What the loop does around the learner (recorded in the run's config)."""
+
+    steps: int = Field(ge=1)
+    groups: int = Field(default=2, ge=1)
+    group_size: int = Field(default=4, ge=2)
+    seed: int = 0
+    advantage: Advantage = "grpo"
+    cache_policy: CachePolicy = CachePolicy.KEEP_SALT
+    max_lag: int = Field(default=0, ge=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    concurrency: int = Field(default=16, ge=1)
+
+
+class TrainLoop:
+    """Plays and trains the plan's steps on one engine (or a router over replicas)."""
+
+    def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner, engine: Any, renderer: Any,
+                 env: EnvFactory, tasks: Callable[[int], Sequence[dict[str, Any]]], out: Path,
+                 manifest: RunManifest, model_dir: Path, *, served: bool = False) -> None:
+        self.plan, self.loop, self.learner, self.engine = plan, loop, learner, engine
+        self.renderer, self.env, self.tasks = renderer, env, tasks
+        self.out, self.manifest, self.model_dir, self.served = Path(out), manifest, Path(model_dir), served
+        self.history: list[dict[str, Any]] = []
+        self.on_step: Callable[[dict[str, Any]], None] | None = None
+        self.on_rollout: Callable[[Rollout], None] | None = None
+        self._trained = 0
+        self._progress = asyncio.Condition()
+        self._runs: set[Run] = set()
+        self.stopped: StopRequest | None = None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / CHECKPOINTS
+
+    # -- the whole run ----------------------------------------------------------------------
+
+    async def train(self, *, resume: bool = False) -> list[dict[str, Any]]:
+        """Train every step not yet checkpointed; returns the metrics of all steps."""
+        with RunLock(self.out):
+            clear_unfinished_writes(self.out)
+            start = await self._restore(resume)
+            TraceWriter(self.out, self.manifest)  # the manifest (with the engine's block size) before any step
+            self._trained = start
+            queue: asyncio.Queue = asyncio.Queue()
+            producer = asyncio.create_task(self._produce(start, queue))
+            try:
+                for k in range(start, self.plan.steps):
+                    played = await self._next(queue, producer)
+                    await self._learn(k, *played)
+                    if self.stopped is not None and k + 1 < self.plan.steps:
+                        raise RunInterrupted(f"{self.stopped.reason}: stopped after step {k + 1} of "
+                                             f"{self.plan.steps}", exit_code=self.stopped.exit_code,
+                                             hint="rerun the same command with --resume to go on")
+            finally:
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
+        return self.history
+
+    def stop(self, request: StopRequest, grace_s: float = 30.0) -> None:
+        """Finish the step being trained, then stop; rollouts playing are stopped as ``verbatim run`` stops."""
+        first = self.stopped is None
+        self.stopped = self.stopped or request
+        for run in list(self._runs):
+            run.stop(request, grace_s if first else 0)
+
+    async def _restore(self, resume: bool) -> int:
+        """The step to start from: 0, or the newest checkpoint's, with its weights in the engine."""
+        if not resume:
+            rewrite_metrics(self.out, [])
+            return 0
+        latest = latest_checkpoint(self.checkpoints)
+        if latest is None:
+            rewrite_metrics(self.out, [])
+            return 0
+        state = await asyncio.to_thread(load_checkpoint, latest, self.learner.model, self.learner.optimizer)
+        self.learner.version = int(state["version"])
+        self.history = list(state.get("metrics", []))
+        rewrite_metrics(self.out, self.history)
+        if self.learner.version > self.engine.version:
+            await self._push(CachePolicy.FLUSH)
+        return int(state["step"])
+
+    # -- playing ahead ----------------------------------------------------------------------
+
+    async def _produce(self, start: int, queue: asyncio.Queue) -> None:
+        for k in range(start, self.plan.steps):
+            async with self._progress:
+                await self._progress.wait_for(lambda k=k: self._trained >= k - self.plan.max_lag)
+            if self.stopped is not None:
+                return
+            began = time.perf_counter()
+            run = self._run(k)
+            self._runs.add(run)
+            try:
+                await run.play(resume=True, hold_lock=False)
+            finally:
+                self._runs.discard(run)
+            await queue.put((run.rollouts, run.summary, time.perf_counter() - began))
+
+    async def _next(self, queue: asyncio.Queue, producer: asyncio.Task) -> tuple:
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        producer.result()  # raises the play's error (a stopped or failed run)
+        raise RunInterrupted(f"{self.stopped.reason if self.stopped else 'stopped'}: no more steps were played",
+                             hint="rerun the same command with --resume to go on")
+
+    def _run(self, k: int) -> Run:
+        plan = RunPlan(run_id=self.manifest.run_id, groups=self.plan.groups, group_size=self.plan.group_size,
+                       seed=self.plan.seed, concurrency=self.plan.concurrency,
+                       batch_size=max(self.plan.group_size, 4), step=k)
+        run = Run(plan, self.loop, self.engine, self.renderer, self.env, self.tasks(k), self.out, self.manifest)
+        run.on_rollout = self.on_rollout
+        return run
+
+    # -- learning ---------------------------------------------------------------------------
+
+    async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
+        rows, row_info = step_input(rollouts, self.plan.advantage)
+        learned = await asyncio.to_thread(self.learner.train_step, rows)
+        began = time.perf_counter()
+        await self._push(self.plan.cache_policy)
+        sync_s = time.perf_counter() - began
+        times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s}
+        record = step_record(k, self.learner.version, rollouts, summary, row_info, learned, times)
+        self.history.append(record)
+        state = {"version": self.learner.version, "config": self.manifest.config, "metrics": self.history}
+        began = time.perf_counter()
+        await asyncio.to_thread(save_checkpoint, self.checkpoints, k + 1, self.learner.model,
+                                self.learner.optimizer, state, self.plan.keep_checkpoints)
+        record["checkpoint_s"] = round(time.perf_counter() - began, 3)
+        append_metrics(self.out, record)
+        async with self._progress:
+            self._trained = k + 1
+            self._progress.notify_all()
+        if self.on_step:
+            self.on_step(record)
+
+    async def _push(self, policy: CachePolicy) -> None:
+        """The learner's weights into the engine as its version (a folder the servers read, if served)."""
+        weights = self.learner.engine_weights()
+        version = self.learner.version
+        if self.served:
+            source: Any = await asyncio.to_thread(publish_weights, weights, self.model_dir, self.out / WEIGHTS,
+                                                  version)
+            source = str(source.resolve())
+        else:
+            source = weights
+        await self.engine.update_weights(source, version, policy)
+
+
+def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> None:
+    """Before anything starts: refuse a used --out without --resume, and a resume with another config."""
+    from verbatim.harness.store import read_manifest
+    from verbatim.trainer.checkpoint import config_differences
+
+    RunLock.check_free(out)
+    if not (out / "manifest.json").exists():
+        return
+    if not resume:
+        raise InputError(f"{out} already holds a run", hint="pass --resume to go on with it, or another --out")
+    previous = read_manifest(out).config
+    if "train" not in previous:
+        raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
+    changed = config_differences(previous.get("train", {}), config.get("train", {}))
+    if changed:
+        raise InputError(f"--resume with a changed config: {'; '.join(changed)}",
+                         hint="resume with the settings of the first run, or pass another --out")

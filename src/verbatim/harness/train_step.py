@@ -1,0 +1,131 @@
+"""From one step's rollouts to the learner's rows, and the step's metrics record.
+
+Pure functions over what a step played (the rollouts as written) and what the learner
+reported; :mod:`verbatim.harness.train` does the I/O.
+
+* Trained rollouts: status ``ok`` or ``truncated`` (a truncated episode keeps the reward it
+  earned). ``error`` and ``interrupted`` rollouts are data, recorded in the trace and counted
+  in the metrics, never trained.
+* A group trains when at least two of its rollouts are trained; its advantages are
+  group-relative (:func:`~verbatim.trainer.advantages.group_advantages`). Only model tokens
+  (``source == MODEL``) are in the loss: prompt and observation tokens never are.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verbatim.datamodel import Rollout
+from verbatim.errors import InputError
+from verbatim.harness.summary import RunSummary
+from verbatim.trainer.advantages import Advantage, group_advantages
+from verbatim.trainer.learner import StepInput
+
+TRAINED_STATUSES = ("ok", "truncated")
+
+
+def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, dict[str, Any]]:
+    """The learner's rows (grouped, in group order) and what was left out, for one step's rollouts."""
+    by_group: dict[str, list[Rollout]] = {}
+    for rollout in sorted(rollouts, key=lambda r: r.rollout_id):
+        by_group.setdefault(rollout.group_id, []).append(rollout)
+    columns, advantages, groups, skipped = [], [], [], 0
+    for members in by_group.values():
+        trained = [r for r in members if r.status in TRAINED_STATUSES and r.reward is not None and len(r.turns)]
+        if len(trained) < 2:
+            skipped += 1
+            continue
+        start = len(columns)
+        columns.extend(r.tokens for r in trained)
+        advantages.extend(group_advantages([float(r.reward) for r in trained], how).tolist())
+        groups.append(list(range(start, len(columns))))
+    if not groups:
+        raise InputError(_nothing_to_train(rollouts), hint="check the env's rewards: see the trace's errors with "
+                                                            "'verbatim lint trace RUN_DIR'")
+    values = np.asarray(advantages, dtype=np.float64)
+    info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
+            "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
+            "zero_advantage_groups": sum(1 for g in groups if not np.any(values[g]))}
+    return StepInput(columns=columns, advantages=values, groups=groups), info
+
+
+def _nothing_to_train(rollouts: Sequence[Rollout]) -> str:
+    errors = [r.error for r in rollouts if r.status not in TRAINED_STATUSES and r.error]
+    first = f"; first error: {errors[0]}" if errors else ""
+    return (f"no group of this step has two rollouts that ended with a reward "
+            f"({len(rollouts)} rollouts, {len(errors)} failed{first})")
+
+
+def success_rate(rollouts: Sequence[Rollout]) -> float | None:
+    """The fraction of rollouts whose env said ``solved``, when the env says it; else None."""
+    said = [r.info.get("env", {}).get("solved") for r in rollouts]
+    flags = [bool(s) for s in said if isinstance(s, bool)]
+    return sum(flags) / len(flags) if flags else None
+
+
+def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: RunSummary | None,
+                rows: dict[str, Any], learned: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+    """One line of ``metrics.jsonl``: the step's rewards, loss, correction, tokens, lag, time and memory."""
+    rewards = [float(r.reward) for r in rollouts if r.reward is not None and r.status in TRAINED_STATUSES]
+    statuses: dict[str, int] = {}
+    for r in rollouts:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    correction = learned.get("correction") or {}
+    every = correction.get("all") or {}
+    record: dict[str, Any] = {
+        "step": step, "version": version,
+        "reward_mean": float(np.mean(rewards)) if rewards else None,
+        "success_rate": success_rate(rollouts),
+        "rollouts": len(rollouts), "statuses": statuses, **rows,
+        "loss": learned.get("loss"), "grad_norm": learned.get("grad_norm"), "updates": learned.get("updates"),
+        "kept_tokens": learned.get("kept_tokens"), "model_tokens": learned.get("model_tokens"),
+        "mismatch_mean_abs": every.get("mean_abs_log_ratio"), "k3": every.get("k3"),
+        "ratio_quantiles": every.get("ratio_quantiles"), "dropped": every.get("dropped"),
+        "hybrid_tokens": (correction.get("hybrid") or {}).get("tokens", 0),
+        "policy_lag": {lag: stats["tokens"] for lag, stats in (correction.get("by_lag") or {}).items()},
+    }
+    if summary is not None:
+        record |= {"prompt_tokens": summary.prompt_tokens, "cached_tokens": summary.cached_tokens,
+                   "prefill_tokens": summary.prefill_tokens, "min_prefill_tokens": summary.min_prefill_tokens,
+                   "generated_tokens": summary.generated_tokens, "cache_hit_rate": summary.cache_hit_rate}
+    record |= {f"{name}_s": round(value, 3) for name, value in times.items()}
+    record |= peak_rss_mib()
+    return record
+
+
+def peak_rss_mib() -> dict[str, float | None]:
+    """Peak resident memory of this process (the trainer) and of its child processes (the engine's)."""
+    trainer = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = [_peak_kib(pid) for pid in _descendants(os.getpid())]
+    engine = sum(k for k in children if k is not None) / 1024 if children else None
+    return {"trainer_peak_rss_mib": round(trainer, 1), "engine_peak_rss_mib": round(engine, 1) if engine else None}
+
+
+def _descendants(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(x) for x in task.read_text().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            pending.extend(kids)
+    return found
+
+
+def _peak_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

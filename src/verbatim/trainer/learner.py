@@ -1,0 +1,153 @@
+"""The learner: one training step on exactly the traced tokens, and the weights it hands the engine.
+
+A step takes the rows of the step's trained rollouts (their token columns as written: ids,
+sources, sampler logprobs μ, policy versions) with one advantage per row, and:
+
+1. computes π_old, the trainer's log π of every model token before any update (no grad);
+2. corrects π_old against μ and the versions (:func:`~verbatim.trainer.correction.correct`):
+   behaviour weights, the rows' kept tokens, and the mismatch metrics of the step's own
+   rollouts before the optimizer moves (on a synchronous step this is the engine/trainer
+   agreement);
+3. splits the rows into ``updates_per_step`` optimizer updates; each update's loss is the
+   decoupled objective of :mod:`~verbatim.trainer.objective` with one normaliser over the
+   update's rows, so its gradient does not depend on the microbatch split or on PrefixFlow;
+   clips the gradient norm and steps AdamW;
+4. increments the version.
+
+The model is a Hugging Face causal LM in float32 (:func:`~verbatim.trainer.reference.load_model`),
+put in train mode; a model with dropout is refused (PrefixFlow runs a group's prompt once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from verbatim.datamodel import TokenColumns
+from verbatim.errors import InputError, TrainerError
+from verbatim.trainer.batch import behaviour_batch
+from verbatim.trainer.causal_lm import prefix_lm, refuse_dropout
+from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.objective import LossConfig, loss_coefficients
+from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
+
+
+class LearnerConfig(BaseModel):
+    """How the trainer steps (recorded in the run's config; a resume must match it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    updates_per_step: int = Field(default=1, ge=1)
+    microbatch: int = Field(default=4, ge=1)
+    """Rows per forward/backward (suffix microbatches under PrefixFlow)."""
+    prefixflow: bool = True
+    loss: LossConfig = Field(default_factory=LossConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+
+@dataclass(frozen=True, eq=False)
+class StepInput:
+    """The rows a step trains: token columns as traced, one advantage per row, the groups' rows."""
+
+    columns: Sequence[TokenColumns]
+    advantages: np.ndarray
+    groups: Sequence[Sequence[int]]
+
+
+class Learner:
+    """A causal LM, its AdamW optimizer and its policy version."""
+
+    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0) -> None:
+        refuse_dropout(model)
+        self.model = model.train()
+        self.config = config
+        self.lm = prefix_lm(model)
+        self.version = version
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def train_step(self, step: StepInput) -> dict[str, Any]:
+        """One step (see the module docstring); returns its metrics. The version moves by one."""
+        started = time.perf_counter()
+        rows = len(step.columns)
+        if rows == 0:
+            self.version += 1  # nothing to learn from: the policy is unchanged but the step counts
+            return {"rows": 0, "loss": 0.0, "grad_norm": 0.0, "updates": 0, "train_s": 0.0, "correction": None}
+        batch = behaviour_batch(step.columns)
+        self._check_vocab(batch.token_ids, batch.lengths)
+        sequences = tuple(batch.token_ids[i, : int(batch.lengths[i])] for i in range(rows))
+        logp_old = old_logprobs(self.lm, sequences, batch.loss_mask, self.config.microbatch)
+        fix = correct(logp_old, batch.logp_mu, batch.loss_mask, batch.versions, self.version,
+                      self.config.correction)
+        advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32)
+        loss = 0.0
+        norms = []
+        for update_rows in self.update_splits(rows):
+            loss_u, norm = self._update(sequences, fix.weights, fix.keep, logp_old, advantages,
+                                        step.groups, update_rows)
+            loss += loss_u
+            norms.append(norm)
+        self.version += 1
+        return {"rows": rows, "loss": loss, "grad_norm": float(np.mean(norms)), "grad_norm_max": float(max(norms)),
+                "updates": len(norms), "kept_tokens": int(fix.keep.sum()), "model_tokens": int(batch.loss_mask.sum()),
+                "train_s": time.perf_counter() - started, "correction": fix.metrics.as_dict()}
+
+    def update_splits(self, rows: int) -> list[list[int]]:
+        """The rows of each optimizer update: consecutive (a group stays together where it can)."""
+        count = self.config.updates_per_step
+        if count > rows:
+            raise InputError(f"--updates-per-step {count} is more than the {rows} rollouts trained this step",
+                             hint="lower --updates-per-step or raise --groups/--group-size")
+        return [list(map(int, part)) for part in np.array_split(np.arange(rows), count)]
+
+    def _update(self, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor, keep: torch.Tensor,
+                logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
+                rows: list[int]) -> tuple[float, float]:
+        coef = torch.zeros_like(weights)
+        coef[rows] = loss_coefficients(weights[rows], keep[rows], self.config.loss.normaliser)
+        trained = keep & (advantages != 0)[:, None]  # a zero advantage gives zero gradient: skip its forward
+        batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp_old, advantages=advantages,
+                          groups=tuple(tuple(g) for g in groups))
+        loss = backward_rows(self.lm, batch, rows, self.config.loss.clip_eps, prefixflow=self.config.prefixflow,
+                             microbatch=self.config.microbatch)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if not np.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainerError(f"the gradient norm is {norm} at version {self.version}",
+                               hint="lower --lr, or check the rewards and advantages")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def _check_vocab(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        top = max((int(token_ids[i, : int(n)].max()) for i, n in enumerate(lengths) if int(n)), default=-1)
+        if top >= self.vocab_size:
+            raise InputError(f"the traces hold token id {top}, outside the trainer model's vocabulary of "
+                             f"{self.vocab_size}", hint="train the model that played the rollouts (--model)")
+
+    # -- weights for the engine ---------------------------------------------------------------
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights by name, each storage once (a tied output layer is left to its embedding)."""
+        seen: set[int] = set()
+        weights = {}
+        for name, tensor in self.model.state_dict().items():
+            key = tensor.untyped_storage().data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            weights[name] = tensor.detach()
+        return weights
