@@ -86,18 +86,31 @@ def test_version_lag_drops_stale_tokens():
     assert c.metrics.by_lag[2].dropped["version_lag"] == 0.0
 
 
-def test_modes_combine_multiplicatively_and_masks_overlap():
+G0 = 0.75 ** 0.25  # geometric mean of row 0 below: (0.25 * 3 * 1 * 1)^(1/4) = 0.9306
+
+
+@pytest.mark.parametrize("tis, row0", [
+    (dict(token_tis_cap=2.5), [0.0, 2.5, 1.0, 0.0]),
+    (dict(sequence_tis="geo_mean", sequence_tis_cap=1.5), [0.0, G0, G0, 0.0]),
+], ids=["token_tis", "sequence_tis"])
+def test_tis_combines_with_the_masks_and_masks_overlap(tis, row0):
     ratios = [[0.25, 3.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]
     versions = [[1, 1, 1, 0], [1, 1, 1, 1]]
-    c = run(ratios, versions=versions, trainer_version=1, token_tis_cap=2.5, token_mask_band=(0.5, 5.0),
-            sequence_tis="geo_mean", sequence_tis_cap=1.5, sequence_mask_band=(0.1, 1.9), max_version_lag=0)
-    # row 0: geo mean (0.25*3)^(1/4) = 0.9306; token 0 out of band; token 3 too stale
-    g0 = 0.75 ** 0.25
-    close(c.weights, [[0.0, 2.5 * g0, 1.0 * g0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    c = run(ratios, versions=versions, trainer_version=1, token_mask_band=(0.5, 5.0),
+            sequence_mask_band=(0.1, 1.9), max_version_lag=0, **tis)
+    # row 0: token 0 out of band; token 3 too stale; row 1: geo mean 2 > 1.9
+    close(c.weights, [row0, [0.0, 0.0, 0.0, 0.0]])
     assert c.dropped["token_band"].tolist()[0] == [True, False, False, False]
     assert c.dropped["version_lag"].tolist()[0] == [False, False, False, True]
-    assert c.dropped["sequence_band"].tolist() == [[False] * 4, [True] * 4]  # row 1 geo mean 2 > 1.9
+    assert c.dropped["sequence_band"].tolist() == [[False] * 4, [True] * 4]
     assert c.metrics.all.dropped["any"] == pytest.approx(6 / 8)
+
+
+def test_token_and_sequence_tis_together_are_refused():
+    with pytest.raises(pydantic.ValidationError, match="alternatives") as info:
+        CorrectionConfig(sequence_tis="product")  # the token cap is on by default
+    assert "token_tis_cap=None" in str(info.value)
+    assert CorrectionConfig(token_tis_cap=None, sequence_tis="product").sequence_tis == "product"
 
 
 def test_mu_minus_inf_is_capped_and_dropped_never_nan():
@@ -105,10 +118,13 @@ def test_mu_minus_inf_is_capped_and_dropped_never_nan():
     logp_mu = torch.tensor([[float("-inf"), -2.0]])
     mask = torch.tensor([[True, True]])
     versions = torch.zeros((1, 2), dtype=torch.int32)
-    cfg = CorrectionConfig(token_tis_cap=2.0, token_mask_band=None, sequence_tis="product", sequence_tis_cap=4.0)
-    c = correct(logp_pi, logp_mu, mask, versions, 0, cfg)
-    close(c.weights, [[8.0, 4.0]])  # token 2.0 x sequence 4.0 (inf product capped), ratio-1 token 1 x 4
-    assert c.log_ratio[0, 0].item() == math.inf
+    token = correct(logp_pi, logp_mu, mask, versions, 0, CorrectionConfig(token_tis_cap=2.0, token_mask_band=None))
+    close(token.weights, [[2.0, 1.0]])  # inf ratio capped at 2, ratio-1 token 1
+    assert token.log_ratio[0, 0].item() == math.inf
+    sequence = correct(logp_pi, logp_mu, mask, versions, 0,
+                       CorrectionConfig(token_tis_cap=None, token_mask_band=None, sequence_tis="product",
+                                        sequence_tis_cap=4.0))
+    close(sequence.weights, [[4.0, 4.0]])  # inf product capped at 4, on every token of the sequence
     banded = correct(logp_pi, logp_mu, mask, versions, 0, CorrectionConfig())
     assert banded.dropped["token_band"].tolist() == [[True, False]]
     close(banded.weights, [[0.0, 1.0]])
@@ -118,10 +134,10 @@ def test_mu_minus_inf_is_capped_and_dropped_never_nan():
 
 
 def test_empty_sequences_and_empty_batches():
-    c = run([[1.0, 2.0], [3.0, 4.0]], mask=[[False, False], [True, False]],
-            token_tis_cap=2.0, sequence_tis="product", sequence_tis_cap=10.0, sequence_mask_band=(0.5, 2.0))
-    close(c.weights, [[0.0, 0.0], [0.0, 0.0]])  # row 0 empty; row 1 geo mean 3 out of band
-    close(c.sequence_log_ratio, [0.0, math.log(3.0)])
+    for tis in (dict(token_tis_cap=2.0), dict(sequence_tis="product", sequence_tis_cap=10.0)):
+        c = run([[1.0, 2.0], [3.0, 4.0]], mask=[[False, False], [True, False]], sequence_mask_band=(0.5, 2.0), **tis)
+        close(c.weights, [[0.0, 0.0], [0.0, 0.0]])  # row 0 empty; row 1 geo mean 3 out of band
+        close(c.sequence_log_ratio, [0.0, math.log(3.0)])
     empty = correct(torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool),
                     torch.zeros(3, 0, dtype=torch.int32), 0)
     assert empty.weights.shape == (3, 0) and empty.metrics.all.tokens == 0

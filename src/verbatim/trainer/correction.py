@@ -7,8 +7,8 @@ Everything here is a pure torch function over padded batches of shape (B, T):
 * ``loss_mask``: True on model tokens (the tokens that are trained);
 * ``versions``: the policy version that sampled each token (-1 where not sampled).
 
-The per-token ratio is r = π/μ = exp(log π − log μ). The modes, all optional and combinable
-(see :class:`CorrectionConfig` for the defaults):
+The per-token ratio is r = π/μ = exp(log π − log μ). The modes, all optional and combinable,
+except token and sequence TIS, which are alternatives (see :class:`CorrectionConfig` for the defaults):
 
 * token TIS: weight_t = min(r_t, C);
 * token masking: drop tokens whose r_t lies outside [low, high] (IcePop-style band);
@@ -68,6 +68,13 @@ class CorrectionConfig(BaseModel):
             band = getattr(self, name)
             if band is not None and not 0 <= band[0] < band[1]:
                 raise ValueError(f"{name} must satisfy 0 <= low < high, got {band}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_tis_level(self) -> CorrectionConfig:
+        if self.token_tis_cap is not None and self.sequence_tis is not None:
+            raise ValueError("token- and sequence-level TIS are alternatives: "
+                             "set token_tis_cap=None to use sequence_tis")
         return self
 
 

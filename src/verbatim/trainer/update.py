@@ -1,0 +1,193 @@
+"""One optimizer update's forward and backward, over any split of its rows.
+
+A step's rollouts arrive as a :class:`StepBatch`: the token ids of each row, the kept tokens,
+their loss coefficients (:func:`verbatim.trainer.objective.loss_coefficients`, normalised
+over the update the row belongs to), π_old's log-probabilities (:func:`old_logprobs`) and
+each row's advantage, plus the groups of rows that share a task prompt.
+
+:func:`backward_rows` accumulates into the parameters' ``.grad`` the gradient of
+:func:`~verbatim.trainer.objective.objective_loss` over an update's rows. The rows of a group
+that share a token prefix go through PrefixFlow (the prefix runs once); the others through
+ordinary right-padded microbatches. The loss is a sum of per-row terms built from the batch's
+precomputed per-row tensors, so every microbatch split, with or without PrefixFlow, gives
+the same gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verbatim.errors import TrainerError
+from verbatim.trainer.causal_lm import PrefixCausalLM, sequence_logprobs
+from verbatim.trainer.objective import objective_loss
+from verbatim.trainer.prefix_offload import Offload
+from verbatim.trainer.prefixflow import _pad, group_from_sequences, microbatches, prefixflow_backward, shared_prefix_len
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """The rows of one training step, with everything their loss needs precomputed."""
+
+    sequences: tuple[torch.Tensor, ...]
+    """1-D int64 token ids per row, unpadded."""
+    keep: torch.Tensor
+    """(B, T) bool: the trained tokens (T = the longest row)."""
+    coef: torch.Tensor
+    """(B, T) float: the loss coefficients (0 off ``keep``)."""
+    logp_old: torch.Tensor
+    """(B, T) float32: π_old's log-probabilities on ``keep`` (detached)."""
+    advantages: torch.Tensor
+    """(B,): one advantage per row."""
+    groups: tuple[tuple[int, ...], ...]
+    """The rows of each group (rows sharing a task prompt): disjoint, covering every row."""
+
+    def __post_init__(self) -> None:
+        b = len(self.sequences)
+        if b < 1:
+            raise TrainerError("a step batch needs at least one row")
+        lengths = _lengths(self.sequences)
+        shape = (b, int(lengths.max()))
+        for name in ("keep", "coef", "logp_old"):
+            if tuple(getattr(self, name).shape) != shape:
+                raise TrainerError(f"step batch {name} is {tuple(getattr(self, name).shape)}, expected {shape} "
+                                   "(rows × longest row)")
+        if tuple(self.advantages.shape) != (b,):
+            raise TrainerError(f"step batch advantages are {tuple(self.advantages.shape)}, expected ({b},)")
+        if self.keep.dtype != torch.bool:
+            raise TrainerError(f"step batch keep must be bool, got {self.keep.dtype}")
+        _check_mask(self.keep, lengths, "keep")
+        covered = sorted(r for group in self.groups for r in group)
+        if covered != list(range(b)):
+            raise TrainerError(f"step batch groups must hold rows 0..{b - 1} once each, got {list(self.groups)}")
+
+    @property
+    def size(self) -> int:
+        return len(self.sequences)
+
+
+def old_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
+                 microbatch: int = 4) -> torch.Tensor:
+    """(B, T) float32 log π of each token where ``loss_mask`` is True, 0 elsewhere, without autograd.
+
+    Right-padded microbatches of ``microbatch`` rows through the model's full-sequence path;
+    rows without a masked token run no forward.
+    """
+    lengths = _lengths(sequences)
+    if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
+        raise TrainerError(f"loss mask is {tuple(loss_mask.shape)}, expected ({len(sequences)}, {int(lengths.max())})")
+    _check_mask(loss_mask.bool(), lengths, "loss mask")
+    _check_microbatch(microbatch)
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=sequences[0].device)
+    rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
+    with torch.no_grad():
+        for chunk in microbatches(len(rows), microbatch):
+            picked = [rows[k] for k in chunk]
+            logprobs = _row_logprobs(lm, [sequences[i] for i in picked],
+                                     [loss_mask[i, : int(lengths[i])] for i in picked])
+            out[torch.tensor(picked, device=out.device), : logprobs.shape[1]] = logprobs.float()
+    return out
+
+
+def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
+                  prefixflow: bool = True, microbatch: int = 4, offload: Offload = "none") -> float:
+    """Add to ``.grad`` the gradient of the objective over ``rows``; return the summed loss.
+
+    Rows without a kept token are skipped (no forward). Within each group, the chosen rows go
+    through PrefixFlow (``microbatch`` suffixes at a time) when ``prefixflow`` is on, there are
+    at least two of them and they share a prefix that leaves each a suffix; all other rows run
+    as whole sequences, ``microbatch`` rows at a time.
+    """
+    _check_microbatch(microbatch)
+    chosen = _check_rows(batch, rows)
+    trained = {r for r in chosen if bool(batch.keep[r].any())}
+    flow_groups: list[list[int]] = []
+    plain: list[int] = []
+    for group in batch.groups:
+        members = [r for r in group if r in trained]
+        if prefixflow and len(members) >= 2 and _shares_a_prefix([batch.sequences[r] for r in members]):
+            flow_groups.append(members)
+        else:
+            plain += members
+    total = 0.0
+    for members in flow_groups:
+        total += _flow_backward(lm, batch, members, clip_eps, microbatch, offload)
+    for chunk in microbatches(len(plain), microbatch):
+        total += _plain_backward(lm, batch, [plain[k] for k in chunk], clip_eps)
+    return total
+
+
+def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], clip_eps: float,
+                   microbatch: int, offload: Offload) -> float:
+    sequences = [batch.sequences[r] for r in members]
+    group = group_from_sequences(sequences, [batch.keep[r, : s.numel()] for r, s in zip(members, sequences)])
+    to_batch = torch.tensor(members, dtype=torch.long, device=batch.keep.device)
+
+    def loss_fn(logprobs: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
+        return _rows_loss(batch, to_batch[group_rows.to(to_batch.device)], logprobs, clip_eps)
+
+    return prefixflow_backward(lm, group, loss_fn, microbatches(group.size, microbatch), offload=offload)
+
+
+def _plain_backward(lm: PrefixCausalLM, batch: StepBatch, rows: list[int], clip_eps: float) -> float:
+    logprobs = _row_logprobs(lm, [batch.sequences[r] for r in rows],
+                             [batch.keep[r, : batch.sequences[r].numel()] for r in rows])
+    index = torch.tensor(rows, dtype=torch.long, device=batch.keep.device)
+    loss = _rows_loss(batch, index, logprobs, clip_eps)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _rows_loss(batch: StepBatch, index: torch.Tensor, logprobs: torch.Tensor, clip_eps: float) -> torch.Tensor:
+    """The objective of batch rows ``index`` for (b, w) logprobs in full-sequence coordinates."""
+    w = logprobs.shape[1]
+    return objective_loss(logprobs, batch.logp_old[index, :w], batch.advantages[index],
+                          batch.coef[index, :w], batch.keep[index, :w], clip_eps)
+
+
+def _row_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(b, width) log π on ``masks`` (0 elsewhere) of right-padded whole sequences, width = the longest."""
+    ids, mask = _pad(sequences, masks)
+    hidden, _ = lm.hidden_states(ids)
+    r, t = torch.nonzero(mask, as_tuple=True)
+    return sequence_logprobs(lm, hidden[r, t - 1], r, t, ids[r, t], mask.shape)
+
+
+def _shares_a_prefix(sequences: Sequence[torch.Tensor]) -> bool:
+    """Whether a shared prefix of at least one token leaves every sequence a suffix."""
+    shortest = min(int(s.numel()) for s in sequences)
+    return min(shared_prefix_len(sequences), shortest - 1) >= 1
+
+
+def _lengths(sequences: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not sequences:
+        raise TrainerError("no sequences")
+    for i, s in enumerate(sequences):
+        if s.dim() != 1 or s.numel() < 1:
+            raise TrainerError(f"row {i} must be a non-empty 1-D tensor of token ids, got shape {tuple(s.shape)}")
+    return torch.tensor([int(s.numel()) for s in sequences], dtype=torch.long)
+
+
+def _check_mask(mask: torch.Tensor, lengths: torch.Tensor, name: str) -> None:
+    """Refuse a mask on a row's first token (no logprob) or past its end (padding)."""
+    first = torch.nonzero(mask[:, 0]).flatten()
+    if first.numel():
+        raise TrainerError(f"row {int(first[0])}: the first token has no logprob and cannot be in the {name}")
+    past_end = torch.arange(mask.shape[1])[None, :] >= lengths[:, None]
+    bad = torch.nonzero((mask.cpu() & past_end).any(dim=1)).flatten()
+    if bad.numel():
+        raise TrainerError(f"row {int(bad[0])}: the {name} covers padding past the row's {int(lengths[bad[0]])} tokens")
+
+
+def _check_rows(batch: StepBatch, rows: Sequence[int]) -> set[int]:
+    chosen = [int(r) for r in rows]
+    if len(set(chosen)) != len(chosen) or any(not 0 <= r < batch.size for r in chosen):
+        raise TrainerError(f"update rows must be distinct rows of the batch (0..{batch.size - 1}), got {chosen}")
+    return set(chosen)
+
+
+def _check_microbatch(microbatch: int) -> None:
+    if microbatch < 1:
+        raise TrainerError(f"microbatch must be at least 1 row, got {microbatch}")
