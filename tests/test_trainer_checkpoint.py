@@ -267,6 +267,24 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch, ta
     assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
 
 
+def test_a_failed_rewrite_of_the_same_step_puts_the_old_one_back(tmp_path, monkeypatch):
+    model, optimizer = _trained(steps=1)
+    save_checkpoint(tmp_path, 1, model, optimizer, {"version": 1})
+    real_rename = os.rename
+
+    def publish_fails(src, dst):
+        if Path(src).name.startswith(".tmp-step-000001"):
+            raise ENOSPC
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", publish_fails)
+    with pytest.raises(CheckpointError, match="No space left on device; nothing was written"):
+        save_checkpoint(tmp_path, 1, model, optimizer, {"version": 99})
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000001"]
+    assert load_checkpoint(tmp_path / "step-000001", *_fresh())["version"] == 1
+
+
 def test_an_unwritable_root_is_one_line(tmp_path, monkeypatch):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")

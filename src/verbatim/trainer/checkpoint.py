@@ -75,31 +75,28 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         raise InputError(f"checkpoint state is not JSON data: {exc}") from exc
     root = Path(root)
     final = root / step_dir_name(step)
-    tmp: Path | None = None
-    published = False
+    written = _Write(final)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+        written.tmp = tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
         _write_model(tmp / "model.safetensors", model)
         _write_torch(tmp / "optimizer.pt", optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
         _fsync_dir(tmp)
-        _set_aside(final)  # only a folder the previous timeline left unfinished can be in the way
+        written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
         os.rename(tmp, final)
-        published = True
+        written.published = True
         _fsync_dir(root)
     except Exception as exc:
-        for leftover in (tmp, final if published else None):
-            if leftover is not None:
-                shutil.rmtree(leftover, ignore_errors=True)
+        written.undo()
         raise CheckpointError(f"cannot write checkpoint {final.name} in {root}: {_reason(exc)}; nothing was written",
                               hint="free space or pass another --out, then --resume") from exc
     except BaseException:  # KeyboardInterrupt and friends: clean up, let them through unchanged
-        for leftover in (tmp, final if published else None):
-            if leftover is not None:
-                shutil.rmtree(leftover, ignore_errors=True)
+        written.undo()
         raise
+    if written.aside is not None:
+        shutil.rmtree(written.aside.parent, ignore_errors=True)
     _prune(root, step, keep)
     return final
 
@@ -154,12 +151,35 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _set_aside(final: Path) -> None:
-    """Move a folder already at ``final`` to a ``.tmp-`` name (removed later, or by latest_checkpoint)."""
-    if final.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{final.name}-", dir=final.parent))
-        os.rename(final, aside / final.name)
-        shutil.rmtree(aside, ignore_errors=True)
+class _Write:
+    """What a save has done so far, so that a failure can put the root back as it was."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.tmp: Path | None = None
+        self.aside: Path | None = None
+        self.published = False
+
+    def undo(self) -> None:
+        if self.published:
+            shutil.rmtree(self.final, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.aside is not None:
+            try:
+                os.rename(self.aside, self.final)
+                shutil.rmtree(self.aside.parent, ignore_errors=True)
+            except OSError:
+                pass  # it stays under its .tmp- name; latest_checkpoint removes it
+
+
+def _move_aside(folder: Path) -> Path | None:
+    """Move ``folder`` (if it exists) into a fresh ``.tmp-`` folder; return where it went."""
+    if not folder.exists():
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{folder.name}-", dir=folder.parent)) / folder.name
+    os.rename(folder, aside)
+    return aside
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -168,7 +188,12 @@ def _prune(root: Path, step: int, keep: int) -> None:
     older = sorted((s for s in complete if s < step), reverse=True)
     doomed = [s for s in complete if s > step] + older[keep - 1:]
     for old in doomed:
-        _set_aside(complete[old])
+        try:
+            aside = _move_aside(complete[old])  # out of the complete set at once, then deleted
+        except OSError:
+            continue  # an old checkpoint left over is harmless; the next save tries again
+        if aside is not None:
+            shutil.rmtree(aside.parent, ignore_errors=True)
 
 
 def _reason(exc: BaseException) -> str:
