@@ -69,6 +69,12 @@ class TrainerError(VerbatimError):
     exit_code = 2
 
 
+class CheckpointError(TrainerError):
+    """A trainer checkpoint that cannot be written, or read into this model and optimizer. Exit code 2."""
+
+    exit_code = 2
+
+
 class EnvError(VerbatimError):
     """An environment that cannot be built or cannot play its task (not bad model output: that is an observation)."""
 

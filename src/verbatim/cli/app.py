@@ -19,6 +19,7 @@ from verbatim import __version__
 from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
+from verbatim.cli.plot import plot_command
 from verbatim.errors import InputError, VerbatimError
 
 try:  # typer >= 0.24 vendors click as typer._click
@@ -355,6 +356,8 @@ def export(
 
 # mismatch lives in cli/lint.py beside 'lint trace': both check what a run recorded.
 app.command("mismatch")(mismatch_report)
+# plot draws a training run's metrics.jsonl (cli/plot.py).
+app.command("plot")(plot_command)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""``verbatim plot RUN_DIR``: a training run's curves (reward, mismatch, cache hits per step) as one PNG.
+
+Registered on the root app by :mod:`verbatim.cli.app`, which turns known errors into one
+line and an exit code; this module never imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from verbatim.cli.console import console
+
+
+def plot_command(
+    run_dir: Path = typer.Argument(..., help="A training run directory written by 'verbatim train --out'."),
+    out: Path = typer.Option(None, "--out", help="The PNG to write (default: RUN_DIR/curve.png)."),
+) -> None:
+    """Plot a training run's metrics.jsonl: mean reward, mismatch |log π − log μ| and cache hit rate per step."""
+    from verbatim.harness.curves import plot_training
+    from verbatim.harness.metrics_log import read_metrics
+
+    records = read_metrics(run_dir)
+    written = plot_training(records, out or run_dir / "curve.png", title=f"{run_dir.resolve().name}: "
+                            f"{len(records)} steps")
+    console.print(f"wrote {written} ({len(records)} steps)", soft_wrap=True)

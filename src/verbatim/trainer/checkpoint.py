@@ -1,0 +1,386 @@
+"""Trainer checkpoints: one folder per completed step, written atomically, resumable after a SIGKILL.
+
+``root/step-000042/`` holds four files:
+
+* ``model.safetensors``: the model's ``state_dict()``; a tensor that two names share (tied
+  embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``) is stored once, under its
+  first name, and the other names are recorded in the file's metadata and restored on load;
+* ``optimizer.pt``: ``optimizer.state_dict()`` (``torch.save``);
+* ``rng.pt``: the Python ``random``, NumPy and torch generator states (and CUDA's, when CUDA
+  is in use);
+* ``state.json``: ``{"schema": 1, "step": N, **state}`` (the loop's JSON: version, config, metrics).
+
+Everything is written into a ``.tmp-*`` folder inside ``root``, every file and the folder are
+fsynced, and one ``os.rename`` publishes it; a kill at any moment leaves either the previous
+checkpoints alone or the new one complete. :func:`latest_checkpoint` removes the ``.tmp-*``
+leftovers of a killed write. One trainer writes a root at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from verbatim.errors import CheckpointError, InputError
+
+CHECKPOINT_SCHEMA = 1
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+TMP_PREFIX = ".tmp-"
+_STEP_NAME = re.compile(r"step-(\d+)")
+_ALIASES_KEY = "verbatim_aliases"
+_RESERVED = ("schema", "step")
+_MISSING = object()  # a key on one side only
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# ---------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``root/step-{step:06d}/`` atomically, then keep only the newest ``keep`` checkpoints.
+
+    A failure while writing removes the half-written folder, leaves older checkpoints untouched and
+    raises a one-line :class:`CheckpointError` that names the folder and the OS reason.
+    """
+    if keep < 1:
+        raise InputError(f"keep must be at least 1 checkpoint, not {keep}")
+    if step < 0:
+        raise InputError(f"step must be the number of completed steps (0 or more), not {step}")
+    clash = sorted(set(state) & set(_RESERVED))
+    if clash:
+        raise InputError(f"checkpoint state may not set {', '.join(clash)}: save_checkpoint writes them")
+    try:
+        state_text = json.dumps({"schema": CHECKPOINT_SCHEMA, "step": step, **state}, indent=1)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"checkpoint state is not JSON data: {exc}") from exc
+    root = Path(root)
+    final = root / step_dir_name(step)
+    written = _Write(final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        written.tmp = tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+        _write_model(tmp / "model.safetensors", model)
+        _write_torch(tmp / "optimizer.pt", optimizer.state_dict())
+        _write_torch(tmp / "rng.pt", _rng_state())
+        _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
+        _fsync_dir(tmp)
+        written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
+        os.rename(tmp, final)
+        written.published = True
+        _fsync_dir(root)
+    except Exception as exc:
+        written.undo()
+        raise CheckpointError(f"cannot write checkpoint {final.name} in {root}: {_reason(exc)}; nothing was written",
+                              hint="free space or pass another --out, then --resume") from exc
+    except BaseException:  # KeyboardInterrupt and friends: clean up, let them through unchanged
+        written.undo()
+        raise
+    if written.aside is not None:
+        shutil.rmtree(written.aside.parent, ignore_errors=True)
+    _prune(root, step, keep)
+    return final
+
+
+def _write_model(path: Path, model: nn.Module) -> None:
+    tensors, aliases = _deduplicated(model.state_dict())
+    safetensors.torch.save_file(tensors, str(path), metadata={_ALIASES_KEY: json.dumps(aliases)})
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each tensor once: a name that views exactly the same memory as an earlier one becomes an alias."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    storages: set[int] = set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage().data_ptr()
+        view = (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.dtype)
+        if view in first:
+            aliases[name] = first[view]
+            continue
+        first[view] = name
+        # another view into a storage already saved (not an exact alias) is saved as a copy of its own
+        tensors[name] = tensor.cpu().contiguous() if storage not in storages else tensor.cpu().clone()
+        storages.add(storage)
+    return tensors, aliases
+
+
+def _write_torch(path: Path, obj: Any) -> None:
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Write:
+    """What a save has done so far, so that a failure can put the root back as it was."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.tmp: Path | None = None
+        self.aside: Path | None = None
+        self.published = False
+
+    def undo(self) -> None:
+        if self.published:
+            shutil.rmtree(self.final, ignore_errors=True)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.aside is not None:
+            try:
+                os.rename(self.aside, self.final)
+                shutil.rmtree(self.aside.parent, ignore_errors=True)
+            except OSError:
+                pass  # it stays under its .tmp- name; latest_checkpoint removes it
+
+
+def _move_aside(folder: Path) -> Path | None:
+    """Move ``folder`` (if it exists) into a fresh ``.tmp-`` folder; return where it went."""
+    if not folder.exists():
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{folder.name}-", dir=folder.parent)) / folder.name
+    os.rename(folder, aside)
+    return aside
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Keep the one just written and the newest ``keep - 1`` below it; later steps belong to an abandoned run."""
+    complete = _complete_steps(root)
+    older = sorted((s for s in complete if s < step), reverse=True)
+    doomed = [s for s in complete if s > step] + older[keep - 1:]
+    for old in doomed:
+        try:
+            aside = _move_aside(complete[old])  # out of the complete set at once, then deleted
+        except OSError:
+            continue  # an old checkpoint left over is harmless; the next save tries again
+        if aside is not None:
+            shutil.rmtree(aside.parent, ignore_errors=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """The OS's words for a failed write: strerror of the OSError behind it, else the error's first line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    quoted = re.search(r'message: "([^"]+)"', text)  # safetensors' Rust io::Error, e.g. StorageFull
+    if quoted:
+        return quoted.group(1)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------
+# find and load
+# ---------------------------------------------------------------------------
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete ``step-*`` folder of ``root`` (None if there is none); removes ``.tmp-*`` leftovers."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for leftover in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    complete = _complete_steps(root)
+    return complete[max(complete)] if complete else None
+
+
+def _complete_steps(root: Path) -> dict[int, Path]:
+    found = {}
+    for path in root.iterdir():
+        match = _STEP_NAME.fullmatch(path.name)
+        if match and path.is_dir() and _read_state(path) is not None and all((path / f).is_file() for f in FILES):
+            found[int(match.group(1))] = path
+    return found
+
+
+def _read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("schema"), int):
+        return None
+    return state
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Load weights (strict), the optimizer's state and the RNG states; return the saved state.json."""
+    path = Path(path)
+    state = _read_state(path)
+    if state is None:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no readable state.json)",
+                              hint="use latest_checkpoint to find the last complete step")
+    if state["schema"] != CHECKPOINT_SCHEMA:
+        raise CheckpointError(f"checkpoint {path} has schema {state['schema']}; this verbatim reads schema "
+                              f"{CHECKPOINT_SCHEMA}", hint="resume with the verbatim version that wrote it")
+    tensors = _read_model(path / "model.safetensors")
+    _check_fit(path, tensors, model.state_dict())
+    model.load_state_dict(tensors, strict=True)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
+    _restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
+    return state
+
+
+def _read_model(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {_reason(exc)}") from exc
+    for alias, name in aliases.items():
+        tensors[alias] = tensors[name]
+    return tensors
+
+
+def _check_fit(path: Path, saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    shapes = sorted(f"{n} {tuple(saved[n].shape)} (the model's {tuple(expected[n].shape)})"
+                    for n in set(saved) & set(expected) if saved[n].shape != expected[n].shape)
+    parts = [f"{label} {_some(names)}" for label, names in
+             (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if names]
+    if parts:
+        raise CheckpointError(f"checkpoint {path} was written for another model: {'; '.join(parts)}",
+                              hint="resume with the model the run was started with")
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+# ---------------------------------------------------------------------------
+# random number generators
+# ---------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": numpy_state["bit_generator"], "key": numpy_state["state"]["key"].tolist(),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = state["numpy"]
+    np.random.set_state({"bit_generator": saved["bit_generator"], "has_gauss": saved["has_gauss"],
+                         "gauss": saved["gauss"],
+                         "state": {"key": np.asarray(saved["key"], dtype=np.uint32), "pos": saved["pos"]}})
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------------------
+# config differences
+# ---------------------------------------------------------------------------
+
+
+def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``"key.sub: saved -> now"`` for every dotted key whose value differs or exists on one side only, sorted."""
+    before, after = _flatten(saved), _flatten(now)
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, _MISSING), after.get(key, _MISSING)
+        if not _same(old, new):
+            lines.append(f"{key}: {_show(old)} -> {_show(new)}")
+    return lines
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = _plain(value)
+    return flat
+
+
+def _plain(value: Any) -> Any:
+    """JSON's view of a value: tuples are lists, mappings are dicts (a saved config went through JSON)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values: True is not 1, NaN is NaN."""
+    if a is _MISSING or b is _MISSING:
+        return a is b
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(missing)"
+    return repr(value) if isinstance(value, str) else str(value)

@@ -1,0 +1,151 @@
+"""`verbatim train`'s loop on the real engine: weights really arrive, versions are the samplers'.
+
+Two short real runs on the session's engine (the default model, fp32):
+
+- synchronous (``max_lag=0``, ``keep+salt``), 2 steps with a large learning rate: the engine's
+  sampler logprobs after the push equal the trained model's (and differ from the base model's, so
+  a skipped push fails); π − μ on a step's own rollouts, before its optimizer step, is at the fp32
+  agreement level; the run directory is an ordinary run (lint, every rollout's step);
+- overlapping (``max_lag=1``, ``flush``), 3 steps: each token's recorded version is the one whose
+  weights give its sampler logprob, checked against every checkpoint's weights.
+
+The engine gets the default weights back after each run (other modules share it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verbatim.datamodel import Source
+from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.envs.registry import load_env
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.renderers.registry import get_renderer
+from verbatim.trainer.checkpoint import load_checkpoint
+from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.reference import load_model, reference_logprobs
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md measures ≈ 4e-5)
+
+
+def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: LearnerConfig) -> TrainLoop:
+    factory = load_env("guess", high=8, max_guesses=3)
+    loop = LoopConfig(max_turns=2, context_budget=2048, cache_policy=plan.cache_policy,
+                      sampling=Sampling(max_tokens=12, temperature=1.0))
+    manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
+                           engine={"kind": "inproc", "block_size": engine.block_size},
+                           config={"train": {"plan": plan.model_dump(mode="json")}})
+    trainer = Learner(load_model(model_dir), learner, version=engine.version)
+    return TrainLoop(plan, loop, trainer, engine, get_renderer("smollm2", model_dir=model_dir), factory,
+                     lambda k: list(factory.tasks(plan.groups, 100 + k)), out, manifest, model_dir)
+
+
+def train(engine_runner, default_model_dir, out, plan, learner):
+    engine = engine_runner.engine
+    loop = make_loop(engine, default_model_dir, out, plan, learner)
+    start = engine.version
+    try:
+        history = engine_runner.run(loop.train(), timeout=900)
+    finally:
+        engine_runner.run(engine.update_weights(default_model_dir, engine.version + 1, CachePolicy.FLUSH))
+    return loop, history, start
+
+
+@pytest.fixture(scope="module")
+def synchronous(engine_runner, default_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "sync"
+    plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, seed=1)
+    return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
+
+
+def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
+    """π − μ before the optimizer step is engine/trainer agreement, nothing more, at every step."""
+    _, history, _ = synchronous
+    assert [r["step"] for r in history] == [0, 1]
+    for record in history:
+        assert record["mismatch_mean_abs"] < 1e-4, record["mismatch_mean_abs"]
+        quantiles = record["ratio_quantiles"]
+        assert abs(quantiles["p01"] - 1) < AGREEMENT and abs(quantiles["p99"] - 1) < AGREEMENT
+        assert record["dropped"]["any"] == 0.0
+        assert set(record["policy_lag"]) == {"0"}
+
+
+def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_model_dir, default_tokenizer,
+                                                         synchronous, tmp_path):
+    """Push the trained weights again; the engine's logprobs are the trained model's, not the base's."""
+    loop, _, _ = synchronous
+    engine = engine_runner.engine
+    prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Guess a number from 1 to 8."}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    trained = loop.learner.model.eval()
+    engine_runner.run(engine.update_weights(loop.learner.engine_weights(), engine.version + 1, CachePolicy.FLUSH))
+    try:
+        got = engine_runner.run(engine.generate(prompt, Sampling(max_tokens=16, temperature=1.0, seed=3)))
+    finally:
+        engine_runner.run(engine.update_weights(default_model_dir, engine.version + 1, CachePolicy.FLUSH))
+    ids = list(prompt) + got.token_ids.tolist()
+    at = range(len(prompt), len(ids))
+    with torch.no_grad():
+        want = reference_logprobs(trained, ids, at).numpy()
+        base = reference_logprobs(load_model(default_model_dir), ids, at).numpy()
+    assert np.abs(want - got.logprobs).max() < AGREEMENT
+    assert np.abs(base - got.logprobs).max() > 10 * AGREEMENT, "training did not move the logprobs: no proof"
+
+
+def test_the_training_run_is_an_ordinary_run_directory(synchronous):
+    loop, history, start = synchronous
+    rollouts = read_run(loop.out).rollouts
+    assert sorted({r.info["step"] for r in rollouts}) == [0, 1]
+    assert len({r.rollout_id for r in rollouts}) == len(rollouts) == 2 * 2 * 2
+    assert all(r.rollout_id.startswith(f"s{r.info['step']:04d}-") for r in rollouts)
+    lines = [json.loads(x) for x in (loop.out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [start + 1, start + 2] == [r["version"] for r in history]
+    assert sorted(p.name for p in (loop.out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    result = CliRunner().invoke(app, ["lint", "trace", str(loop.out)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def overlapping(engine_runner, default_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "lag1"
+    plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.FLUSH,
+                     keep_checkpoints=3, seed=2)
+    return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
+
+
+def test_each_token_records_the_version_that_sampled_it(overlapping, default_model_dir):
+    """Under flush every token's logprob is its version's weights' on its full context (no hybrid KV)."""
+    loop, history, start = overlapping
+    rollouts = read_run(loop.out).rollouts
+    models = {start: load_model(default_model_dir)}
+    for folder in sorted((loop.out / "checkpoints").iterdir()):
+        model = load_model(default_model_dir)
+        state = load_checkpoint(folder, model, None)
+        models[int(state["version"])] = model.eval()
+    seen: set[tuple[int, int]] = set()
+    for rollout in rollouts:
+        step, tokens = rollout.info["step"], rollout.tokens
+        model_rows = np.flatnonzero(tokens.source == Source.MODEL)
+        versions = tokens.policy_version[model_rows]
+        assert versions.min() >= start + max(step - 1, 0) and versions.max() <= start + step  # lag <= 1
+        for version in np.unique(versions):
+            at = model_rows[versions == version]
+            with torch.no_grad():
+                pi = reference_logprobs(models[int(version)], tokens.token_id, at).numpy()
+            assert np.abs(pi - tokens.logprob[at]).max() < AGREEMENT, (rollout.rollout_id, int(version))
+            seen.add((step, int(version)))
+    assert (1, start) in seen, "step 1 never played while step 0 trained: no overlap was tested"
+    assert all(set(r["policy_lag"]) <= {"0", "1"} for r in history)

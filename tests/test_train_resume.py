@@ -1,0 +1,156 @@
+"""`verbatim train` as a real process, killed with SIGKILL in each phase of a step, then resumed.
+
+One real `vllm serve` for the module; the trainer process talks to it with ``--engine http``
+(weights reach it through a folder published under RUN_DIR/weights and /collective_rpc), so each
+process starts in seconds and can be killed:
+
+1. during step 1's rollouts (right after step 0's checkpoint appears);
+2. during step 2's optimizer step (its rollouts all written, no checkpoint yet);
+3. during step 3's checkpoint write (its temporary folder exists);
+4. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
+   (every step once, every rollout once), and the run lints clean.
+
+Also here, with the same server: a resume with a changed setting, and an env without rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim.cli.app import app
+from verbatim.harness.store import read_run
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+STEPS, GROUPS, SIZE = 4, 2, 2
+ARGS = ["--env", "guess", "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(SIZE),
+        "--max-turns", "2", "--max-tokens", "6", "--lr", "1e-5", "--max-model-len", "1024", "--seed", "4"]
+
+
+class Trainer:
+    """``verbatim train …`` in its own session, output to files."""
+
+    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+        self.stdout, self.stderr = tmp / f"{name}.out", tmp / f"{name}.err"
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.cli", "train", *args], stdout=out,
+                                         stderr=err, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"verbatim train did not end within {timeout:.0f}s: {self.err()}") from None
+
+    def err(self) -> str:
+        return self.stderr.read_text(errors="replace")[-3000:]
+
+    def kill_when(self, condition, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                self.kill()
+                return
+            if not self.alive():
+                raise AssertionError(f"the trainer ended before the kill point: {self.err()}")
+            time.sleep(0.01)
+        self.kill()
+        raise AssertionError(f"the kill point never came: {self.err()}")
+
+
+def checkpoints(out: Path) -> list[str]:
+    root = out / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def step_rollouts(out: Path, step: int) -> int:
+    if not (out / "manifest.json").exists():
+        return 0
+    return sum(1 for r in read_run(out).rollouts if r.info.get("step") == step)
+
+
+def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3"]
+
+    first = Trainer(tmp_path, "1", args)  # killed during step 1's rollouts
+    first.kill_when(lambda: "step-000001" in checkpoints(out))
+    assert step_rollouts(out, 1) < GROUPS * SIZE
+
+    second = Trainer(tmp_path, "2", [*args, "--resume"])  # killed during step 2's optimizer step
+    second.kill_when(lambda: step_rollouts(out, 2) == GROUPS * SIZE)
+    assert "step-000003" not in checkpoints(out)
+
+    third = Trainer(tmp_path, "3", [*args, "--resume"])  # killed while step 3's checkpoint is written
+    third.kill_when(lambda: any(name.startswith(".tmp-") for name in checkpoints(out)))
+    assert "step-000004" not in checkpoints(out)
+
+    last = Trainer(tmp_path, "4", [*args, "--resume", "--summary-json", str(tmp_path / "summary.json")])
+    assert last.wait(600) == 0, last.err()
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["final_version"] == STEPS
+    assert checkpoints(out)[-1] == f"step-{STEPS:06d}" and not any(n.startswith(".") for n in checkpoints(out))
+    trace = read_run(out)
+    counts = Counter(r.rollout_id for r in trace.rollouts)
+    assert set(counts.values()) == {1} and len(counts) == STEPS * GROUPS * SIZE
+    assert Counter(r.info["step"] for r in trace.rollouts) == {k: GROUPS * SIZE for k in range(STEPS)}
+    for rollout in trace.rollouts:  # a token is never newer than the step that trained on it
+        assert rollout.tokens.policy_version.max() <= rollout.info["step"]
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert lint.exit_code == 0, lint.output[-3000:]
+
+    changed = CliRunner().invoke(app, ["train", *args, "--resume", "--lr", "2e-5"])
+    assert changed.exit_code == 2 and "lr: 1e-05 -> 2e-05" in changed.output, changed.output
+
+
+class Rewardless:
+    """An env whose steps give no reward (None): every rollout fails, so nothing can be trained."""
+
+    name = "rewardless"
+
+    def reset(self, task, seed):
+        from verbatim.datamodel import Message
+        from verbatim.envs.base import Reset
+
+        return Reset(messages=(Message(role="user", content="Say hi."),))
+
+    def step(self, message):
+        from verbatim.envs.base import StepResult
+
+        return StepResult(messages=(), reward=None, done=True)
+
+
+def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(vllm_server, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a"}\n{"id": "b"}\n')
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--env", "test_train_resume:Rewardless", "--task-file", str(tasks),
+                                      "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--engine", "http",
+                                      "--url", vllm_server.url, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "no group of this step has two rollouts that ended with a reward" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert checkpoints(out) == [] and len(read_run(out).rollouts) == 4  # the failed rollouts are data
