@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from verbatim.engine.untied import untie_state_dict
 from verbatim.errors import InputError
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -71,13 +72,15 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
                     version: int, keep: int = 2) -> Path:
     """Write ``root/v{version:06d}`` atomically (a temporary folder renamed into place) for servers to reload.
 
+    The output layer is always spelled out: a tied model's servers serve its untied copy (engine/untied.py).
+
     A server never sees a half-written folder: the name appears only once every file is complete.
     Older published versions beyond the newest ``keep`` are removed.
     """
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        folder = state_dict_checkpoint(state_dict, like, parent=root)
+        folder = state_dict_checkpoint(untie_state_dict(state_dict), like, parent=root)
         final = root / f"v{version:06d}"
         os.rename(folder, final)
     except OSError as exc:

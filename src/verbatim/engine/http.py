@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
@@ -30,6 +32,7 @@ from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
+from verbatim.engine.untied import needs_untying, untied_folder
 from verbatim.errors import EngineError, InputError
 
 SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
@@ -281,11 +284,21 @@ class HttpEngine:
                              hint="save the state dict to a folder first")
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
+        folder = Path(source)
+        untied = await asyncio.to_thread(untied_folder, folder) if needs_untying(folder) else None
+        try:
+            await self._reload(untied or folder, version, policy)
+        finally:
+            if untied is not None:
+                shutil.rmtree(untied, ignore_errors=True)
+
+    async def _reload(self, folder: Path, version: int, policy: CachePolicy) -> None:
+        """Pause, reload from ``folder`` (a tied model's output layer spelled out: engine/untied.py), resume."""
         async with self._drain.update():
             await self._call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"})
             try:
                 await self._call("POST", "/collective_rpc",
-                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
+                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
                 if policy is CachePolicy.FLUSH:
                     await self._reset_cache(version)

