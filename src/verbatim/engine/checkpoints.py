@@ -78,14 +78,20 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     Older published versions beyond the newest ``keep`` are removed.
     """
     root = Path(root)
+    for stale in root.glob("verbatim-weights-*"):  # a write a killed trainer never finished
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
         folder = state_dict_checkpoint(untie_state_dict(state_dict), like, parent=root)
         final = root / f"v{version:06d}"
+        if final.exists():  # published by a trainer that died before its checkpoint: replaced whole
+            os.rename(final, Path(tempfile.mkdtemp(prefix="verbatim-weights-", dir=root)) / "old")
         os.rename(folder, final)
     except OSError as exc:
         raise InputError(f"cannot publish the version {version} weights in {root}: {exc.strerror or exc}",
                          hint="free space or pass another --out, then --resume") from exc
+    for stale in root.glob("verbatim-weights-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     published = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
     for old in published[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

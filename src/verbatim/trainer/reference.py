@@ -32,7 +32,9 @@ from verbatim.trainer.prefixflow import LossFn, PrefixGroup
 def load_model(model_dir: str | Path) -> nn.Module:
     """A Hugging Face causal-LM folder as a float32 model in eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one local folder: a progress bar is noise on the terminal
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise UnknownModelError(f"{path} is not a Hugging Face model folder (no config.json)")
