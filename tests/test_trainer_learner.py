@@ -253,6 +253,19 @@ def test_a_zero_advantage_group_changes_nothing_but_the_normaliser(untied):
     assert_same_grads(both_grads[0], {n: g * scale for n, g in alone_grads[0].items()})
 
 
+def test_tokens_past_the_version_lag_limit_are_dropped_and_not_trained(untied):
+    rows = step_rows(untied, seed=6)  # sampled by version 0
+    correction = {"max_version_lag": 1}
+    learner = Learner(copy.deepcopy(untied), LearnerConfig(correction=correction), version=2)
+    metrics = learner.train_step(rows)
+    assert metrics["kept_tokens"] == 0 < metrics["model_tokens"]
+    assert list(metrics["correction"]["by_lag"]) == ["2"] and metrics["correction"]["all"]["dropped"]["any"] == 1.0
+    assert all(torch.equal(p, untied.get_parameter(n)) for n, p in learner.model.named_parameters())
+    assert learner.version == 3
+    behind, _ = stepped(untied, rows, correction=correction)  # the same rows at version 0 train
+    assert behind.version == 1 and not torch.equal(behind.model.lm_head.weight, untied.lm_head.weight)
+
+
 # -- weights for the engine ------------------------------------------------------------------------
 
 
