@@ -133,9 +133,13 @@ class Learner:
         return loss, norm
 
     def _check_vocab(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        top = max((int(token_ids[i, : int(n)].max()) for i, n in enumerate(lengths) if int(n)), default=-1)
-        if top >= self.vocab_size:
-            raise InputError(f"the traces hold token id {top}, outside the trainer model's vocabulary of "
+        """Refuse a token id the model has no embedding for (past its vocabulary, or negative)."""
+        rows = [token_ids[i, : int(n)] for i, n in enumerate(lengths) if int(n)]
+        top = max((int(r.max()) for r in rows), default=0)
+        bottom = min((int(r.min()) for r in rows), default=0)
+        bad = top if top >= self.vocab_size else bottom
+        if top >= self.vocab_size or bottom < 0:
+            raise InputError(f"the traces hold token id {bad}, outside the trainer model's vocabulary of "
                              f"{self.vocab_size}", hint="train the model that played the rollouts (--model)")
 
     # -- weights for the engine ---------------------------------------------------------------

@@ -1,0 +1,285 @@
+"""The learner's step on synthetic traced rows of a tiny random Llama: what it moves, and by how much.
+
+μ is the model's own log π (the plain Hugging Face forward), so each step is on-policy: every
+model token is kept and the engine/trainer mismatch is rounding. The step's update is checked
+against a hand-built one (AdamW on the gradient of ``policy_gradient_loss`` through
+``reference_logprobs``), and PrefixFlow and the microbatch size must not change it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from verbatim.bench.prefixflow_exactness import VOCAB, tiny_llama
+from verbatim.datamodel import Source, TokenColumns
+from verbatim.errors import InputError
+from verbatim.trainer.advantages import group_advantages
+from verbatim.trainer.batch import behaviour_batch
+from verbatim.trainer.correction import correct, policy_gradient_loss
+from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
+from verbatim.trainer.reference import reference_logprobs
+
+LR = 1e-3
+NO_CLIP = 1e6  # a gradient-norm cap far above the tiny model's norms: clipping never bites
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def untied():
+    return tiny_llama(tied=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tied():
+    return tiny_llama(tied=True, seed=1)
+
+
+def segments(rng: np.random.Generator, prompt: np.ndarray, turns: int) -> list[tuple[np.ndarray, Source, int]]:
+    """A multi-turn row: the group's prompt, then model and env segments of varied lengths."""
+    out = [(prompt, Source.PROMPT, 0)]
+    for turn in range(turns):
+        out.append((rng.integers(0, VOCAB, int(rng.integers(2, 6))), Source.MODEL, turn))
+        if turn + 1 < turns:
+            out.append((rng.integers(0, VOCAB, 3), Source.ENV, turn + 1))
+    return out
+
+
+def traced(model: torch.nn.Module, parts: list[tuple[np.ndarray, Source, int]], version: int) -> TokenColumns:
+    """Token columns as the harness writes them, with μ = the model's own log π on model tokens."""
+    ids = np.concatenate([p for p, _, _ in parts]).astype(np.int64)
+    source = np.concatenate([np.full(len(p), int(s)) for p, s, _ in parts])
+    turn = np.concatenate([np.full(len(p), t) for p, _, t in parts])
+    model_tokens = source == Source.MODEL
+    with torch.no_grad():
+        mu = reference_logprobs(model, ids).numpy()
+    return TokenColumns(token_id=ids, source=source, logprob=np.where(model_tokens, mu, np.nan),
+                        policy_version=np.where(model_tokens, version, -1), turn=turn)
+
+
+def step_rows(model: torch.nn.Module, groups: int = 2, size: int = 3, seed: int = 0, version: int = 0,
+              rewards: list[list[float]] | None = None) -> StepInput:
+    """``groups`` groups of ``size`` rows; each group's rows share a prompt (so PrefixFlow applies)."""
+    rng = np.random.default_rng(seed)
+    columns, advantages, members = [], [], []
+    for g in range(groups):
+        prompt = rng.integers(0, VOCAB, 7)
+        start = len(columns)
+        columns += [traced(model, segments(rng, prompt, turns=1 + i % 2), version) for i in range(size)]
+        group_rewards = rewards[g] if rewards is not None else rng.normal(size=size).tolist()
+        advantages += group_advantages(group_rewards, "grpo").tolist()
+        members.append(list(range(start, len(columns))))
+    return StepInput(columns=columns, advantages=np.asarray(advantages), groups=members)
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def stepped(model: torch.nn.Module, rows: StepInput, **config) -> tuple[Learner, dict]:
+    learner = Learner(copy.deepcopy(model), LearnerConfig(**{"lr": LR, **config}))
+    return learner, learner.train_step(rows)
+
+
+def recording(model: torch.nn.Module, **config) -> tuple[Learner, list[dict[str, torch.Tensor]]]:
+    """A learner on a copy of ``model`` and the gradients AdamW steps on (after clipping), per update."""
+    learner = Learner(copy.deepcopy(model), LearnerConfig(**{"lr": LR, **config}))
+    names = {id(p): n for n, p in learner.model.named_parameters()}
+    updates: list[dict[str, torch.Tensor]] = []
+    learner.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: updates.append({names[id(p)]: p.grad.clone() for g in opt.param_groups
+                                                  for p in g["params"] if p.grad is not None}))
+    return learner, updates
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    """Per parameter, max |a − b| within ``rel`` of max |b| (float32 sums in another order)."""
+    assert set(a) == set(b)
+    for name, expected in b.items():
+        scale = float(expected.abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(a[name], expected, rtol=0, atol=rel * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- one step ------------------------------------------------------------------------------------
+
+
+def test_one_on_policy_step_moves_the_parameters(untied):
+    rows = step_rows(untied)
+    learner, metrics = stepped(untied, rows)
+    before = params(untied)
+    moved = [name for name, p in learner.model.named_parameters() if not torch.equal(p, before[name])]
+    assert len(moved) == len(before)  # every parameter is on the path of some kept model token
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    mask = behaviour_batch(rows.columns).loss_mask
+    assert metrics["model_tokens"] == int(mask.sum()) > 0
+    assert metrics["kept_tokens"] == metrics["model_tokens"]
+    assert (metrics["rows"], metrics["updates"], learner.version) == (6, 1, 1)
+    every = metrics["correction"]["all"]
+    assert every["tokens"] == metrics["model_tokens"]
+    assert every["mean_abs_log_ratio"] < 1e-5
+    assert every["dropped"]["any"] == 0.0
+    assert list(metrics["correction"]["by_lag"]) == ["0"]
+
+
+def test_a_step_with_no_rows_only_counts():
+    learner = Learner(tiny_llama(), LearnerConfig(), version=3)
+    before = params(learner.model)
+    metrics = learner.train_step(StepInput(columns=[], advantages=np.zeros(0), groups=[]))
+    assert (metrics["rows"], metrics["updates"], learner.version) == (0, 0, 4)
+    assert all(torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
+
+
+@pytest.mark.parametrize("model_name", ["untied", "tied"])
+def test_prefixflow_and_microbatch_do_not_change_the_step(model_name, request):
+    """The same gradient reaches AdamW whichever way the rows run (AdamW's first step, about
+    lr·g/(|g| + eps), magnifies rounding in entries with |g| near eps, so the gradients are compared)."""
+    model = request.getfixturevalue(model_name)
+    rows = step_rows(model, seed=2)
+    base, base_grads = recording(model, prefixflow=True, microbatch=4, max_grad_norm=NO_CLIP)
+    base.train_step(rows)
+    for prefixflow, microbatch in ((False, 4), (True, 1), (False, 1), (True, 2)):
+        other, grads = recording(model, prefixflow=prefixflow, microbatch=microbatch, max_grad_norm=NO_CLIP)
+        other.train_step(rows)
+        assert len(grads) == 1
+        assert_same_grads(grads[0], base_grads[0])
+
+
+@pytest.mark.parametrize("model_name", ["untied", "tied"])
+def test_one_update_is_adamw_on_the_policy_gradient_through_the_plain_forward(model_name, request):
+    """The hand-built step: π_old against μ gives the correction; −Σ w·A·log π / kept; AdamW; no clipping."""
+    model = request.getfixturevalue(model_name)
+    rows = step_rows(model, seed=3)
+    learner, grads = recording(model, weight_decay=0.01, max_grad_norm=NO_CLIP, updates_per_step=1)
+    learner.train_step(rows)
+
+    reference = copy.deepcopy(model).train()
+    batch = behaviour_batch(rows.columns)
+    logp = torch.zeros(batch.loss_mask.shape)
+    for i, n in enumerate(batch.lengths.tolist()):
+        positions = torch.nonzero(batch.loss_mask[i]).flatten()
+        logp = logp.index_put((torch.full_like(positions, i), positions),
+                              reference_logprobs(reference, batch.token_ids[i, :n], positions))
+    fix = correct(logp.detach(), batch.logp_mu, batch.loss_mask, batch.versions, 0, LearnerConfig().correction)
+    policy_gradient_loss(logp, torch.as_tensor(rows.advantages, dtype=torch.float32), fix).backward()
+    assert len(grads) == 1
+    assert_same_grads(grads[0], {n: p.grad for n, p in reference.named_parameters()})
+    # and the learner's parameters are AdamW(lr, weight decay) on the gradient it had: nothing else moved them
+    for name, p in reference.named_parameters():
+        p.grad = grads[0][name].clone()
+    torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01).step()
+    assert_same_params(learner.model, reference)
+
+
+# -- several updates per step ----------------------------------------------------------------------
+
+
+def test_two_updates_take_two_optimizer_steps_over_consecutive_rows(untied):
+    rows = step_rows(untied, seed=4)
+    learner, metrics = stepped(untied, rows, updates_per_step=2)
+    assert metrics["updates"] == 2 and learner.version == 1
+    assert {int(state["step"]) for state in learner.optimizer.state.values()} == {2}
+    assert metrics["grad_norm_max"] >= metrics["grad_norm"] > 0
+    assert learner.update_splits(6) == [[0, 1, 2], [3, 4, 5]]
+    assert learner.update_splits(5) == [[0, 1, 2], [3, 4]]
+    assert learner.update_splits(2) == [[0], [1]]
+
+
+def test_more_updates_than_rows_is_one_line(untied):
+    learner = Learner(copy.deepcopy(untied), LearnerConfig(updates_per_step=7))
+    with pytest.raises(InputError, match="updates-per-step 7 is more than the 6 rollouts") as caught:
+        learner.train_step(step_rows(untied))
+    assert "\n" not in caught.value.one_line()
+    assert learner.version == 0
+
+
+# -- refusals and no-ops ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id", [VOCAB, VOCAB + 1000, -1])
+def test_a_token_outside_the_vocabulary_is_refused_in_one_line(untied, bad_id):
+    rows = step_rows(untied)
+    first = rows.columns[0]
+    ids = first.token_id.copy()
+    ids[2] = bad_id  # a prompt token: no behaviour logprob to check, only the id
+    columns = [TokenColumns(**{**first.as_dict(), "token_id": ids}), *rows.columns[1:]]
+    learner = Learner(copy.deepcopy(untied), LearnerConfig())
+    before = params(learner.model)
+    with pytest.raises(InputError, match="vocabulary of 97") as caught:
+        learner.train_step(StepInput(columns=columns, advantages=rows.advantages, groups=rows.groups))
+    assert str(bad_id) in caught.value.one_line() and "\n" not in caught.value.one_line()
+    assert learner.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_equal_rewards_leave_every_parameter_where_it_was(untied, weight_decay):
+    """All advantages 0: no row runs a backward, no parameter has a .grad, AdamW (decay included) skips them."""
+    rows = step_rows(untied, rewards=[[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert not np.any(rows.advantages)
+    learner, metrics = stepped(untied, rows, weight_decay=weight_decay)
+    assert all(torch.equal(p, untied.get_parameter(n)) for n, p in learner.model.named_parameters())
+    assert all(p.grad is None for p in learner.model.parameters())
+    assert (metrics["loss"], metrics["grad_norm"], learner.version) == (0.0, 0.0, 1)
+    assert metrics["kept_tokens"] == metrics["model_tokens"] > 0
+
+
+def test_a_zero_advantage_group_changes_nothing_but_the_normaliser(untied):
+    """Its rows run no forward, but their kept tokens count in the update's token normaliser."""
+    rows = step_rows(untied, seed=5, rewards=[[0.0, 1.0, 3.0], [2.0, 2.0, 2.0]])
+    only = StepInput(columns=rows.columns[:3], advantages=rows.advantages[:3], groups=[[0, 1, 2]])
+    both, both_grads = recording(untied, max_grad_norm=NO_CLIP)
+    metrics = both.train_step(rows)
+    alone, alone_grads = recording(untied, max_grad_norm=NO_CLIP)
+    kept_alone = alone.train_step(only)["kept_tokens"]
+    scale = kept_alone / metrics["kept_tokens"]
+    assert 0 < scale < 1
+    assert_same_grads(both_grads[0], {n: g * scale for n, g in alone_grads[0].items()})
+
+
+def test_tokens_past_the_version_lag_limit_are_dropped_and_not_trained(untied):
+    rows = step_rows(untied, seed=6)  # sampled by version 0
+    correction = {"max_version_lag": 1}
+    learner = Learner(copy.deepcopy(untied), LearnerConfig(correction=correction), version=2)
+    metrics = learner.train_step(rows)
+    assert metrics["kept_tokens"] == 0 < metrics["model_tokens"]
+    assert list(metrics["correction"]["by_lag"]) == ["2"] and metrics["correction"]["all"]["dropped"]["any"] == 1.0
+    assert all(torch.equal(p, untied.get_parameter(n)) for n, p in learner.model.named_parameters())
+    assert learner.version == 3
+    behind, _ = stepped(untied, rows, correction=correction)  # the same rows at version 0 train
+    assert behind.version == 1 and not torch.equal(behind.model.lm_head.weight, untied.lm_head.weight)
+
+
+# -- weights for the engine ------------------------------------------------------------------------
+
+
+def test_engine_weights_of_a_tied_model_leave_the_output_layer_to_the_embedding(tied):
+    weights = Learner(copy.deepcopy(tied), LearnerConfig()).engine_weights()
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+    state = tied.state_dict()
+    assert set(weights) == set(state) - {"lm_head.weight"}
+    assert all(torch.equal(weights[n], state[n]) and not weights[n].requires_grad for n in weights)
+
+
+def test_engine_weights_of_an_untied_model_hold_both(untied):
+    learner = Learner(copy.deepcopy(untied), LearnerConfig())
+    weights = learner.engine_weights()
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(weights)
+    assert set(weights) == set(untied.state_dict())
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
