@@ -20,20 +20,19 @@ from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
-from verbatim.errors import InputError, VerbatimError
+from verbatim.errors import VerbatimError
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover - older typer on plain click
     from click import exceptions as click_errors  # type: ignore[no-redef]
 
+
 def _validation_line(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(part) for part in first.get("loc", ()))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"invalid {exc.title} setting{' ' + where if where else ''}: {message}"
-
-
 
 
 class _OneLineErrors(typer.core.TyperGroup):
@@ -296,8 +295,11 @@ def train(
         TrainOptions,
         advantage_option,
         cache_policy_option,
+        flag_errors,
+        group_size_option,
         parse_band,
         parse_env_args,
+        sequence_tis_option,
         train_command,
     )
     from verbatim.harness.train import TrainPlan
@@ -305,37 +307,24 @@ def train(
     from verbatim.trainer.learner import LearnerConfig
     from verbatim.trainer.objective import LossConfig
 
-    _positive(steps, "--steps", "at least 1 step")
-    _positive(lr, "--lr", "a learning rate above 0, e.g. 1e-5")
-    _positive(groups, "--groups", "at least 1 group")
-    plan = TrainPlan(steps=steps, groups=groups, group_size=_group_size(group_size), seed=seed,
-                     advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
-                     max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency)
-    correction = CorrectionConfig(token_tis_cap=token_tis_cap or None, sequence_tis=sequence_tis,
-                                  sequence_tis_cap=sequence_tis_cap,
-                                  token_mask_band=parse_band(token_mask_band, "--token-mask-band"),
-                                  sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"),
-                                  max_version_lag=max_lag)
-    learner = LearnerConfig(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                            updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
-                            loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-    options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model, renderer=renderer,
-                           max_turns=max_turns, max_tokens=max_tokens, temperature=temperature, plan=plan,
-                           learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
-                           max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, resume=resume)
+    with flag_errors():  # a value a settings model refuses: one line naming the option
+        plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
+                         advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
+                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency)
+        correction = CorrectionConfig(token_tis_cap=token_tis_cap or None,
+                                      sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),
+                                      sequence_tis_cap=sequence_tis_cap,
+                                      token_mask_band=parse_band(token_mask_band, "--token-mask-band"),
+                                      sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"),
+                                      max_version_lag=max_lag)
+        learner = LearnerConfig(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                                updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
+                                loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
+        options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,
+                               renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
+                               plan=plan, learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
+                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, resume=resume)
     train_command(options, console, summary_json)
-
-
-def _positive(value: float, flag: str, wanted: str) -> None:
-    if not value > 0:
-        raise InputError(f"{flag} {value:g} is not positive", hint=f"give {wanted}")
-
-
-def _group_size(value: int) -> int:
-    if value < 2:
-        raise InputError(f"--group-size {value}: group-relative advantages need at least 2 rollouts per group",
-                         hint="use --group-size 2 or more")
-    return value
 
 
 # ---------------------------------------------------------------------------

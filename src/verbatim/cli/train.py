@@ -14,10 +14,12 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -31,7 +33,9 @@ from verbatim.harness.run import StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.train import TrainLoop, TrainPlan, check_resumable
 from verbatim.trainer.advantages import Advantage
+from verbatim.trainer.correction import CorrectionConfig
 from verbatim.trainer.learner import LearnerConfig
+from verbatim.trainer.objective import LossConfig
 
 
 class TrainOptions(Frozen):
@@ -76,13 +80,13 @@ def prepare(options: TrainOptions) -> TrainLoop:
     check_resumable(out, options.resume, config)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
-    model_dir = resolve(options.model)
-    renderer_name = options.renderer or default_renderer(options.model)
-    renderer = get_renderer(renderer_name, model_dir=model_dir)
     engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
                                 route=options.route, max_model_len=options.max_model_len,
                                 kv_cache_gib=options.kv_cache_gib, seed=options.plan.seed)
-    engine = _make_engine(engine_options)
+    engine = _make_engine(engine_options)  # refuses bad engine options before the tokenizer loads
+    model_dir = resolve(options.model)
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len,
                       cache_policy=options.plan.cache_policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
@@ -196,14 +200,16 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
     return history
 
 
-def parse_band(text: str | None, what: str) -> tuple[float, float] | None:
-    """``LOW,HIGH`` or ``none``."""
+def parse_band(text: str | None, flag: str) -> tuple[float, float] | None:
+    """``LOW,HIGH`` (0 <= LOW < HIGH) or ``none``."""
     if text is None or text.strip().lower() in ("none", "off", ""):
         return None
     try:
         low, high = (float(x) for x in text.split(","))
     except ValueError:
-        raise InputError(f"{what} must look like LOW,HIGH (e.g. 0.5,5) or none, got {text!r}") from None
+        raise InputError(f"{flag} must look like LOW,HIGH (e.g. 0.5,5) or none, got {text!r}") from None
+    if not 0 <= low < high:
+        raise InputError(f"{flag} {text} must satisfy 0 <= LOW < HIGH", hint="e.g. 0.5,5, or none")
     return (low, high)
 
 
@@ -227,5 +233,71 @@ def cache_policy_option(value: str) -> CachePolicy:
 
 def advantage_option(value: str) -> Advantage:
     if value not in ("grpo", "rloo"):
-        raise InputError(f"unknown advantage {value!r}", hint="use grpo or rloo")
+        raise InputError(f"unknown --advantage {value!r}", hint="use grpo or rloo")
     return value  # type: ignore[return-value]
+
+
+def group_size_option(value: int) -> int:
+    if value < 2:
+        raise InputError(f"--group-size {value}: group-relative advantages need at least 2 rollouts per group",
+                         hint="use --group-size 2 or more")
+    return value
+
+
+def sequence_tis_option(value: str | None, token_tis_cap: float) -> str | None:
+    """``product``, ``geo_mean`` or none; refused while token-level TIS is on (the two are alternatives)."""
+    if value is None or value.strip().lower() in ("none", "off", ""):
+        return None
+    if value not in ("product", "geo_mean"):
+        raise InputError(f"unknown --sequence-tis {value!r}", hint="use product or geo_mean")
+    if token_tis_cap:
+        raise InputError(f"--sequence-tis {value} replaces token-level TIS, which --token-tis-cap "
+                         f"{token_tis_cap:g} keeps on", hint="add --token-tis-cap 0")
+    return value
+
+
+# A settings field's option where the two names differ; any other field `a_b` is the option `--a-b`.
+_FLAGS = {"max_version_lag": "--max-lag", "env_args": "--env-arg", "tasks": "--task-file", "urls": "--url"}
+
+
+@contextmanager
+def flag_errors() -> Iterator[None]:
+    """A settings model's refusal of an option's value, as that option: ``--clip-eps 1.5 must be in (0, 1)``."""
+    try:
+        yield
+    except ValidationError as exc:
+        line = _flag_line(exc)
+        if line is None:
+            raise
+        raise InputError(line) from None
+
+
+def _flag_line(exc: ValidationError) -> str | None:
+    first = exc.errors()[0]
+    names = [part for part in first.get("loc", ()) if isinstance(part, str)]
+    if not names:
+        return None
+    flag = _FLAGS.get(names[0], "--" + names[0].replace("_", "-"))
+    value = first.get("input")
+    shown = format(value, "g") if isinstance(value, float) else str(value)
+    wanted = _bounds(exc.title, names[0]) if first.get("type", "").startswith(("greater", "less")) else None
+    if wanted is None:
+        wanted = str(first.get("msg", "is invalid")).removeprefix("Value error, ").replace("Input should be",
+                                                                                         "must be")
+    return f"{flag} {shown} {wanted}"
+
+
+def _bounds(model: str, field: str) -> str | None:
+    """A numeric field's range in words: ``must be in (0, 1)``, ``must be at least 1``."""
+    models = {m.__name__: m for m in (TrainOptions, TrainPlan, LearnerConfig, LossConfig, CorrectionConfig)}
+    info = models[model].model_fields.get(field) if model in models else None
+    if info is None:
+        return None
+    found = {name: getattr(rule, name) for rule in info.metadata for name in ("gt", "ge", "lt", "le")
+             if getattr(rule, name, None) is not None}
+    low = ("(", found["gt"]) if "gt" in found else ("[", found["ge"]) if "ge" in found else None
+    high = (found["lt"], ")") if "lt" in found else (found["le"], "]") if "le" in found else None
+    if low and high:
+        return f"must be in {low[0]}{low[1]}, {high[0]}{high[1]}"
+    words = {"gt": "above", "ge": "at least", "lt": "below", "le": "at most"}
+    return " ".join(f"must be {words[name]} {bound}" for name, bound in found.items()) or None

@@ -18,6 +18,7 @@ from verbatim.errors import InputError
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _INDEX = "model.safetensors.index.json"
+_TEMPORARY = "verbatim-weights-"
 
 
 def _copy_metadata(src: Path, dst: Path) -> None:
@@ -57,15 +58,25 @@ def state_dict_checkpoint(state_dict: dict[str, Any], like: str | os.PathLike[st
     """Save a state dict as a one-file checkpoint folder beside ``like``'s metadata."""
     from safetensors.torch import save_file
 
-    folder = Path(tempfile.mkdtemp(prefix="verbatim-weights-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=_TEMPORARY, dir=parent))
     try:
         _copy_metadata(Path(like), folder)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_own_storage(state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return folder
+
+
+def _own_storage(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """CPU tensors, each with its own storage (safetensors refuses shared ones, e.g. a tied output layer)."""
+    tensors, seen = {}, set()
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        storage = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if storage in seen else t
+        seen.add(storage)
+    return tensors
 
 
 def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], root: str | os.PathLike[str],
@@ -75,24 +86,41 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     The output layer is always spelled out: a tied model's servers serve its untied copy (engine/untied.py).
 
     A server never sees a half-written folder: the name appears only once every file is complete.
-    Older published versions beyond the newest ``keep`` are removed.
+    A failed write leaves no temporary folder. Older published versions beyond the newest ``keep`` are removed.
     """
     root = Path(root)
-    for stale in root.glob("verbatim-weights-*"):  # a write a killed trainer never finished
-        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"v{version:06d}"
     try:
+        _remove_temporaries(root)  # a write a killed trainer never finished
         root.mkdir(parents=True, exist_ok=True)
         folder = state_dict_checkpoint(untie_state_dict(state_dict), like, parent=root)
-        final = root / f"v{version:06d}"
-        if final.exists():  # published by a trainer that died before its checkpoint: replaced whole
-            os.rename(final, Path(tempfile.mkdtemp(prefix="verbatim-weights-", dir=root)) / "old")
-        os.rename(folder, final)
+        _rename_over(folder, final)
     except OSError as exc:
         raise InputError(f"cannot publish the version {version} weights in {root}: {exc.strerror or exc}",
                          hint="free space or pass another --out, then --resume") from exc
-    for stale in root.glob("verbatim-weights-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        _remove_temporaries(root)
     published = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
     for old in published[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _rename_over(folder: Path, final: Path) -> None:
+    """``folder`` renamed to ``final``; a ``final`` already there (published by a trainer that died before
+    its checkpoint) is replaced whole, or stays as it was if the new one cannot take its place."""
+    if not final.exists():
+        os.rename(folder, final)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=_TEMPORARY, dir=final.parent)) / "old"
+    os.rename(final, aside)
+    try:
+        os.rename(folder, final)
+    except OSError:
+        os.rename(aside, final)
+        raise
+
+
+def _remove_temporaries(root: Path) -> None:
+    for stale in root.glob(f"{_TEMPORARY}*"):
+        shutil.rmtree(stale, ignore_errors=True)

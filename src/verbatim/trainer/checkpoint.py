@@ -337,12 +337,19 @@ def _restore_rng(state: Mapping[str, Any]) -> None:
 def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """``"key.sub: saved -> now"`` for every dotted key whose value differs or exists on one side only, sorted."""
     before, after = _flatten(saved), _flatten(now)
+    keys = set(before) | set(after)
     lines = []
-    for key in sorted(set(before) | set(after)):
+    for key in sorted(keys):
         old, new = before.get(key, _MISSING), after.get(key, _MISSING)
-        if not _same(old, new):
+        if not _same(old, new) and not _filled(key, old, new, keys):
             lines.append(f"{key}: {_show(old)} -> {_show(new)}")
     return lines
+
+
+def _filled(key: str, old: Any, new: Any, keys: set[str]) -> bool:
+    """An empty mapping on one side whose keys the other side holds: their own lines say what changed."""
+    emptied = (old is _MISSING and new == {}) or (new is _MISSING and old == {})
+    return emptied and any(k.startswith(f"{key}.") for k in keys)
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""Bad input to ``verbatim train``: exit 2, one line naming what to fix, nothing written, and all
+of it before an engine starts or a model loads (reaching either fails the test)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim.cli.app import app
+from verbatim.harness.store import RunManifest, TraceWriter
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def nothing_heavy(monkeypatch):
+    """Loading the trainer's model or starting the engine is a test failure here."""
+
+    def reached(*args, **kwargs):
+        raise AssertionError("bad input reached the model or the engine")
+
+    monkeypatch.setattr("verbatim.trainer.reference.load_model", reached)
+    monkeypatch.setattr("verbatim.engine.inproc.InprocEngine.start", reached)
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under ``root`` with its size and mtime: what 'nothing written' compares."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def refused(args: list[str], needle: str) -> str:
+    """``verbatim train ARGS`` exits 2 within seconds with one line of output that holds ``needle``."""
+    began = time.monotonic()
+    result = runner.invoke(app, ["train", *args])
+    elapsed = time.monotonic() - began
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert needle in lines[0], lines[0]
+    assert elapsed < 10, f"took {elapsed:.1f}s to refuse"
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--lr", "0"], "--lr 0 must be above 0"),
+    (["--lr", "-1"], "--lr -1 must be above 0"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--group-size", "1"], "--group-size 1: group-relative advantages need at least 2 rollouts"),
+    (["--groups", "0"], "--groups 0 must be at least 1"),
+    (["--advantage", "ppo"], "unknown --advantage 'ppo' (use grpo or rloo)"),
+    (["--cache-policy", "sometimes"], "unknown cache policy 'sometimes' (use one of: flush, keep, salt, keep+salt)"),
+    (["--sequence-tis", "product"], "--sequence-tis product replaces token-level TIS, which --token-tis-cap 2 "
+                                    "keeps on (add --token-tis-cap 0)"),
+    (["--sequence-tis", "mean", "--token-tis-cap", "0"], "unknown --sequence-tis 'mean'"),
+    (["--token-mask-band", "5"], "--token-mask-band must look like LOW,HIGH"),
+    (["--sequence-mask-band", "3,1"], "--sequence-mask-band 3,1 must satisfy 0 <= LOW < HIGH"),
+    (["--env-arg", "nokey"], "--env-arg 'nokey' must look like KEY=VALUE"),
+    (["--env", "gues"], "unknown env 'gues' (did you mean 'guess'?"),
+    (["--updates-per-step", "0"], "--updates-per-step 0 must be at least 1"),
+    (["--clip-eps", "1.5"], "--clip-eps 1.5 must be in (0, 1)"),
+    (["--clip-eps", "0"], "--clip-eps 0 must be in (0, 1)"),
+    (["--normaliser", "words"], "--normaliser words must be 'token' or 'sequence'"),
+    (["--temperature", "0"], "--temperature 0 must be above 0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0 must be above 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints 0 must be at least 1"),
+    (["--engine", "http"], "--engine http needs --url"),
+    (["--engine", "vllm"], "unknown engine 'vllm'"),
+    (["--task-file", "missing.jsonl"], "missing.jsonl does not exist"),
+])
+def test_a_bad_option_is_one_line_naming_it_and_writes_nothing(tmp_path, monkeypatch, flags, needle):
+    monkeypatch.chdir(tmp_path)
+    env = [] if "--env" in flags else ["--env", "guess"]
+    refused([*env, *flags, "--out", str(tmp_path / "out")], needle)
+    assert tree(tmp_path) == {}
+
+
+def _manifest(out: Path, config: dict) -> None:
+    TraceWriter(out, RunManifest(run_id="earlier", model="m", renderer="r", engine={"block_size": 16},
+                                 config=config))
+
+
+def test_a_used_out_without_resume_is_refused_untouched(tmp_path):
+    out = tmp_path / "run"
+    _manifest(out, {"train": {"env": "guess"}})
+    before = tree(tmp_path)
+    refused(["--env", "guess", "--out", str(out)], f"{out} already holds a run (pass --resume")
+    assert tree(tmp_path) == before
+
+
+def test_resuming_a_verbatim_run_directory_is_refused_untouched(tmp_path):
+    out = tmp_path / "run"
+    _manifest(out, {"groups": 2, "group_size": 4, "env": "guess"})
+    before = tree(tmp_path)
+    refused(["--env", "guess", "--out", str(out), "--resume"], "holds a 'verbatim run' run, not a training run")
+    assert tree(tmp_path) == before
+
+
+def _options_of(args: list[str], monkeypatch):
+    """The TrainOptions the command line builds from ``args`` (caught where training would start)."""
+    seen = []
+    with monkeypatch.context() as patch:
+        patch.setattr("verbatim.cli.train.train_command", lambda options, *rest: seen.append(options))
+        result = runner.invoke(app, ["train", *args])
+    assert result.exit_code == 0 and len(seen) == 1, result.output
+    return seen[0]
+
+
+@pytest.mark.parametrize("changed,needle", [
+    (["--lr", "2e-5"], "--resume with a changed config: learner.lr: 1e-05 -> 2e-05"),
+    (["--group-size", "8"], "--resume with a changed config: plan.group_size: 4 -> 8"),
+    (["--env-arg", "high=5"], "--resume with a changed config: env_args.high: (missing) -> 5"),
+])
+def test_resuming_with_a_changed_setting_names_it(tmp_path, monkeypatch, changed, needle):
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out)]
+    options = _options_of(args, monkeypatch)
+    _manifest(out, options.config())
+    before = tree(tmp_path)
+    line = refused([*args, "--resume", *changed], needle)
+    assert line.count("->") == 1, line  # only the changed setting
+    assert tree(tmp_path) == before
+
+
+def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
+    """The control of the test above: same settings, so the check lets the resume through to the model."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--lr", "3e-5"]
+    _manifest(out, _options_of(args, monkeypatch).config())
+
+    def passed(options):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    result = runner.invoke(app, ["train", *args, "--resume"])
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
+def test_help_names_keep_salt_as_the_default_cache_policy():
+    result = runner.invoke(app, ["train", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert re.search(r"--cache-policy \S+ flush \| keep \| salt \| keep\+salt\. Default keep\+salt", text), text
+    assert "[default: keep+salt]" in text
