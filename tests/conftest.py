@@ -32,6 +32,17 @@ def default_tokenizer(default_model_dir: Path):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def chat_templates_dir() -> Path:
     """The official templates and tokenizer files that the package ships."""

@@ -41,14 +41,8 @@ from verbatim.trainer.prefixflow import (
 )
 from verbatim.trainer.reference import reference_backward, reference_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,10 @@ from verbatim.engine.checkpoints import publish_weights, state_dict_checkpoint
 from verbatim.engine.untied import EMBEDDING, OUTPUT
 from verbatim.errors import InputError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,11 @@ from verbatim.trainer.correction import correct, policy_gradient_loss
 from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
 from verbatim.trainer.reference import reference_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LR = 1e-3
 NO_CLIP = 1e6  # a gradient-norm cap far above the tiny model's norms: clipping never bites
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

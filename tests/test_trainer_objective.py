@@ -30,17 +30,11 @@ from verbatim.trainer.objective import (
 from verbatim.trainer.reference import reference_logprobs
 from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BOUND = 1e-5
 EPS = 0.2
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ the manifest says ``interrupted``, the summary is printed and the exit code is 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,14 +171,21 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
     """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
     shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
-    try:
-        with console.status("starting engine…"):
-            await engine.start()
+    async with started(engine, console):
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             return await _play_with_progress(run, resume, console)
         finally:
             undo_signals()
+
+
+@contextlib.asynccontextmanager
+async def started(engine: Any, console: Console) -> AsyncIterator[Any]:
+    """The engine started (a transient spinner until it answers), and closed however the block ends."""
+    try:
+        with console.status("starting engine…"):
+            await engine.start()
+        yield engine
     finally:
         close = getattr(engine, "aclose", None)
         if close is not None:

@@ -120,21 +120,14 @@ def _existing_run_id(out: Path) -> str | None:
 
 
 async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> list[dict[str, Any]]:
-    engine = loop.engine
-    try:
-        with console.status("starting engine…"):
-            await engine.start()
+    from verbatim.cli.run import started
+
+    async with started(loop.engine, console):
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)
         finally:
             undo()
-    finally:
-        close = getattr(engine, "aclose", None)
-        if close is not None:
-            await close()
-        else:
-            engine.close()
 
 
 def _stop_on_signals(loop: TrainLoop, console: Console) -> Any:
