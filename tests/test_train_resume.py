@@ -4,9 +4,9 @@ One real `vllm serve` for the module; the trainer process talks to it with ``--e
 (weights reach it through a folder published under RUN_DIR/weights and /collective_rpc), so each
 process starts in seconds and can be killed:
 
-1. during step 1's rollouts (right after step 0's checkpoint appears);
-2. during step 2's optimizer step (its rollouts all written, no checkpoint yet);
-3. during step 3's checkpoint write (its temporary folder exists);
+1. during step 1's rollouts (right after step 0's checkpoint, step-000001, appears);
+2. during step 2's optimizer step (its rollouts all written, no step-000003 yet);
+3. during step 2's checkpoint write, after the resumed trainer trained it again (a `.tmp-*` folder exists);
 4. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
    (every step once, every rollout once), and the run lints clean.
 
@@ -100,9 +100,9 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
     second.kill_when(lambda: step_rollouts(out, 2) == GROUPS * SIZE)
     assert "step-000003" not in checkpoints(out)
 
-    third = Trainer(tmp_path, "3", [*args, "--resume"])  # killed while step 3's checkpoint is written
+    third = Trainer(tmp_path, "3", [*args, "--resume"])  # killed while step 2's checkpoint is written
     third.kill_when(lambda: any(name.startswith(".tmp-") for name in checkpoints(out)))
-    assert "step-000004" not in checkpoints(out)
+    assert "step-000003" not in checkpoints(out)
 
     last = Trainer(tmp_path, "4", [*args, "--resume", "--summary-json", str(tmp_path / "summary.json")])
     assert last.wait(600) == 0, last.err()
