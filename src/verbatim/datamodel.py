@@ -41,6 +41,9 @@ class ToolCall(Frozen):
     arguments: dict[str, Any] = Field(default_factory=dict)
     id: str | None = None
     raw: str | None = None
+    arguments_text: str | None = None
+    """The arguments exactly as given when they came as a JSON string (OpenAI's ``function.arguments``),
+    even when that string is malformed (then ``arguments`` is empty); renderers write it where the template does."""
 
 
 class Message(Frozen):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
+from verbatim.renderers.markup import decode_marked, markup_ids, restore
 
 PREAMBLE = -1
 """Message index of tokens that belong to no message (BOS, injected system text, tool lists)."""
@@ -81,15 +82,20 @@ class ChatFormat:
     Class attributes a family sets:
       ``name``, ``templates`` (the official template files it is verified against),
       ``prefix_stable`` (does the official template re-render earlier turns unchanged),
-      ``stop_tokens`` (texts of the tokens that end an assistant turn),
+      ``end_tokens`` (the ``eos_token_id`` list of the family's official ``generation_config.json``,
+      as ``(id there, token text)``; the text finds the id in the tokenizer in use, stand-ins included),
       ``close_text`` (what ends an assistant turn cut short, e.g. by max tokens),
-      ``after_stop`` (text the template writes after the stop token, e.g. ``"\\n"``).
+      ``after_stop`` (text the template writes after the stop token, e.g. ``"\\n"``),
+      ``markup`` (texts of the control tokens ``parse_text`` looks for: see :mod:`verbatim.renderers.markup`),
+      ``arguments_as_given`` (the template writes a string ``function.arguments`` unchanged).
     """
 
     name: str = ""
     templates: tuple[str, ...] = ()
     prefix_stable: bool = True
-    stop_tokens: tuple[str, ...] = ()
+    end_tokens: tuple[tuple[int, str], ...] = ()
+    markup: tuple[str, ...] = ()
+    arguments_as_given: bool = False
     close_text: str = ""
     after_stop: str = ""
     bridge_roles: tuple[str, ...] = ("user", "tool")
@@ -101,8 +107,14 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self._stop_ids = tuple(self._token_id(text) for text in self.stop_tokens)
+        self._markup = markup_ids(tokenizer, self.markup)
 
     # -- the protocol -------------------------------------------------------
+
+    @property
+    def stop_tokens(self) -> tuple[str, ...]:
+        """Texts of the end tokens: any of them ends an assistant turn."""
+        return tuple(text for _, text in self.end_tokens)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -125,7 +137,9 @@ class ChatFormat:
             if message.role not in self.bridge_roles:
                 raise RenderError(f"{self.name}: bridge appends environment messages only, got role "
                                   f"{message.role!r}; render a new prompt to add {message.role} turns")
-        closed = previous_ids[-1] in self._stop_ids  # no copy: the cost must not grow with the history
+        # Any end token closes the turn (Qwen's <|endoftext|> as well as <|im_end|>): then only what the
+        # template writes after a closed turn follows. No copy: the cost must not grow with the history.
+        closed = previous_ids[-1] in self._stop_ids
         text = ("" if closed else self.close_text) + self.after_stop
         text += "".join(p.text for p in self.bridge_pieces(previous_ids, list(new_messages),
                                                            list(tools) if tools else None))
@@ -136,8 +150,12 @@ class ChatFormat:
         finished = bool(ids) and ids[-1] in self._stop_ids
         if finished:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return self.parse_text(text, finished=finished)
+        text, sentinels, problems = decode_marked(ids, self._markup, self._decode)
+        message = restore(self.parse_text(text, finished=finished), sentinels)
+        return message.model_copy(update={"problems": tuple(problems) + message.problems}) if problems else message
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def completion_text(self, messages: Sequence[Message], index: int, *,
                         tools: Sequence[dict] | None = None) -> str:
@@ -194,7 +212,8 @@ class ChatFormat:
         """``messages`` as the HF-format dicts the official template expects."""
         from verbatim.renderers.conversations import message_to_dict
 
-        return [message_to_dict(m, **self.message_dict_options) for m in messages]
+        options = {"arguments_as_given": self.arguments_as_given, **self.message_dict_options}
+        return [message_to_dict(m, **options) for m in messages]
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra ``apply_chat_template`` keyword arguments that select this renderer's options."""

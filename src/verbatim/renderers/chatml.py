@@ -14,9 +14,11 @@ from collections.abc import Sequence
 
 from verbatim.datamodel import Message, ToolCall
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
-from verbatim.renderers.completion import extract_tagged, parse_json_call, tojson
+from verbatim.renderers.completion import arguments_json, extract_tagged, parse_json_call, tojson
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+QWEN_END_TOKENS = ((151645, IM_END), (151643, "<|endoftext|>"))
+"""``eos_token_id`` of Qwen2.5-*-Instruct, Qwen3-* and Qwen3-*-Instruct-2507 (their generation_config.json)."""
 
 QWEN_TOOLS_INTRO = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -39,8 +41,9 @@ class ChatML(ChatFormat):
     name = "smollm2"
     templates = ("smollm2_instruct.jinja",)
     prefix_stable = True
-    stop_tokens = (IM_END,)
+    end_tokens = ((2, IM_END),)  # HuggingFaceTB/SmolLM2-*-Instruct generation_config.json: eos_token_id 2
     close_text = IM_END
+    markup = ("<tool_call>", "</tool_call>")  # not tokens of SmolLM2's vocabulary: parsed as text there
     after_stop = "\n"
     default_system: str | None = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -71,9 +74,10 @@ class ChatML(ChatFormat):
         return Message(role="assistant", content=content, tool_calls=tuple(calls), problems=tuple(problems))
 
 
-def hermes_call(call: ToolCall) -> str:
-    """A tool call as Qwen's templates write it (arguments through ``tojson``)."""
-    return f'<tool_call>\n{{"name": "{call.name}", "arguments": {tojson(call.arguments)}}}\n</tool_call>'
+def hermes_call(call: ToolCall, *, as_given: bool = False) -> str:
+    """A tool call as Qwen's templates write it (see :func:`arguments_json` for ``as_given``)."""
+    arguments = arguments_json(call, as_given=as_given)
+    return f'<tool_call>\n{{"name": "{call.name}", "arguments": {arguments}}}\n</tool_call>'
 
 
 def parse_hermes_calls(text: str) -> tuple[str, list, list[str]]:
@@ -95,6 +99,7 @@ class QwenChat(ChatML):
     name = "qwen2.5"
     templates = ("qwen2_5_instruct.jinja",)
     prefix_stable = True
+    end_tokens = QWEN_END_TOKENS
     default_system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,
@@ -136,7 +141,7 @@ class QwenChat(ChatML):
     def tool_call_turn(self, content: str, message: Message) -> str:
         text = f"{IM_START}assistant" + (f"\n{content}" if content else "")
         for call in message.tool_calls:
-            text += "\n" + hermes_call(call)
+            text += "\n" + hermes_call(call, as_given=self.arguments_as_given)
         return text + f"{IM_END}\n"
 
     def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
@@ -151,6 +156,7 @@ class Qwen3Instruct(QwenChat):
     name = "qwen3-instruct-2507"
     templates = ("qwen3_instruct_2507.jinja",)
     default_system = None
+    arguments_as_given = True
 
     def tools_system_text(self, system: str | None) -> str:
         return system + "\n\n" if system is not None else ""

@@ -18,6 +18,29 @@ def tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def arguments_json(call: ToolCall, *, as_given: bool) -> str:
+    """A call's arguments as the JSON text a family's template writes.
+
+    Arguments that came as a string (``ToolCall.arguments_text``) are written unchanged where the template
+    writes a string as it is (``as_given``: Qwen3, DeepSeek) and wherever they are not a JSON object (there is
+    nothing else to write, and never an error). Templates that put a string through ``tojson`` would write a
+    quoted JSON string literal, a call no model of the family was trained on: those get the parsed object.
+    """
+    text = call.arguments_text
+    if text is None:
+        return tojson(call.arguments)
+    if as_given or not _is_json_object(text):
+        return text
+    return tojson(call.arguments)
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def split_think(text: str, opener: str = "<think>", closer: str = "</think>",
                 *, opened: bool = False) -> tuple[str | None, str, list[str]]:
     """``(reasoning, rest, problems)`` for text that may start with a think block.

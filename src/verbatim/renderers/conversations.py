@@ -35,30 +35,56 @@ class Conversation(BaseModel):
 
 
 def message_from_dict(data: dict[str, Any]) -> Message:
-    """A :class:`Message` from an HF-format message dict."""
-    calls = []
+    """A :class:`Message` from an HF-format message dict.
+
+    ``function.arguments`` may be an object or a JSON string (OpenAI's wire format). A string is kept
+    exactly as given (``ToolCall.arguments_text``); one that is not a JSON object is a line in
+    ``Message.problems``, never an exception.
+    """
+    calls, problems = [], []
     for call in data.get("tool_calls") or ():
         function = call.get("function", call)
         arguments = function.get("arguments", {})
+        text = None
         if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        calls.append(ToolCall(name=function["name"], arguments=arguments, id=call.get("id")))
+            text = arguments
+            arguments, problem = arguments_object(text)
+            if problem is not None:
+                problems.append(f"tool call {function['name']!r}: {problem}")
+        calls.append(ToolCall(name=function["name"], arguments=arguments, id=call.get("id"), arguments_text=text))
     reasoning = data.get("reasoning_content", data.get("reasoning", data.get("thinking")))
     return Message(role=data["role"], content=data.get("content") or "", reasoning=reasoning,
-                   tool_calls=tuple(calls), tool_call_id=data.get("tool_call_id"), name=data.get("name"))
+                   tool_calls=tuple(calls), tool_call_id=data.get("tool_call_id"), name=data.get("name"),
+                   problems=tuple(problems))
+
+
+def arguments_object(text: str) -> tuple[dict[str, Any], str | None]:
+    """The object a JSON arguments string holds, or ``{}`` and a problem."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return {}, f"arguments are not valid JSON ({exc.msg} at char {exc.pos}): {text[:80]!r}"
+    if not isinstance(value, dict):
+        return {}, f"arguments are not a JSON object: {text[:80]!r}"
+    return value, None
 
 
 def message_to_dict(message: Message, *, arguments_as_string: bool = False,
-                    none_content_with_calls: bool = False,
+                    none_content_with_calls: bool = False, arguments_as_given: bool = False,
                     reasoning_key: str = "reasoning_content") -> dict[str, Any]:
-    """The HF-format dict a chat template expects for ``message`` (keys with no value are left out)."""
+    """The HF-format dict a chat template expects for ``message`` (keys with no value are left out).
+
+    ``arguments_as_given`` passes arguments that came as a string as that string (for templates that
+    write a string unchanged); otherwise the template gets the parsed object.
+    """
     data: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.reasoning is not None:
         data[reasoning_key] = message.reasoning
     if message.tool_calls:
         if none_content_with_calls and not message.content:
             data["content"] = None
-        data["tool_calls"] = [_call_to_dict(call, arguments_as_string) for call in message.tool_calls]
+        data["tool_calls"] = [_call_to_dict(call, arguments_as_string, arguments_as_given)
+                              for call in message.tool_calls]
     if message.tool_call_id is not None:
         data["tool_call_id"] = message.tool_call_id
     if message.name is not None:
@@ -66,8 +92,10 @@ def message_to_dict(message: Message, *, arguments_as_string: bool = False,
     return data
 
 
-def _call_to_dict(call: ToolCall, arguments_as_string: bool) -> dict[str, Any]:
+def _call_to_dict(call: ToolCall, arguments_as_string: bool, arguments_as_given: bool) -> dict[str, Any]:
     arguments: Any = json.dumps(call.arguments, ensure_ascii=False) if arguments_as_string else call.arguments
+    if call.arguments_text is not None and (arguments_as_string or arguments_as_given):
+        arguments = call.arguments_text
     data: dict[str, Any] = {"type": "function", "function": {"name": call.name, "arguments": arguments}}
     if call.id is not None:
         data["id"] = call.id

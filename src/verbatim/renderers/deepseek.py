@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from verbatim.datamodel import Message
+from verbatim.datamodel import Message, ToolCall
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
-from verbatim.renderers.completion import parse_json_arguments, split_think, tojson
+from verbatim.renderers.completion import arguments_json, parse_json_arguments, split_think
 
 USER, ASSISTANT, EOS = "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -39,16 +39,19 @@ class Flags:
     after_tool: bool = False
 
 
-def call_body(name: str, arguments: dict) -> str:
-    return f"function{SEP}{name}\n```json\n{tojson(arguments)}\n```{CALL_END}"
+def call_body(call: ToolCall) -> str:
+    """One call; both templates concatenate the arguments string, so a string given is written as given."""
+    return f"function{SEP}{call.name}\n```json\n{arguments_json(call, as_given=True)}\n```{CALL_END}"
 
 
 class DeepSeekV3(ChatFormat):
     name = "deepseek-v3"
     templates = ("deepseek_v3.jinja",)
     prefix_stable = False  # tool-call turns are re-serialized (single calls never closed)
-    stop_tokens = (EOS,)
+    end_tokens = ((1, EOS),)  # deepseek-ai/DeepSeek-V3 and DeepSeek-R1 generation_config.json: eos_token_id 1
     close_text = EOS
+    markup = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, "<think>", "</think>")
+    arguments_as_given = True
     message_dict_options = {"arguments_as_string": True, "none_content_with_calls": True}
     generation_text = ASSISTANT
     output_separator = "\n"
@@ -91,10 +94,10 @@ class DeepSeekV3(ChatFormat):
         text = ""
         for call in message.tool_calls:
             if not flags.call_written:
-                text += f"{ASSISTANT}{CALLS_BEGIN}{CALL_BEGIN}" + call_body(call.name, call.arguments)
+                text += f"{ASSISTANT}{CALLS_BEGIN}{CALL_BEGIN}" + call_body(call)
                 flags.call_written = True
             else:
-                text += f"\n{CALL_BEGIN}" + call_body(call.name, call.arguments) + CALLS_END + EOS
+                text += f"\n{CALL_BEGIN}" + call_body(call) + CALLS_END + EOS
         return text
 
     def assistant_content(self, content: str) -> str:
@@ -110,7 +113,7 @@ class DeepSeekV3(ChatFormat):
         text = f"{message.reasoning or ''}\n</think>\n\n" if self.generation_text.endswith("<think>\n") else ""
         text += message.content.split("</think>")[-1].lstrip("\n") if text else message.content
         if message.tool_calls:
-            text += CALLS_BEGIN + "\n".join(CALL_BEGIN + call_body(c.name, c.arguments) for c in message.tool_calls)
+            text += CALLS_BEGIN + "\n".join(CALL_BEGIN + call_body(c) for c in message.tool_calls)
             text += CALLS_END
         return text + EOS
 
@@ -154,10 +157,10 @@ class DeepSeekR1(DeepSeekV3):
         text = ""
         for call in message.tool_calls:
             if not flags.call_written:
-                text += f"{ASSISTANT}{message.content}{CALLS_BEGIN}{CALL_BEGIN}" + call_body(call.name, call.arguments)
+                text += f"{ASSISTANT}{message.content}{CALLS_BEGIN}{CALL_BEGIN}" + call_body(call)
                 flags.call_written = True
             else:
-                text += f"\n{CALL_BEGIN}" + call_body(call.name, call.arguments)
+                text += f"\n{CALL_BEGIN}" + call_body(call)
         return text + CALLS_END + EOS
 
     def assistant_content(self, content: str) -> str:

@@ -20,7 +20,7 @@ class Gemma3(ChatFormat):
     name = "gemma3"
     templates = ("gemma3.jinja",)
     prefix_stable = True
-    stop_tokens = (END, "<eos>")
+    end_tokens = ((1, "<eos>"), (106, END))  # google/gemma-3-*-it generation_config.json: eos_token_id [1, 106]
     close_text = END
     after_stop = "\n"
 

@@ -21,7 +21,7 @@ from typing import Any
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
-from verbatim.renderers.completion import parse_json_arguments, tojson
+from verbatim.renderers.completion import arguments_json, parse_json_arguments, tojson
 
 START, MESSAGE, CHANNEL, END = "<|start|>", "<|message|>", "<|channel|>", "<|end|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -72,8 +72,10 @@ class Harmony(ChatFormat):
     name = "gpt-oss"
     templates = ("gpt_oss.jinja",)
     prefix_stable = False
-    stop_tokens = (RETURN, CALL)
+    # openai/gpt-oss-20b and -120b generation_config.json: eos_token_id [200002, 199999, 200012]
+    end_tokens = ((200002, RETURN), (199999, "<|endoftext|>"), (200012, CALL))
     close_text = END
+    markup = (START, MESSAGE, CHANNEL, END, RETURN, CALL, "<|constrain|>")
     message_dict_options = {"reasoning_key": "thinking"}
 
     def __init__(self, tokenizer: Any, *, today: str = "2024-07-26", reasoning_effort: str = "medium") -> None:
@@ -139,7 +141,7 @@ class Harmony(ChatFormat):
         text = self.analysis(thought) if thought and not later_final else ""
         call = message.tool_calls[0]
         return (text + f"{START}assistant to=functions.{call.name}{CHANNEL}commentary json{MESSAGE}"
-                + tojson(call.arguments) + CALL)
+                + arguments_json(call, as_given=False) + CALL)
 
     @staticmethod
     def analysis(text: str) -> str:
@@ -164,7 +166,8 @@ class Harmony(ChatFormat):
         return found.group(1) if found else None
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
-        problems = [] if finished else ["completion ended without <|return|> or <|call|>"]
+        problems = [] if finished else ["completion ended without an end token (<|return|>, <|call|>, "
+                                        "<|endoftext|>): cut by max tokens?"]
         reasoning, content, calls = [], [], []
         for header, body in split_messages(text):
             channel = re.search(r"<\|channel\|>(\w+)", header)

@@ -17,7 +17,7 @@ from typing import Any
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
-from verbatim.renderers.completion import tojson, tool_call_from_object
+from verbatim.renderers.completion import arguments_json, tojson, tool_call_from_object
 
 BOT, EOT, EOM, PYTHON_TAG = "<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"
 TOOLS_PREAMBLE = (
@@ -36,8 +36,10 @@ class Llama3(ChatFormat):
     name = "llama3"
     templates = ("llama3_1_instruct.jinja", "llama3_3_instruct.jinja", "llama3_2_instruct.jinja")
     prefix_stable = True  # with a fixed date_string; see docs/renderers.md
-    stop_tokens = (EOT, EOM)
+    # meta-llama/Llama-3.1-8B-Instruct (and 3.2, 3.3) generation_config.json: eos_token_id [128001, 128008, 128009]
+    end_tokens = ((128001, "<|end_of_text|>"), (128008, EOM), (128009, EOT))
     close_text = EOT
+    markup = (PYTHON_TAG,)  # a bare JSON call has no marker token: it is read by its shape alone
 
     def __init__(self, tokenizer: Any, *, date_string: str = "26 Jul 2024") -> None:
         super().__init__(tokenizer)
@@ -77,8 +79,8 @@ class Llama3(ChatFormat):
             if len(message.tool_calls) != 1:
                 raise RenderError("llama3: the model supports exactly one tool call per assistant turn")
             call = message.tool_calls[0]
-            return (header("assistant") + f'{{"name": "{call.name}", "parameters": {tojson(call.arguments)}}}'
-                    + EOT)
+            arguments = arguments_json(call, as_given=False)
+            return header("assistant") + f'{{"name": "{call.name}", "parameters": {arguments}}}' + EOT
         return header(message.role) + message.content.strip() + EOT
 
     def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
@@ -86,7 +88,8 @@ class Llama3(ChatFormat):
         return [Piece(self.message_text(m)) for m in new_messages] + [Piece(header("assistant"))]
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
-        problems = [] if finished else ["completion ended without <|eot_id|> or <|eom_id|>"]
+        problems = [] if finished else ["completion ended without an end token (<|eot_id|>, <|eom_id|>, "
+                                        "<|end_of_text|>): cut by max tokens?"]
         body = text[len(PYTHON_TAG):] if text.startswith(PYTHON_TAG) else text
         stripped = body.strip()
         if not stripped.startswith("{"):

@@ -23,7 +23,7 @@ from typing import Any
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
-from verbatim.renderers.completion import parse_json_arguments, tojson, tool_call_from_object
+from verbatim.renderers.completion import arguments_json, parse_json_arguments, tojson, tool_call_from_object
 
 BOS, EOS = "<s>", "</s>"
 
@@ -50,8 +50,9 @@ class MistralV3(ChatFormat):
     name = "mistral-v3"
     templates = ("mistral_7b_instruct_v0_3.jinja",)
     prefix_stable = False  # the system prompt and tool list move to the newest user turn
-    stop_tokens = (EOS,)
+    end_tokens = ((2, EOS),)  # mistralai/Mistral-7B-Instruct-v0.3 generation_config.json: eos_token_id 2
     close_text = EOS
+    markup = ("[TOOL_CALLS]",)
     bridge_roles = ("user", "tool", "system")
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,
@@ -78,8 +79,8 @@ class MistralV3(ChatFormat):
             call_id = check_call_id(message.tool_call_id, self.name)
             return f'[TOOL_RESULTS] {{"content": {message.content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
         if message.role == "assistant" and message.tool_calls:
-            calls = [tojson({"name": c.name, "arguments": c.arguments})[:-1]
-                     + f', "id": "{check_call_id(c.id, self.name)}"}}' for c in message.tool_calls]
+            calls = [f'{{"name": {tojson(c.name)}, "arguments": {arguments_json(c, as_given=False)}, '
+                     f'"id": "{check_call_id(c.id, self.name)}"}}' for c in message.tool_calls]
             return "[TOOL_CALLS] [" + ", ".join(calls) + "]" + EOS
         if message.role == "assistant":
             return " " + message.content.strip() + EOS
@@ -164,6 +165,8 @@ class MistralTekken(MistralV3):
     name = "mistral-v7-tekken"
     templates = ("mistral_small_3_2_2506.jinja",)
     prefix_stable = False  # the tool list moves to the newest user turn; the default system prompt has a date
+    end_tokens = ((2, EOS),)  # mistralai/Mistral-Small-3.2-24B-Instruct-2506 generation_config.json: eos_token_id 2
+    markup = ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")
     bridge_roles = ("user", "tool")
 
     def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
@@ -201,7 +204,7 @@ class MistralTekken(MistralV3):
             return f"[TOOL_RESULTS]{call_id}[TOOL_CONTENT]{message.content}[/TOOL_RESULTS]"
         if message.tool_calls:
             return "".join(f"[TOOL_CALLS]{c.name}[CALL_ID]{check_call_id(c.id, self.name)}[ARGS]"
-                           f"{tojson(c.arguments)}" for c in message.tool_calls) + EOS
+                           f"{arguments_json(c, as_given=False)}" for c in message.tool_calls) + EOS
         return message.content + EOS
 
     def parse_text(self, text: str, *, finished: bool) -> Message:

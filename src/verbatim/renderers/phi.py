@@ -21,7 +21,8 @@ class Phi3(ChatFormat):
     name = "phi3"
     templates = ("phi3_mini.jinja",)
     prefix_stable = False  # end-of-text after the last turn when not generating
-    stop_tokens = ("<|end|>", "<|endoftext|>")
+    # microsoft/Phi-3-mini-4k-instruct generation_config.json: eos_token_id [32000, 32001, 32007]
+    end_tokens = ((32000, "<|endoftext|>"), (32001, "<|assistant|>"), (32007, "<|end|>"))
     close_text = "<|end|>"
     after_stop = "\n"
     roles = ("system", "user", "assistant")
@@ -58,6 +59,8 @@ class Phi3(ChatFormat):
 class Phi35(Phi3):
     name = "phi3.5"
     templates = ("phi3_5_mini.jinja",)
+    # microsoft/Phi-3.5-mini-instruct generation_config.json: eos_token_id [32007, 32001, 32000]
+    end_tokens = ((32007, "<|end|>"), (32001, "<|assistant|>"), (32000, "<|endoftext|>"))
 
     def kept(self, message: Message) -> bool:
         return message.role in self.roles and not (message.role == "system" and not message.content)
@@ -67,7 +70,7 @@ class Phi4(Phi3):
     name = "phi4"
     templates = ("phi4.jinja",)
     prefix_stable = True
-    stop_tokens = ("<|im_end|>",)
+    end_tokens = ((100265, "<|im_end|>"),)  # microsoft/phi-4 generation_config.json: eos_token_id 100265
     close_text = "<|im_end|>"
     after_stop = ""
 
@@ -86,7 +89,8 @@ class Phi4(Phi3):
 class Phi4Mini(Phi3):
     name = "phi4-mini"
     templates = ("phi4_mini_instruct.jinja",)
-    stop_tokens = ("<|end|>", "<|endoftext|>")
+    # microsoft/Phi-4-mini-instruct generation_config.json: eos_token_id [200020, 199999]
+    end_tokens = ((200020, "<|end|>"), (199999, "<|endoftext|>"))
     after_stop = ""
     roles = ("system", "user", "assistant", "tool")
 

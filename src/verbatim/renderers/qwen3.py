@@ -30,6 +30,8 @@ class Qwen3(QwenChat):
     templates = ("qwen3.jinja", "qwen3_2504_original.jinja")
     prefix_stable = False  # earlier reasoning is stripped on re-render
     default_system = None
+    markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+    arguments_as_given = True
 
     def __init__(self, tokenizer: Any, *, keep_reasoning: bool = False, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
@@ -67,7 +69,7 @@ class Qwen3(QwenChat):
             text = f"{IM_START}assistant\n{content}"
         for n, call in enumerate(message.tool_calls):
             separator = "\n" if (n == 0 and content) or n > 0 else ""
-            text += separator + hermes_call(call)
+            text += separator + hermes_call(call, as_given=True)
         return text + "<|im_end|>\n"
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
