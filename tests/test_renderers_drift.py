@@ -13,7 +13,7 @@ from verbatim.cli.app import app
 from verbatim.errors import InputError
 from verbatim.renderers import drift
 from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, Conversation, load_conversations
-from verbatim.renderers.templates import official_templates, read_template, resolve_template
+from verbatim.renderers.templates import official_templates, read_template, resolve_template, resolve_tokenizer
 
 GOLDEN = Path(__file__).parent / "data" / "lint_golden.json"
 runner = CliRunner()
@@ -42,7 +42,7 @@ def test_every_cause_comes_from_a_real_template(golden: dict) -> None:
 
 
 @pytest.mark.parametrize(("stem", "cause"), [
-    ("qwen3", "reasoning_stripped"), ("llama3_2_instruct", "date_injected"),
+    ("qwen3", "reasoning_stripped"), ("mistral_small_3_2_2506", "date_injected"),
     ("mistral_7b_instruct_v0_3", "system_moved"), ("deepseek_r1", "tool_call_reserialized"),
     ("phi3_mini", "eos_in_history"), ("qwq_32b", "generation_prompt_dropped"), ("qwq_32b", "whitespace_trimmed"),
     ("smollm2_instruct", "default_system_injected"), ("llama3_1_instruct", "bpe_boundary_merge"),
@@ -145,3 +145,77 @@ def test_refusals_are_per_conversation(default_tokenizer, chat_templates_dir: Pa
     verdict = drift.analyze(renderer, system, 0)
     assert verdict.prefix_stable is None and "System role not supported" in verdict.unsupported
     assert drift.exit_code([verdict]) == 0
+
+
+# ---------------------------------------------------------------------------
+# lint precision (issue 14, items 7-10)
+# ---------------------------------------------------------------------------
+
+
+def _json_lines(result) -> list[dict]:
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_llama3_2_is_stable_with_its_date_pinned_by_default() -> None:
+    """Its template reads the clock only when date_string is missing; the lint pins it as the renderer does."""
+    result = lint("--template", "llama3_2_instruct", "--tokenizer", "llama3", "--json")
+    assert result.exit_code == 0, result.output
+    assert all(line["prefix_stable"] for line in _json_lines(result))
+    unpinned = lint("--template", "llama3_2_instruct", "--tokenizer", "llama3", "--json", "--no-pin-defaults")
+    assert {v["cause"] for line in _json_lines(unpinned) for v in line["violations"]} == {"date_injected"}
+
+
+COUNTING = "{% for m in messages %}{{ m.content }}{% endfor %}{% if not pinned %}{{ messages|length }}{% endif %}"
+
+
+def test_var_pins_a_template_variable(tmp_path: Path) -> None:
+    template = tmp_path / "counting.jinja"
+    template.write_text(COUNTING)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"},
+                                              {"role": "user", "content": "again"},
+                                              {"role": "assistant", "content": "yes"}]}) + "\n")
+    assert lint("--template", str(template), "--conversations", str(chats)).exit_code == 1
+    assert lint("--template", str(template), "--conversations", str(chats), "--var", "pinned=true").exit_code == 0
+    assert lint("--template", str(template), "--conversations", str(chats), "--var", "pinned=false").exit_code == 1
+    result = lint("--template", str(template), "--conversations", str(chats), "--var", "pinned")
+    assert result.exit_code == 2 and "KEY=VALUE" in result.output and result.output.count("\n") == 1
+
+
+def test_the_cause_is_the_first_real_divergence_not_the_date(default_model_dir: Path) -> None:
+    """gpt-oss writes the clock's date into its system turn; the analysis channel it drops is the real drift."""
+    renderer = drift.TemplateRenderer(resolve_template("gpt_oss")[1], resolve_tokenizer("gpt-oss", default_model_dir))
+    conversation = next(c for c in load_conversations(DEFAULT_CONVERSATIONS) if "preamble" in c.note)
+    verdict = drift.analyze(renderer, conversation, 0)
+    causes = {(v.kind, v.cut): v.cause for v in verdict.violations}
+    assert causes[("history", (2, 4))] == causes[("generation_prompt", (3, 4))] == "reasoning_stripped"
+    dropped = next(v for v in verdict.violations if v.kind == "history")
+    assert "".join(dropped.earlier).startswith("<|channel|>analysis")  # the preamble, written as analysis
+
+
+def test_a_malformed_conversation_is_its_own_problem(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    untyped = {"messages": [{"role": "user", "content": "list"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"function": {"name": "ls", "arguments": {"path": "."}}}]},
+                            {"role": "tool", "content": "a.txt"}, {"role": "assistant", "content": "a.txt"}]}
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps(c) for c in (good, untyped, good)) + "\n")
+    result = lint("--template", "deepseek_r1", "--conversations", str(chats), "--json")
+    lines = _json_lines(result)
+    assert [line["conversation"] for line in lines] == [0, 1, 2], result.output
+    assert lines[0]["violations"] and lines[2] == {**lines[0], "conversation": 2}
+    assert lines[1]["prefix_stable"] is None and "type" in lines[1]["problem"]
+    assert result.exit_code == 1  # drift found in the others; the problem is reported, not fatal
+
+
+def test_history_and_generation_prompt_stability_are_reported_apart() -> None:
+    lines = _json_lines(lint("--template", "qwq_32b", "--json"))
+    for line in lines:
+        history = not any(v["kind"] == "history" for v in line["violations"])
+        prompt = not any(v["kind"] == "generation_prompt" for v in line["violations"])
+        assert (line["history_stable"], line["generation_prompt_stable"]) == (history, prompt)
+        assert line["prefix_stable"] == (history and prompt)
+    pairs = {(line["history_stable"], line["generation_prompt_stable"]) for line in lines}
+    assert pairs >= {(True, False), (False, True)}  # qwq: the prompt's <think> is dropped; a past reply trimmed

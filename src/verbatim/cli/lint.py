@@ -34,6 +34,10 @@ def lint_template(
     conversations: str = typer.Option(None, "--conversations", help="JSONL of {\"messages\": [...], "
                                       "\"tools\": [...]} objects (default: the built-in set)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per conversation on stdout."),
+    variables: list[str] = typer.Option(None, "--var", help="Pin a template variable, KEY=VALUE (repeatable); "
+                                        "VALUE is read as JSON when it parses (true, 3, [...]), else as text."),
+    pin_defaults: bool = typer.Option(True, "--pin-defaults/--no-pin-defaults", help="Pin date_string "
+                                      "(\"26 Jul 2024\") for templates that read it, as the renderers do."),
 ) -> None:
     """Does re-rendering history with this template change tokens already rendered? Exit 1 if so."""
     import json
@@ -42,6 +46,7 @@ def lint_template(
     from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, load_conversations
     from verbatim.renderers.templates import resolve_template, resolve_tokenizer
 
+    pins = parse_variables(variables or [])
     label, text = resolve_template(template)
     chats = load_conversations(conversations or DEFAULT_CONVERSATIONS)
     model_dir = None
@@ -55,12 +60,16 @@ def lint_template(
         tok = smollm2_tokenizer(str(model_dir))
     else:
         tok = resolve_tokenizer(tokenizer, model_dir)
-    verdicts = drift.lint(drift.TemplateRenderer(text, tok), chats)
+    renderer = drift.TemplateRenderer(text, tok, pin_defaults=pin_defaults, **pins)
+    verdicts = drift.lint(renderer, chats)
     if as_json:
         for verdict in verdicts:
             print(json.dumps(verdict.as_json(), ensure_ascii=False))
     else:
-        console.print(_drift_table(label, verdicts))
+        console.print(_drift_table(label, verdicts, renderer.variables))
+    for verdict in verdicts:
+        if verdict.problem is not None:
+            err_console.print(f"warning: {verdict.problem}", markup=False, highlight=False)
     # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
     # comes back as a return value and would be lost.
     sys.exit(drift.exit_code(verdicts))
@@ -93,21 +102,46 @@ def lint_trace(
     raise typer.Exit(report.exit_code)
 
 
+def parse_variables(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as template variables; a VALUE that parses as JSON is that value, else text."""
+    import json
+
+    from verbatim.errors import InputError
+
+    pins: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise InputError(f"--var {item!r} is not KEY=VALUE", hint='e.g. --var date_string="26 Jul 2024"')
+        try:
+            pins[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            pins[key.strip()] = value
+    return pins
+
+
 def _is_path(value: str) -> bool:
     from pathlib import Path
 
     return Path(value).expanduser().exists()
 
 
-def _drift_table(label: str, verdicts: Any) -> Table:
-    stable = sum(v.prefix_stable is True for v in verdicts)
-    table = Table(title=f"{label}: {stable}/{len(verdicts)} conversations prefix-stable")
+def _drift_table(label: str, verdicts: Any, pins: dict[str, Any]) -> Table:
+    def count(attribute: str) -> int:
+        return sum(getattr(v, attribute) is True for v in verdicts)
+
+    table = Table(title=f"{label}: {count('prefix_stable')}/{len(verdicts)} conversations prefix-stable "
+                        f"(history {count('history_stable')}, generation prompt {count('generation_prompt_stable')})")
     for column in ("#", "stable", "kind", "cut", "diff at", "cause", "miss", "earlier | later tokens"):
         table.add_column(column)
+    if pins:
+        table.caption = "pinned: " + ", ".join(f"{key}={value!r}" for key, value in pins.items())
     for verdict in verdicts:
         number = str(verdict.conversation)
         if verdict.unsupported is not None:
             table.add_row(number, "n/a", "", "", "", f"refused: {verdict.unsupported}", "", "")
+        elif verdict.problem is not None:
+            table.add_row(number, "n/a", "", "", "", f"problem: {verdict.problem}", "", "")
         elif not verdict.violations:
             table.add_row(number, "yes", "", "", "", "", "", "")
         for v in verdict.violations:

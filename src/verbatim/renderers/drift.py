@@ -11,15 +11,22 @@ For one conversation, ``analyze`` renders prefixes with the template
 Each violation names the first divergent token, a cause from :data:`CAUSES`,
 and ``miss_tokens``: the tokens of the earlier render from the divergence on,
 which a harness that re-renders history holds in its prefix cache but must
-prefill again. The renders of cut ``c`` run with the clock set ``c`` days after
-a fixed start, so templates that read the clock show up as ``date_injected``.
+prefill again.
+
+Template variables can be pinned (``TemplateRenderer(..., date_string="...")``);
+:data:`DEFAULT_PINS` are pinned for every template that names them, as the
+renderers do. The clock is not a variable: the renders of cut ``c`` run with it
+set ``c`` days after a fixed start. Where a template reads it, two renders are
+first compared on the same day, so the cause names the first divergence that
+is not the date; only when nothing else differs is the violation ``date_injected``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,6 +43,13 @@ CAUSES = (
 )
 CLOCK_START = dt.datetime(2025, 1, 1, 9, 0, 0)
 CONTEXT_TOKENS = 4
+DEFAULT_PINS: Mapping[str, Any] = {"date_string": "26 Jul 2024"}
+"""Variables pinned for a template that names them (Llama 3.x reads the clock unless ``date_string`` is given)."""
+
+
+def default_pins(template: str) -> dict[str, Any]:
+    """The :data:`DEFAULT_PINS` that ``template`` names."""
+    return {name: value for name, value in DEFAULT_PINS.items() if re.search(rf"\b{name}\b", template)}
 
 
 class Violation(BaseModel):
@@ -57,7 +71,12 @@ class Violation(BaseModel):
 
 
 class Verdict(BaseModel):
-    """The drift verdict for one conversation; ``unsupported`` when the template refuses it."""
+    """The drift verdict for one conversation.
+
+    ``prefix_stable`` is the conjunction of ``history_stable`` and
+    ``generation_prompt_stable``; all three are None when the template refuses
+    the conversation (``unsupported``) or raised on it (``problem``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -65,12 +84,27 @@ class Verdict(BaseModel):
     prefix_stable: bool | None
     violations: tuple[Violation, ...] = ()
     unsupported: str | None = None
+    problem: str | None = None
+
+    @property
+    def history_stable(self) -> bool | None:
+        return self._stable("history")
+
+    @property
+    def generation_prompt_stable(self) -> bool | None:
+        return self._stable("generation_prompt")
+
+    def _stable(self, kind: str) -> bool | None:
+        return None if self.prefix_stable is None else not any(v.kind == kind for v in self.violations)
 
     def as_json(self) -> dict[str, Any]:
         data = {"conversation": self.conversation, "prefix_stable": self.prefix_stable,
+                "history_stable": self.history_stable, "generation_prompt_stable": self.generation_prompt_stable,
                 "violations": [v.as_json() for v in self.violations]}
         if self.unsupported is not None:
             data["unsupported"] = self.unsupported
+        if self.problem is not None:
+            data["problem"] = self.problem
         return data
 
 
@@ -119,10 +153,15 @@ class _Recording:
 
 
 class TemplateRenderer:
-    """Renders conversations with one Jinja chat template and one tokenizer, as ``apply_chat_template`` does."""
+    """Renders conversations with one Jinja chat template and one tokenizer, as ``apply_chat_template`` does.
 
-    def __init__(self, template: str, tokenizer: Any, **kwargs: Any) -> None:
-        self.template, self.tokenizer, self.kwargs = template, tokenizer, kwargs
+    ``variables`` go to the template as pinned values, over :func:`default_pins`
+    unless ``pin_defaults`` is False.
+    """
+
+    def __init__(self, template: str, tokenizer: Any, *, pin_defaults: bool = True, **variables: Any) -> None:
+        self.template, self.tokenizer = template, tokenizer
+        self.variables = {**(default_pins(template) if pin_defaults else {}), **variables}
         self._backend = tokenizer.backend_tokenizer
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None, *,
@@ -149,14 +188,14 @@ class TemplateRenderer:
         if conversation:
             return self.tokenizer.apply_chat_template(
                 conversation, tools=tools, chat_template=self.template, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **self.kwargs)
+                tokenize=False, **self.variables)
         # apply_chat_template refuses an empty conversation; the prompt before an opening
         # assistant message is still a real prompt, so render it the same way underneath.
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=self.template,
                                             add_generation_prompt=add_generation_prompt,
-                                            **{**self.tokenizer.special_tokens_map, **self.kwargs})
+                                            **{**self.tokenizer.special_tokens_map, **self.variables})
         return rendered[0]
 
     def pieces(self, ids: Sequence[int]) -> tuple[str, ...]:
@@ -175,29 +214,46 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 def analyze(renderer: TemplateRenderer, conversation: Conversation, index: int) -> Verdict:
     """The drift verdict of ``conversation`` (number ``index`` in its set) under ``renderer``'s template."""
     messages, tools = list(conversation.messages), conversation.tools
-    cache: dict[tuple[int, bool], Rendered] = {}
+    cache: dict[tuple[int, bool, int], Rendered] = {}
 
-    def render(cut: int, generation: bool) -> Rendered:
-        if (cut, generation) not in cache:
-            cache[cut, generation] = renderer.render(messages[:cut], tools, add_generation_prompt=generation,
-                                                     day=cut)
-        return cache[cut, generation]
+    def render(cut: int, generation: bool, day: int | None = None) -> Rendered:
+        day = cut if day is None else day
+        if (cut, generation, day) not in cache:
+            cache[cut, generation, day] = renderer.render(messages[:cut], tools, add_generation_prompt=generation,
+                                                          day=day)
+        return cache[cut, generation, day]
+
+    def compare(kind: str, cut: tuple[int, int], generation: bool) -> Violation | None:
+        earlier, later, dated = _pair(render, cut, generation)
+        return _compare(renderer, conversation, kind, cut, earlier, later, render, dated)
 
     replies = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
     cuts = sorted({k + 1 for k in replies} | {len(messages)})
     try:
-        violations = [v for c, c2 in zip(cuts, cuts[1:])
-                      if (v := _compare(renderer, conversation, "history", (c, c2), render(c, False),
-                                        render(c2, False), render)) is not None]
+        violations = [v for c, c2 in zip(cuts, cuts[1:]) if (v := compare("history", (c, c2), False)) is not None]
         for k in replies:
-            prompt = _prompt_or_none(render, k)
-            if prompt is not None:
-                found = _compare(renderer, conversation, "generation_prompt", (k, k + 1), prompt,
-                                 render(k + 1, False), render)
+            if _prompt_or_none(render, k) is not None:
+                found = compare("generation_prompt", (k, k + 1), True)
                 violations += [found] if found is not None else []
     except TemplateRefused as exc:
         return Verdict(conversation=index, prefix_stable=None, unsupported=str(exc))
     return Verdict(conversation=index, prefix_stable=not violations, violations=tuple(violations))
+
+
+def _pair(render: Any, cut: tuple[int, int], generation: bool) -> tuple[Rendered, Rendered, bool]:
+    """The earlier and later render to compare, and whether only the clock's date tells them apart.
+
+    Where the template reads the clock, the later render first runs on the earlier
+    one's day, so a divergence found there is real; the later day is used only
+    when that comparison is clean.
+    """
+    earlier, later = render(cut[0], generation), render(cut[1], False)
+    if not (earlier.dates or later.dates):
+        return earlier, later, False
+    same_day = render(cut[1], False, day=cut[0])
+    if first_divergence(earlier.ids, same_day.ids) is not None:
+        return earlier, same_day, False
+    return earlier, later, True
 
 
 def _prompt_or_none(render: Any, k: int) -> Rendered | None:
@@ -211,7 +267,7 @@ def _prompt_or_none(render: Any, k: int) -> Rendered | None:
 
 
 def _compare(renderer: TemplateRenderer, conversation: Conversation, kind: str, cut: tuple[int, int],
-             earlier: Rendered, later: Rendered, render: Any) -> Violation | None:
+             earlier: Rendered, later: Rendered, render: Any, dated: bool = False) -> Violation | None:
     d = first_divergence(earlier.ids, later.ids)
     if d is None:
         return None
@@ -220,7 +276,7 @@ def _compare(renderer: TemplateRenderer, conversation: Conversation, kind: str, 
                         earlier_dates=tuple(earlier.dates), messages=conversation.messages,
                         tools=conversation.tools or (), eos_token=str(renderer.tokenizer.eos_token or ""),
                         prompt_start=_text_length(render, cut[0]) if kind == "generation_prompt" else None)
-    return Violation(kind=kind, cut=cut, first_divergence=d, cause=classify(evidence),
+    return Violation(kind=kind, cut=cut, first_divergence=d, cause="date_injected" if dated else classify(evidence),
                      miss_tokens=len(earlier.ids) - d,
                      before=renderer.pieces(earlier.ids[max(0, d - CONTEXT_TOKENS):d]),
                      earlier=renderer.pieces(earlier.ids[d:d + CONTEXT_TOKENS]),
@@ -235,16 +291,25 @@ def _text_length(render: Any, cut: int) -> int:
 
 
 def lint(renderer: TemplateRenderer, conversations: Sequence[Conversation]) -> list[Verdict]:
-    """Verdicts for every conversation; a template that crashes (not a deliberate refusal) is bad input."""
-    verdicts = []
+    """Verdicts for every conversation.
+
+    A conversation the template raises on (not a deliberate refusal) gets a
+    verdict with a ``problem`` and the rest are still linted; a template that
+    raises on every conversation is bad input.
+    """
+    verdicts, failures = [], []
     for index, conversation in enumerate(conversations):
         try:
             verdicts.append(_analyze_either_argument_form(renderer, conversation, index))
         except InputError:
             raise
         except Exception as exc:
-            raise InputError(f"the template raised on conversation {index}: {type(exc).__name__}: "
-                             f"{' '.join(str(exc).split())[:200]}") from None
+            problem = f"the template raised on conversation {index}: {type(exc).__name__}: " \
+                      f"{' '.join(str(exc).split())[:200]}"
+            failures.append(problem)
+            verdicts.append(Verdict(conversation=index, prefix_stable=None, problem=problem))
+    if failures and len(failures) == len(verdicts):
+        raise InputError(failures[0], hint="the template fails on every conversation" if len(failures) > 1 else None)
     return verdicts
 
 
@@ -283,5 +348,7 @@ def with_arguments_flipped(conversation: Conversation) -> Conversation:
 
 
 def exit_code(verdicts: Sequence[Verdict]) -> int:
-    """0 when every supported conversation is stable, 1 when any drifts."""
-    return 1 if any(v.prefix_stable is False for v in verdicts) else 0
+    """1 when any conversation drifts, else 2 when the template raised on one, else 0."""
+    if any(v.prefix_stable is False for v in verdicts):
+        return 1
+    return 2 if any(v.problem is not None for v in verdicts) else 0
