@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 from verbatim.bench.prefixflow import KEYS, Case, markdown_table, peak_rss_mb
 from verbatim.cli.app import app
 
-from .test_prefixflow import one_thread, tiny_llama  # noqa: F401
+from .test_prefixflow import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 runner = CliRunner()
 

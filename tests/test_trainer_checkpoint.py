@@ -34,13 +34,7 @@ from verbatim.trainer.checkpoint import (
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads; on a shared CPU a descheduled thread stalls every op."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _batch(seed: int = 3) -> torch.Tensor:
