@@ -84,6 +84,7 @@ def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_
     """Push the trained weights again; the engine's logprobs are the trained model's, not the base's."""
     loop, _, _ = synchronous
     engine = engine_runner.engine
+    take_a_step_that_moves(loop)  # the run's own steps may all have had zero advantage (equal rewards)
     prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Guess a number from 1 to 8."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
     trained = loop.learner.model.eval()
@@ -99,6 +100,15 @@ def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_
         base = reference_logprobs(load_model(default_model_dir), ids, at).numpy()
     assert np.abs(want - got.logprobs).max() < AGREEMENT
     assert np.abs(base - got.logprobs).max() > 10 * AGREEMENT, "training did not move the logprobs: no proof"
+
+
+def take_a_step_that_moves(loop: TrainLoop) -> None:
+    """One more learner step on the run's last rollouts with advantages +1/−1, so the weights surely move."""
+    from verbatim.trainer.learner import StepInput
+
+    rollouts = sorted(read_run(loop.out).rollouts, key=lambda r: r.rollout_id)[-2:]
+    loop.learner.train_step(StepInput(columns=[r.tokens for r in rollouts], advantages=np.array([1.0, -1.0]),
+                                      groups=[[0, 1]]))
 
 
 def test_the_training_run_is_an_ordinary_run_directory(synchronous):
