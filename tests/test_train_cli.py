@@ -52,6 +52,8 @@ def refused(args: list[str], needle: str) -> str:
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--group-size", "1"], "--group-size 1: group-relative advantages need at least 2 rollouts"),
     (["--groups", "0"], "--groups 0 must be at least 1"),
+    (["--lr-schedule", "step"], "unknown --lr-schedule 'step' (use constant, linear or cosine)"),
+    (["--lr-final", "2"], "--lr-final 2 must be"),
     (["--advantage", "ppo"], "unknown --advantage 'ppo' (use grpo or rloo)"),
     (["--cache-policy", "sometimes"], "unknown cache policy 'sometimes' (use one of: flush, keep, salt, keep+salt)"),
     (["--sequence-tis", "product"], "--sequence-tis product replaces token-level TIS, which --token-tis-cap 2 "

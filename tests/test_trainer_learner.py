@@ -20,7 +20,7 @@ from verbatim.errors import InputError
 from verbatim.trainer.advantages import group_advantages
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import correct, policy_gradient_loss
-from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
+from verbatim.trainer.learner import Learner, LearnerConfig, StepInput, scheduled_lr
 from verbatim.trainer.reference import reference_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,6 +179,33 @@ def test_one_update_is_adamw_on_the_policy_gradient_through_the_plain_forward(mo
         p.grad = grads[0][name].clone()
     torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01).step()
     assert_same_params(learner.model, reference)
+
+
+# -- the learning-rate schedule -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule,final,expected", [
+    ("constant", 0.1, [1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", 0.0, [1.0, 0.75, 0.5, 0.25, 0.0]),
+    ("linear", 0.2, [1.0, 0.8, 0.6, 0.4, 0.2]),
+    ("cosine", 0.0, [1.0, 0.5 + 0.5 ** 1.5, 0.5, 0.5 - 0.5 ** 1.5, 0.0]),
+    ("cosine", 0.1, [1.0, 0.1 + 0.9 * (0.5 + 0.5 ** 1.5), 0.55, 0.1 + 0.9 * (0.5 - 0.5 ** 1.5), 0.1]),
+])
+def test_the_schedule_goes_from_lr_at_the_first_step_to_lr_final_at_the_last(schedule, final, expected):
+    config = LearnerConfig(lr=2.0, lr_schedule=schedule, lr_final=final)
+    got = [scheduled_lr(config, k, 5) for k in range(5)]
+    np.testing.assert_allclose(got, [2.0 * e for e in expected], rtol=1e-12, atol=1e-15)
+    assert scheduled_lr(config, 0, 1) == 2.0  # a one-step run trains at lr
+
+
+def test_each_step_trains_at_its_scheduled_rate(untied):
+    rows = step_rows(untied, seed=5)
+    learner = Learner(copy.deepcopy(untied), LearnerConfig(lr=LR, lr_schedule="linear", lr_final=0.5))
+    seen = []
+    learner.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    rates = [learner.train_step(rows, at=(k, 3))["lr"] for k in range(3)]
+    np.testing.assert_allclose(rates, [LR, 0.75 * LR, 0.5 * LR], rtol=1e-12)
+    assert seen == rates
 
 
 # -- several updates per step ----------------------------------------------------------------------

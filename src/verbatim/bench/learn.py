@@ -7,8 +7,13 @@ feedback, three turns at most. Why it suits a 135M model on two CPU cores:
   no number, which costs a guess), so group-relative advantages have signal from the first step;
 * the reward can climb far: answering with a bare number in range already gives 3/5 by chance, and
   using the feedback gives 1.0, so "learned" is a large, unambiguous change, not noise;
-* turns are short (12 sampled tokens), so a step of 16 rollouts takes seconds and a run of tens of
+* turns are short (12 sampled tokens), so a step of 32 rollouts takes seconds and a run of tens of
   steps fits in minutes.
+
+Settings: 4 groups of 8 per step (a group of 8 gives GRPO a better baseline than 4, and a step's
+32 rollouts a less noisy gradient and reward), lr 3e-5 on a cosine schedule down to a tenth at the
+last step. A first version (4 groups of 4, constant lr 2e-5) learned to about 0.6 by step 20 in both
+seeds, then sagged, and one seed's last five steps ended only +0.175 above its first five.
 
 Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
 two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
@@ -54,10 +59,12 @@ class LearnRun(Frozen):
 class LearnSettings(Frozen):
     steps: int = 40
     groups: int = 4
-    group_size: int = 4
+    group_size: int = 8
     max_turns: int = 3
     max_tokens: int = 12
-    lr: float = 2e-5
+    lr: float = 3e-5
+    lr_schedule: str = "cosine"
+    lr_final: float = 0.1
 
 
 def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
@@ -90,7 +97,8 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     model_dir = resolve(model)
     factory = load_env("guess", **ENV_ARGS)
     correction = CorrectionConfig(max_version_lag=run.max_lag) if run.correction else NO_CORRECTION
-    learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, correction=correction))
+    learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule,
+                                                            lr_final=settings.lr_final, correction=correction))
     plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
                      max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1)
     loop = LoopConfig(max_turns=settings.max_turns, context_budget=2048, cache_policy=run.cache_policy,
@@ -153,7 +161,8 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
     s = settings
     text += (f"\nMeasured by `{command}`: guess 1..{ENV_ARGS['high']} with {ENV_ARGS['max_guesses']} guesses, "
              f"{s.steps} steps × {s.groups} groups × {s.group_size} rollouts, ≤ {s.max_turns} turns of ≤ "
-             f"{s.max_tokens} tokens, lr {s.lr:g}, grpo, AdamW, fp32 engine and trainer, default model.\n")
+             f"{s.max_tokens} tokens, lr {s.lr:g} ({s.lr_schedule} to {s.lr_final:g}× at the last step), grpo, AdamW, "
+             "fp32 engine and trainer, default model.\n")
     return text
 
 

@@ -244,7 +244,12 @@ def train(
     max_turns: int = typer.Option(3, "--max-turns", min=1),
     max_tokens: int = typer.Option(48, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (above 0)."),
-    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate."),
+    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate (of the first step)."),
+    lr_schedule: str = typer.Option("constant", "--lr-schedule",
+                                    help="constant | linear | cosine: from --lr at the first step to "
+                                         "--lr × --lr-final at the last."),
+    lr_final: float = typer.Option(0.1, "--lr-final", help="The last step's learning rate as a fraction of --lr "
+                                                           "(linear and cosine)."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the gradient norm of each update."),
     advantage: str = typer.Option("grpo", "--advantage", help="grpo: (r - mean) / (std + eps); rloo: r minus "
@@ -297,6 +302,7 @@ def train(
         cache_policy_option,
         flag_errors,
         group_size_option,
+        lr_schedule_option,
         parse_band,
         parse_env_args,
         sequence_tis_option,
@@ -317,7 +323,8 @@ def train(
                                       token_mask_band=parse_band(token_mask_band, "--token-mask-band"),
                                       sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"),
                                       max_version_lag=max_lag)
-        learner = LearnerConfig(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        learner = LearnerConfig(lr=lr, lr_schedule=lr_schedule_option(lr_schedule), lr_final=lr_final,
+                                weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
         options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,

@@ -230,7 +230,7 @@ def bench_prefixflow(
 def bench_learn(
     steps: int = typer.Option(40, "--steps", min=10, help="Training steps per run."),
     seed: list[int] = typer.Option(None, "--seed", help="Seeds of the on-policy runs (repeatable; default 0 and 1)."),
-    lr: float = typer.Option(2e-5, "--lr", help="AdamW learning rate."),
+    lr: float = typer.Option(3e-5, "--lr", help="AdamW learning rate of the first step (cosine schedule)."),
     ablation: bool = typer.Option(True, "--ablation/--no-ablation",
                                   help="Also train with --max-lag 2 --cache-policy keep, with and without the "
                                        "correction."),
@@ -273,7 +273,7 @@ def bench_learn(
 
     results = run_all(runs, settings, model, progress=show)
     command = _command("learn", steps=None if steps == 40 else steps, seed=seed or None,
-                       lr=None if lr == 2e-5 else lr, ablation=None if ablation else False, model=model,
+                       lr=None if lr == 3e-5 else lr, ablation=None if ablation else False, model=model,
                        write=write, write_example=write_example)
     image = None
     if write is not None:

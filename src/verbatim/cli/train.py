@@ -230,6 +230,12 @@ def advantage_option(value: str) -> Advantage:
     return value  # type: ignore[return-value]
 
 
+def lr_schedule_option(value: str) -> str:
+    if value not in ("constant", "linear", "cosine"):
+        raise InputError(f"unknown --lr-schedule {value!r}", hint="use constant, linear or cosine")
+    return value
+
+
 def group_size_option(value: int) -> int:
     if value < 2:
         raise InputError(f"--group-size {value}: group-relative advantages need at least 2 rollouts per group",

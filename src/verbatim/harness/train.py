@@ -173,7 +173,7 @@ class TrainLoop:
 
     async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
         rows, row_info = step_input(rollouts, self.plan.advantage)
-        learned = await asyncio.to_thread(self.learner.train_step, rows)
+        learned = await asyncio.to_thread(self.learner.train_step, rows, (k, self.plan.steps))
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began

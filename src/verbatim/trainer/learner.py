@@ -14,16 +14,20 @@ sources, sampler logprobs μ, policy versions) with one advantage per row, and:
    clips the gradient norm and steps AdamW;
 4. increments the version.
 
+The learning rate follows ``lr_schedule`` over the run's steps (:func:`scheduled_lr`, a pure
+function of the step index, so a resumed run takes the same rate at the same step).
+
 The model is a Hugging Face causal LM in float32 (:func:`~verbatim.trainer.reference.load_model`),
 put in train mode; a model with dropout is refused (PrefixFlow runs a group's prompt once).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -45,6 +49,9 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     lr: float = Field(default=1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_final: float = Field(default=0.1, ge=0, le=1)
+    """The last step's learning rate as a fraction of ``lr`` (linear and cosine schedules)."""
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     updates_per_step: int = Field(default=1, ge=1)
@@ -53,6 +60,19 @@ class LearnerConfig(BaseModel):
     prefixflow: bool = True
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+
+def scheduled_lr(config: LearnerConfig, step: int, steps: int) -> float:
+    """The learning rate of step ``step`` (0-based) of ``steps``: from ``lr`` at the first step to
+    ``lr * lr_final`` at the last, in a straight line or along half a cosine; ``constant`` keeps ``lr``."""
+    if config.lr_schedule == "constant" or steps <= 1:
+        return config.lr
+    progress = min(max(step / (steps - 1), 0.0), 1.0)
+    if config.lr_schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.lr_final + (1.0 - config.lr_final) * shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,13 +98,18 @@ class Learner:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def train_step(self, step: StepInput) -> dict[str, Any]:
-        """One step (see the module docstring); returns its metrics. The version moves by one."""
+    def train_step(self, step: StepInput, at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """One step (see the module docstring); ``at`` is (this step, the run's steps) for the learning-rate
+        schedule. Returns the step's metrics; the version moves by one."""
         started = time.perf_counter()
+        lr = scheduled_lr(self.config, *at)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         rows = len(step.columns)
         if rows == 0:
             self.version += 1  # nothing to learn from: the policy is unchanged but the step counts
-            return {"rows": 0, "loss": 0.0, "grad_norm": 0.0, "updates": 0, "train_s": 0.0, "correction": None}
+            return {"rows": 0, "loss": 0.0, "grad_norm": 0.0, "updates": 0, "train_s": 0.0, "correction": None,
+                    "lr": lr}
         batch = behaviour_batch(step.columns)
         self._check_vocab(batch.token_ids, batch.lengths)
         device = next(self.model.parameters()).device  # the batch goes where the model is (CPU or a GPU)
@@ -103,7 +128,8 @@ class Learner:
             loss += loss_u
             norms.append(norm)
         self.version += 1
-        return {"rows": rows, "loss": loss, "grad_norm": float(np.mean(norms)), "grad_norm_max": float(max(norms)),
+        return {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
+                "grad_norm_max": float(max(norms)),
                 "updates": len(norms), "kept_tokens": int(fix.keep.sum()), "model_tokens": int(batch.loss_mask.sum()),
                 "train_s": time.perf_counter() - started, "correction": fix.metrics.as_dict()}
 
