@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from verbatim.datamodel import Source
 from verbatim.engine.fleet import kill_replica, read_fleet
 from verbatim.engine.http import HttpEngine
 from verbatim.engine.protocol import Sampling
@@ -206,6 +207,58 @@ def test_a_group_sharing_its_prompt_is_admitted_together(fleet, renderer, tmp_pa
     assert summary.admission_wait_s == 0 and summary.statuses == {"ok": 8}
     assert reused[0] == reused[1]
     check_simulator(tmp_path / "group")
+
+
+def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_together(
+        fleet, default_model_dir, default_tokenizer, tmp_path):
+    """`verbatim train` over both replicas: each step's tokens carry the version that every replica serves,
+    a group plays on one replica, and after the run both replicas sample with the trained weights."""
+    import numpy as np
+    import torch
+
+    from verbatim.engine.protocol import CachePolicy
+    from verbatim.trainer.checkpoint import load_checkpoint
+    from verbatim.trainer.reference import load_model, reference_logprobs
+
+    out = tmp_path / "train"
+    urls = [arg for url in fleet.urls for arg in ("--url", url)]
+    done = cli("train", "--env", "guess", "--env-arg", "high=5", "--engine", "http", *urls, "--route",
+               "sticky_least_loaded+group", "--steps", "2", "--groups", "2", "--group-size", "4", "--max-turns", "2",
+               "--max-tokens", "8", "--lr", "1e-3", "--seed", "3", "--max-model-len", str(MAX_MODEL_LEN),
+               "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rollouts = read_run(out).rollouts
+    assert len(rollouts) == 2 * 2 * 4
+    for rollout in rollouts:
+        assert len({t.replica for t in rollout.turns}) == 1, rollout.rollout_id  # pinned
+        model = rollout.tokens.policy_version[rollout.tokens.source == Source.MODEL]
+        assert set(model.tolist()) == {rollout.info["step"]}, rollout.rollout_id  # sampled by the step's version
+    groups = {(r.info["step"], r.group_id): set() for r in rollouts}
+    for r in rollouts:
+        groups[(r.info["step"], r.group_id)].add(r.turns[0].replica)
+    assert all(len(replicas) == 1 for replicas in groups.values()), groups  # a group is co-routed
+    assert set().union(*groups.values()) == {"r0", "r1"}, groups  # and the groups were spread over both
+    trained = load_model(default_model_dir)
+    assert load_checkpoint(out / "checkpoints" / "step-000002", trained, None)["version"] == 2
+    prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Guess a number from 1 to 5."}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    async def sample_and_restore(url: str):
+        async with HttpEngine(url) as engine:
+            got = await engine.generate(prompt, Sampling(max_tokens=12, temperature=1.0, seed=5))
+            await engine.update_weights(default_model_dir, 1, CachePolicy.FLUSH)  # the next test plays the base
+        return got
+
+    base = load_model(default_model_dir).eval()
+    for url in fleet.urls:
+        got = asyncio.run(sample_and_restore(url))
+        ids = list(prompt) + got.token_ids.tolist()
+        at = range(len(prompt), len(ids))
+        with torch.no_grad():
+            want = reference_logprobs(trained.eval(), ids, at).numpy()
+            before = reference_logprobs(base, ids, at).numpy()
+        assert np.abs(want - got.logprobs).max() < 1e-3, url  # the replica serves the trained weights
+        assert np.abs(before - got.logprobs).max() > 1e-2, "training did not move the weights: no proof"
 
 
 def test_a_replica_killed_mid_run_moves_its_sessions_and_loses_nothing(fleet, renderer, tmp_path):

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from verbatim.datamodel import Rollout, Source
+from verbatim.durable import write_atomic
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.store import read_run
 from verbatim.harness.tracefile import to_json_line, to_table
@@ -247,13 +248,7 @@ def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TraceError(f"cannot create {path.parent}: {exc.strerror}", hint="pass a writable --out") from exc
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        write_atomic(path, write)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise TraceError(f"cannot write {path}: {exc.strerror or exc}", hint="pass a writable --out") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

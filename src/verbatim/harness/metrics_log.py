@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from verbatim.durable import fsync_dir
 from verbatim.errors import InputError, TraceError
 
 METRICS_FILE = "metrics.jsonl"
@@ -71,7 +72,7 @@ def rewrite_metrics(run_dir: str | Path, records: Iterable[dict[str, Any]]) -> N
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         tmp = None
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -128,11 +129,3 @@ def _last_line_start(handle: Any, end: int) -> int:
             return start + newline + 1
         position = start
     return 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

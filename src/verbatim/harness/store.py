@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, ValidationError
 
 from verbatim.datamodel import SCHEMA_VERSION, Frozen, Rollout
+from verbatim.durable import write_atomic
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.errors import InputError, TraceError, TraceFormatError
 from verbatim.harness.tracefile import brief, from_json_line, from_table, to_json_line, to_table
@@ -79,20 +80,7 @@ def package_versions() -> dict[str, str]:
 
 def _write_atomic(path: Path, write: Any) -> None:
     """Write via ``write(tmp_path)``, fsync, then rename over ``path`` and fsync the folder."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(path, write, prefix=_TMP_PREFIX)
 
 
 class TraceWriter:

@@ -35,6 +35,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from verbatim.durable import fsync_dir, fsync_file
 from verbatim.errors import CheckpointError, InputError
 
 CHECKPOINT_SCHEMA = 1
@@ -83,11 +84,11 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         _write_torch(tmp / "optimizer.pt", optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
         os.rename(tmp, final)
         written.published = True
-        _fsync_dir(root)
+        fsync_dir(root)
     except Exception as exc:
         written.undo()
         raise CheckpointError(f"cannot write checkpoint {final.name} in {root}: {_reason(exc)}; nothing was written",
@@ -104,8 +105,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
 def _write_model(path: Path, model: nn.Module) -> None:
     tensors, aliases = _deduplicated(model.state_dict())
     safetensors.torch.save_file(tensors, str(path), metadata={_ALIASES_KEY: json.dumps(aliases)})
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+    fsync_file(path)
 
 
 def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -141,14 +141,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Write:
