@@ -75,6 +75,7 @@ class _Batcher:
     def __init__(self, writer: TraceWriter, batch_size: int) -> None:
         self.writer, self.batch_size = writer, batch_size
         self.pending: list[Rollout] = []
+        self.written: list[Rollout] = []
         self.lock = asyncio.Lock()
 
     async def add(self, rollout: Rollout) -> None:
@@ -91,6 +92,7 @@ class _Batcher:
         batch, self.pending = self.pending, []
         if batch:
             await asyncio.to_thread(self.writer.write_batch, batch)
+            self.written += batch
 
 
 LATE_S = 5.0
@@ -126,9 +128,10 @@ class Run:
         """After :meth:`play`: this plan's rollouts as written (those of earlier plays included)."""
 
     def completed_ids(self) -> set[str]:
-        if not (self.out / "manifest.json").exists():
-            return set()
-        return {r.rollout_id for r in read_run(self.out).rollouts}
+        return {r.rollout_id for r in self._on_disk()}
+
+    def _on_disk(self) -> list[Rollout]:
+        return read_run(self.out).rollouts if (self.out / "manifest.json").exists() else []
 
     def check_out_dir(self, resume: bool) -> None:
         """Refuse to overwrite a run, to resume one with a different plan, or to write where another
@@ -167,21 +170,25 @@ class Run:
 
     # -- playing ----------------------------------------------------------------------
 
-    async def play(self, *, resume: bool = False, hold_lock: bool = True) -> RunSummary:
+    async def play(self, *, resume: bool = False, hold_lock: bool = True, look_on_disk: bool = True) -> RunSummary:
         """Play every rollout of the plan not yet written (all of them unless ``resume``).
 
         ``hold_lock=False`` is for a caller that holds the run directory's :class:`RunLock` itself
-        across several plays (``verbatim train`` plays one plan per step)."""
+        across several plays (``verbatim train`` plays one plan per step); ``look_on_disk=False``
+        tells a resumed play that none of its plan's rollouts can be on disk yet (a step that never
+        began), so the trace is not read again."""
         if not hold_lock:
-            return await self._play_locked(resume)
+            return await self._play_locked(resume, look_on_disk)
         with RunLock(self.out):  # held until the last write: no second writer clears or duplicates ours
-            return await self._play_locked(resume)
+            return await self._play_locked(resume, look_on_disk)
 
-    async def _play_locked(self, resume: bool) -> RunSummary:
+    async def _play_locked(self, resume: bool, look_on_disk: bool) -> RunSummary:
         self._check_plan(resume)
         clear_unfinished_writes(self.out)
         self._record_block_size()
-        done = self.completed_ids() if resume else set()
+        mine = self.rollout_ids
+        earlier = [r for r in self._on_disk() if r.rollout_id in mine] if resume and look_on_disk else []
+        done = {r.rollout_id for r in earlier}
         writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)
         limit = asyncio.Semaphore(self.plan.concurrency)
@@ -199,8 +206,7 @@ class Run:
             await self._settle(tasks)
         finally:
             await batcher.flush()
-        mine = self.rollout_ids
-        rollouts = [r for r in read_run(self.out).rollouts if r.rollout_id in mine]
+        rollouts = earlier + batcher.written  # what is on disk, without reading the whole trace again
         whole = len({r.rollout_id for r in rollouts}) == self.total and not self._interrupted
         status = self.stopped.status if self.stopped and not whole else "completed"
         writer.write_manifest(self.manifest.model_copy(update={"status": status}))

@@ -146,7 +146,8 @@ class TrainLoop:
             run = self._run(k)
             self._runs.add(run)
             try:
-                await run.play(resume=True, hold_lock=False)
+                # only the steps a killed run may have begun have rollouts on disk to look for
+                await run.play(resume=True, hold_lock=False, look_on_disk=k <= start + self.plan.max_lag)
             finally:
                 self._runs.discard(run)
             await queue.put((run.rollouts, run.summary, time.perf_counter() - began))
