@@ -230,3 +230,37 @@ def test_cli_export_warns_about_damaged_files(run_dir: Path, tmp_path: Path):
     assert result.exit_code == 0, result.output
     assert "warning: " + damaged.name in result.stderr
     assert pq.read_table(tmp_path / "x").num_rows == len(read_run(run_dir).rollouts) > 0
+
+
+# ---------------------------------------------------------------------------
+# An export never damages data
+# ---------------------------------------------------------------------------
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["manifest.json", "rollouts-000001.parquet", "new.parquet", "."])
+def test_cli_export_never_writes_among_a_runs_files(run_dir: Path, target: str):
+    before = snapshot(run_dir)
+    result = runner.invoke(app, ["export", str(run_dir), "--format", "verl", "--out", str(run_dir / target)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is inside the run directory" in lines[0], result.stderr
+    assert snapshot(run_dir) == before  # nothing written, nothing lost
+    assert len(read_run(run_dir).rollouts) == 12
+
+
+def test_cli_export_replaces_an_existing_file_only_with_force(run_dir: Path, tmp_path: Path):
+    out = tmp_path / "mine.parquet"
+    out.write_bytes(b"someone's data")
+    refused = runner.invoke(app, ["export", str(run_dir), "--format", "trl", "--out", str(out)])
+    assert refused.exit_code == 2 and "already exists" in refused.stderr and "--force" in refused.stderr
+    assert out.read_bytes() == b"someone's data"
+    forced = runner.invoke(app, ["export", str(run_dir), "--format", "trl", "--out", str(out), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert pq.read_table(out).num_rows > 0
+    again = runner.invoke(app, ["export", str(run_dir), "--format", "trl"])  # the default place, twice
+    assert again.exit_code == 0, again.output
+    assert runner.invoke(app, ["export", str(run_dir), "--format", "trl"]).exit_code == 2

@@ -343,17 +343,20 @@ def train(
 def export(
     run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
     fmt: str = typer.Option(..., "--format", help="parquet | jsonl (the native trace) | verl | trl | prime."),
-    out: str = typer.Option(None, "--out", help="Output file or folder (default: RUN_DIR/exports/FORMAT.*)."),
+    out: str = typer.Option(None, "--out", help="Output file or folder outside the run (default: "
+                                                "RUN_DIR/exports/FORMAT.*)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
 ) -> None:
     """Write a run's rollouts as one trainer-ready file (schemas in docs/traces.md)."""
-    from verbatim.harness.export import default_out, export_rollouts, parse_format
+    from verbatim.harness.export import default_out, export_path, export_rollouts, parse_format
     from verbatim.harness.store import read_run
 
     fmt = parse_format(fmt)
+    export_path(fmt, out or default_out(run_dir, fmt), force=force)  # refused before the run is read
     trace = read_run(run_dir)
     for problem in trace.problems:
         err_console.print(f"warning: {problem}")
-    result = export_rollouts(trace.rollouts, fmt, out or default_out(run_dir, fmt))
+    result = export_rollouts(trace.rollouts, fmt, out or default_out(run_dir, fmt), force=force)
     left_out = ", ".join(f"{count} with {why}" for why, count in sorted(result.left_out.items()))
     console.print(f"wrote {result.rows} rollouts ({fmt}) to {result.path}"
                   + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)

@@ -62,18 +62,42 @@ def default_out(run_dir: str | os.PathLike[str], fmt: str) -> Path:
     return Path(run_dir) / "exports" / f"{fmt}.{suffix}"
 
 
-def export_run(run_dir: str | os.PathLike[str], fmt: str, out: str | os.PathLike[str] | None = None) -> Path:
+def export_run(run_dir: str | os.PathLike[str], fmt: str, out: str | os.PathLike[str] | None = None, *,
+               force: bool = False) -> Path:
     """Export every intact rollout of a run directory; returns the written file."""
     fmt = parse_format(fmt)
-    return export_rollouts(read_run(run_dir).rollouts, fmt, out or default_out(run_dir, fmt)).path
+    return export_rollouts(read_run(run_dir).rollouts, fmt, out or default_out(run_dir, fmt), force=force).path
 
 
-def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLike[str]) -> ExportResult:
-    """Write ``rollouts`` in ``fmt`` to ``out`` (a file, or an existing folder to put ``<fmt>.*`` in)."""
-    fmt = parse_format(fmt)
+def export_path(fmt: str, out: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """The file an export to ``out`` writes (a file, or an existing folder to put ``<fmt>.*`` in), refused
+    where it would damage data: among a run directory's own files (its ``exports/`` folder is the one
+    place inside a run an export may go), or over an existing file unless ``force``."""
     path = Path(out)
     if path.is_dir():
         path = path / default_out(path, fmt).name
+    run = _enclosing_run(path)
+    if run is not None and not path.resolve().is_relative_to(run / "exports"):
+        raise InputError(f"--out {out} is inside the run directory {run}: an export never writes among a run's files",
+                         hint="pass a path outside the run, or leave --out out (RUN_DIR/exports/)")
+    if path.exists() and not force:
+        raise InputError(f"{path} already exists", hint="pass --force to replace it, or another --out")
+    return path
+
+
+def _enclosing_run(path: Path) -> Path | None:
+    """The nearest folder above ``path`` that is a run directory (holds a manifest.json), if any."""
+    for folder in path.resolve().parents:
+        if (folder / "manifest.json").is_file():
+            return folder
+    return None
+
+
+def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLike[str], *,
+                    force: bool = False) -> ExportResult:
+    """Write ``rollouts`` in ``fmt`` to ``out`` (see :func:`export_path` for where it may write)."""
+    fmt = parse_format(fmt)
+    path = export_path(fmt, out, force=force)
     ordered = group_ordered(rollouts)
     if fmt == "jsonl":
         text = "".join(to_json_line(r) + "\n" for r in ordered)
