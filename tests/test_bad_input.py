@@ -81,6 +81,13 @@ def test_resuming_a_run_from_a_newer_schema_is_refused_untouched(newer_run, defa
     assert (newer_run / "manifest.json").read_text() == text and len(list(newer_run.iterdir())) == 1
 
 
+def test_resume_where_there_is_no_run_is_refused(tmp_path, default_model_dir):
+    out = tmp_path / "typo"
+    result = runner.invoke(app, ["run", "--env", "guess", "--out", str(out), "--resume"])
+    one_error_line(result, f"--resume: {out} holds no run to resume")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command", [["lint", "trace"], ["mismatch"]])
 def test_a_folder_that_is_not_a_trace_is_refused(tmp_path, command):
     (tmp_path / "notes.txt").write_text("hello")

@@ -94,6 +94,15 @@ def test_a_used_out_without_resume_is_refused_untouched(tmp_path):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("made", [False, True])
+def test_resume_where_there_is_no_run_is_refused(tmp_path, made):
+    out = tmp_path / "typo"
+    if made:
+        out.mkdir()
+    refused(["--env", "guess", "--out", str(out), "--resume"], f"--resume: {out} holds no run to resume")
+    assert out.exists() == made and (not made or not any(out.iterdir()))
+
+
 def test_resuming_a_verbatim_run_directory_is_refused_untouched(tmp_path):
     out = tmp_path / "run"
     _manifest(out, {"groups": 2, "group_size": 4, "env": "guess"})

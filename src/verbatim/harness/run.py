@@ -137,6 +137,9 @@ class Run:
         """Refuse to overwrite a run, to resume one with a different plan, or to write where another
         run is writing (before anything starts)."""
         RunLock.check_free(self.out)
+        if resume and not (self.out / "manifest.json").exists():
+            raise InputError(f"--resume: {self.out} holds no run to resume",
+                             hint="check --out, or drop --resume to start a new run")
         self._check_plan(resume)
 
     def _check_plan(self, resume: bool) -> None:

@@ -213,6 +213,9 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> None:
 
     RunLock.check_free(out)
     if not (out / "manifest.json").exists():
+        if resume:
+            raise InputError(f"--resume: {out} holds no run to resume",
+                             hint="check --out, or drop --resume to start a new run")
         return
     if not resume:
         raise InputError(f"{out} already holds a run", hint="pass --resume to go on with it, or another --out")
