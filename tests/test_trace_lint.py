@@ -60,11 +60,21 @@ def kinds(problems) -> list[tuple[str, int | None]]:
     return [(p.kind, p.turn) for p in problems]
 
 
-def write_run(path: Path, batches: list[list[Rollout]], **engine) -> Path:
-    writer = TraceWriter(path, RunManifest(run_id="run", engine={"block_size": BLOCK, **engine}))
+def write_run(path: Path, batches: list[list[Rollout]], status: str = "completed", config: dict | None = None,
+              **engine) -> Path:
+    manifest = RunManifest(run_id="run", engine={"block_size": BLOCK, **engine}, config=config or {})
+    writer = TraceWriter(path, manifest)
     for batch in batches:
         writer.write_batch(batch)
+    writer.write_manifest(manifest.model_copy(update={"status": status}))
     return path
+
+
+def json_lines(stdout: str) -> tuple[list[dict], dict]:
+    """``lint trace --json``: one line per rollout or file, then the run's line."""
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert lines[-1]["kind"] == "run", lines[-1]
+    return lines[:-1], lines[-1]
 
 
 # ---------------------------------------------------------------------------
@@ -76,10 +86,11 @@ def test_clean_trace_passes(tmp_path: Path):
     rollouts = [make_rollout(f"r{i}", f"g{i // 2}", turns=1 + i % 3, seed=i) for i in range(6)]
     run = write_run(tmp_path / "run", [rollouts[:3], rollouts[3:]], cache_policy="keep")
     report = lint_run(run)
-    assert report.ok and len(report.verdicts) == 6 and report.exit_code == 0
+    assert report.ok and len(report.verdicts) == 6 and report.exit_code() == 0
     result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
     assert result.exit_code == 0, result.output
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    lines, whole = json_lines(result.stdout)
+    assert whole["complete"] is True and whole["written"] == 6 and whole["status"] == "completed"
     assert [line["rollout_id"] for line in lines] == [f"r{i}" for i in range(6)]
     assert all(line["ok"] is True and line["problems"] == [] and line["group_id"] for line in lines)
     table = runner.invoke(app, ["lint", "trace", str(run)])
@@ -223,7 +234,7 @@ def test_cause_comes_from_the_manifest(tmp_path: Path):
     run = write_run(tmp_path / "run", [[make_rollout(cached={2: 16}, versions=[0, 0, 3])]], cache_policy="flush")
     result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
     assert result.exit_code == 1, result.output
-    (line,) = [json.loads(x) for x in result.stdout.splitlines()]
+    (line,), _ = json_lines(result.stdout)
     assert line["ok"] is False
     assert line["problems"] == [{"kind": "cache_shortfall", "turn": 2, "cause": "flush",
                                  "detail": line["problems"][0]["detail"]}]
@@ -263,6 +274,40 @@ def test_a_manifest_without_the_engine_block_size_is_refused_in_one_line(tmp_pat
 # The run as a whole
 # ---------------------------------------------------------------------------
 
+PLAN = {"plan": {"groups": 2, "group_size": 2}}
+
+
+@pytest.mark.parametrize("status,written,why", [
+    ("running", 4, "still says running"),          # killed: the manifest was never finished
+    ("interrupted", 2, "the run ended interrupted"),
+    ("failed", 4, "the run ended failed"),
+    ("completed", 3, "1 of 4 planned rollouts were never written"),
+])
+def test_a_clean_but_incomplete_run_is_not_called_clean(tmp_path: Path, status, written, why):
+    rollouts = [make_rollout(f"r{i}", f"g{i // 2}", seed=i) for i in range(written)]
+    run = write_run(tmp_path / "run", [rollouts], status=status, config=PLAN)
+    table = runner.invoke(app, ["lint", "trace", str(run)])
+    text = " ".join(table.stdout.split())
+    assert table.exit_code == 1, text
+    assert f"{written}/{written} rollouts clean" in text and f"run {status}, {written}/4 planned rollouts" in text
+    assert why in text
+    result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
+    _, whole = json_lines(result.stdout)
+    assert result.exit_code == 1 and whole["complete"] is False and whole["planned"] == 4
+    only = runner.invoke(app, ["lint", "trace", str(run), "--tokens-only"])
+    assert only.exit_code == 0, only.output  # asked about the written tokens only: they are clean
+
+
+def test_errors_are_counted_and_a_training_runs_plan_is_steps_of_groups(tmp_path: Path):
+    rollouts = [make_rollout(f"r{i}", f"g{i // 2}", seed=i) for i in range(8)]
+    rollouts[5] = rollouts[5].model_copy(update={"status": "error", "error": "EnvError: the sandbox died"})
+    config = {"train": {"plan": {"steps": 2, "groups": 2, "group_size": 2}}}
+    run = write_run(tmp_path / "run", [rollouts], config=config)
+    result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
+    _, whole = json_lines(result.stdout)
+    assert (whole["planned"], whole["written"], whole["errors"]) == (8, 8, 1)
+    assert whole["first_error"] == "EnvError: the sandbox died" and whole["complete"] is True
+
 
 def test_damaged_file_is_a_problem(tmp_path: Path):
     run = write_run(tmp_path / "run", [[make_rollout("a")], [make_rollout("b")]])
@@ -270,7 +315,7 @@ def test_damaged_file_is_a_problem(tmp_path: Path):
     damaged.write_bytes(damaged.read_bytes()[:50])
     result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
     assert result.exit_code == 1
-    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    lines, _ = json_lines(result.stdout)
     assert lines[0] == {"rollout_id": "a", "group_id": "g0", "ok": True, "problems": []}
     assert lines[1]["rollout_id"] is None and lines[1]["ok"] is False
     assert lines[1]["problems"][0]["kind"] == "damaged_file" and damaged.name in lines[1]["problems"][0]["detail"]
@@ -358,5 +403,5 @@ def test_group_check_is_opt_in(tmp_path: Path):
     assert plain.exit_code == 0, plain.output
     strict = runner.invoke(app, ["lint", "trace", str(run), "--json", "--groups"])
     assert strict.exit_code == 1
-    last = json.loads(strict.stdout.splitlines()[-1])
+    last = json_lines(strict.stdout)[0][-1]
     assert last["rollout_id"] is None and last["group_id"] == "g" and last["problems"][0]["kind"] == "group_prefill"

@@ -86,8 +86,11 @@ def lint_trace(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per rollout (and damaged file) on stdout."),
     groups: bool = typer.Option(False, "--groups", help="Also check each group's shared prompt was prefilled "
                                 "once (not for resumed runs)."),
+    tokens_only: bool = typer.Option(False, "--tokens-only", help="Judge only the rollouts written: exit 0 for a "
+                                     "killed, stopped or failed run whose written rollouts are clean."),
 ) -> None:
-    """Check every rollout: exact prefix extension, logprobs, versions, prefix-cache hits. Exit 1 if wrong."""
+    """Check every rollout (exact prefix extension, logprobs, versions, prefix-cache hits) and that the run is
+    whole (manifest status, planned vs written rollouts). Exit 1 if wrong or incomplete."""
     import json
 
     from verbatim.lint.report import report_table
@@ -97,9 +100,10 @@ def lint_trace(
     if as_json:
         for verdict in report.verdicts:
             print(json.dumps(verdict.as_json(), ensure_ascii=False))
+        print(json.dumps(report.run.as_json(), ensure_ascii=False))
     else:
         console.print(report_table(run_dir, report))
-    raise typer.Exit(report.exit_code)
+    raise typer.Exit(report.exit_code(tokens_only))
 
 
 def parse_variables(items: list[str]) -> dict[str, Any]:

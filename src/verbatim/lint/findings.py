@@ -59,14 +59,18 @@ class TraceReport:
     """One verdict per rollout, plus one per damaged file or failed group check (rollout_id None)."""
 
     verdicts: list[RolloutVerdict] = field(default_factory=list)
+    run: Any = None
+    """The run's :class:`~verbatim.lint.completeness.RunState` when linted from a run directory."""
 
     @property
     def ok(self) -> bool:
+        """Every written rollout (and file) passed; says nothing of rollouts never written (see ``run``)."""
         return all(v.ok for v in self.verdicts)
 
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
+    def exit_code(self, tokens_only: bool = False) -> int:
+        """1 if a check failed, or the run is incomplete (unless only the tokens are asked about)."""
+        incomplete = self.run is not None and not self.run.complete and not tokens_only
+        return 0 if self.ok and not incomplete else 1
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ def report_table(run_dir: str | os.PathLike[str], report: TraceReport) -> Table:
     title = f"{clean}/{len(rollouts)} rollouts clean"
     if others:
         title += f", {others} damaged file(s) or group(s)"
+    if report.run is not None:
+        title += f"; {report.run.line()}"
     table = Table(title=title, caption=str(run_dir))
     for column in ("rollout", "group", "status", "turns", "ok", "problems"):
         table.add_column(column, overflow="fold")

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from verbatim.datamodel import Rollout, Source
+from verbatim.lint.completeness import run_state
 from verbatim.lint.findings import (
     CacheSettings,
     Problem,
@@ -66,6 +67,7 @@ def lint_run(run_dir: str | os.PathLike[str], *, groups: bool = False) -> TraceR
         report.verdicts.extend(check_groups(trace.rollouts, settings))
     for problem in trace.problems:
         report.verdicts.append(RolloutVerdict(None, None, (Problem("damaged_file", None, problem),)))
+    report.run = run_state(trace.manifest, trace.rollouts)
     return report
 
 
