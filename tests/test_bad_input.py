@@ -208,3 +208,42 @@ def test_preflight_leaves_env_failures_and_hangs_to_the_rollouts_and_checks_the_
     assert time.monotonic() - started < 2
     with pytest.raises(InputError, match="opening prompt of task 1 is 251 tokens; with --max-tokens 50"):
         _preflight([{"odd": "raise", "chars": 999}, {"odd": None, "chars": 251}])
+
+
+# -- paths the system refuses, inputs too long to repeat, --debug anywhere -------------------------
+
+LONG = "x" * 300  # one path component longer than any file system allows (255 bytes)
+
+
+@pytest.mark.parametrize("args", [
+    ["lint", "template", "--template", f"/tmp/{LONG}/t.jinja"],
+    ["lint", "trace", f"/tmp/{LONG}/run"],
+    ["export", f"/tmp/{LONG}/run", "--format", "verl"],
+    ["run", "--env", "guess", "--out", f"/tmp/{LONG}/run"],
+    ["run", "--env", "guess", "--model", f"/tmp/{LONG}/model"],
+    ["train", "--env", "guess", "--out", f"/tmp/{LONG}/run"],
+])
+def test_a_path_too_long_for_the_file_system_is_one_short_line(args, default_model_dir):
+    line = one_error_line(runner.invoke(app, args), "")
+    assert "too long" in line.lower() and len(line) < 400, line
+
+
+def test_a_100_kb_url_is_one_short_line(tmp_path, default_model_dir):
+    url = "http://" + "a" * 100_000
+    result = runner.invoke(app, ["run", "--env", "guess", "--engine", "http", "--url", url,
+                                 "--out", str(tmp_path / "o")])
+    line = one_error_line(result, "--url is 100,007 characters long")
+    assert len(line) < 400 and not (tmp_path / "o").exists()
+
+
+def test_an_error_never_repeats_a_huge_input_whole(tmp_path):
+    result = runner.invoke(app, ["run", "--env", "g" * 50_000, "--out", str(tmp_path / "o")])
+    line = one_error_line(result, "unknown env")
+    assert len(line) < 600 and "characters)" in line, line
+
+
+def test_debug_after_the_subcommand_shows_our_traceback_not_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["lint", "trace", str(tmp_path / "none"), "--debug"])
+    assert result.exit_code != 0
+    assert "No such option" not in result.output
+    assert type(result.exception).__name__ == "TraceFormatError", repr(result.exception)

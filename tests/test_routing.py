@@ -62,10 +62,17 @@ def test_parse(spec, policy, group):
     assert RouteConfig.parse(cfg.label) == cfg
 
 
-@pytest.mark.parametrize("spec", ["sticky", "round_robin+least_loaded", "hash"])
-def test_parse_refuses_unknown_or_double_policies(spec):
-    with pytest.raises(InputError):
+@pytest.mark.parametrize("spec,message", [
+    ("sticky", "unknown routing policy 'sticky'"),
+    ("hash", "unknown routing policy 'hash'"),
+    ("round_robin+nope", "unknown routing part 'nope' in --route 'round_robin+nope'"),
+    ("nope+group", "unknown routing part 'nope'"),
+    ("round_robin+least_loaded", "names more than one policy (round_robin, least_loaded)"),
+])
+def test_parse_refuses_unknown_or_double_policies(spec, message):
+    with pytest.raises(InputError) as caught:
         RouteConfig.parse(spec)
+    assert message in caught.value.one_line()
 
 
 # -- the four policies --------------------------------------------------------------------------

@@ -23,6 +23,20 @@ class VerbatimError(Exception):
         return " ".join(text.split())
 
 
+LONGEST_WORD = 160
+"""Characters of one word (a path, a URL, a value) an error line repeats; longer ones are cut."""
+
+
+def shorten(line: str, longest: int = LONGEST_WORD) -> str:
+    """``line`` with every word longer than ``longest`` cut to its start and end and its length."""
+    def cut(word: str) -> str:
+        if len(word) <= longest:
+            return word
+        keep = longest // 2
+        return f"{word[:keep]}…{word[-20:]} ({len(word):,} characters)"
+    return " ".join(cut(w) for w in line.split(" "))
+
+
 class InputError(VerbatimError):
     """Bad input: a wrong argument, file, name or value. Exit code 2."""
 

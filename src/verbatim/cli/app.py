@@ -7,6 +7,7 @@ the traceback instead.
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Any
 
@@ -20,7 +21,7 @@ from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
-from verbatim.errors import VerbatimError
+from verbatim.errors import VerbatimError, shorten
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -42,6 +43,8 @@ class _OneLineErrors(typer.core.TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
+        if debug:  # --debug works anywhere on the line: it is the app's option, so it goes first
+            argv = ["--debug", *(a for a in argv if a != "--debug")]
         try:
             result = super().main(args=argv, prog_name="verbatim",
                                   complete_var=complete_var, standalone_mode=False, **extra)
@@ -56,27 +59,42 @@ class _OneLineErrors(typer.core.TyperGroup):
             if debug:
                 raise
             where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) else ""
-            err_console.print(f"error: {' '.join(exc.format_message().split())}{where}")
-            code = 2 if isinstance(exc, click_errors.UsageError) else exc.exit_code
+            code = _error(f"{' '.join(exc.format_message().split())}{where}",
+                          2 if isinstance(exc, click_errors.UsageError) else exc.exit_code)
         except typer.Abort:
-            err_console.print("error: aborted")
-            code = 130
+            code = _error("aborted", 130)
         except VerbatimError as exc:
             if debug:
                 raise
-            err_console.print(f"error: {exc.one_line()}")
-            code = exc.exit_code
+            code = _error(exc.one_line(), exc.exit_code)
         except ValidationError as exc:  # options that pass the parser but not a settings model
             if debug:
                 raise
-            err_console.print(f"error: {_validation_line(exc)}")
-            code = 2
+            code = _error(_validation_line(exc), 2)
+        except OSError as exc:  # a path the system refuses (too long, not a folder, no permission…)
+            if debug:
+                raise
+            code = _error(_os_line(exc), 2 if exc.errno in _BAD_PATH else 1)
         except KeyboardInterrupt:
-            err_console.print("error: interrupted")
-            code = 130
+            code = _error("interrupted", 130)
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+_BAD_PATH = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EROFS,
+             errno.EEXIST, errno.ELOOP}
+
+
+def _os_line(exc: OSError) -> str:
+    what = exc.strerror or type(exc).__name__
+    return f"{what}: {exc.filename}" if exc.filename is not None else f"{what}: {exc}"
+
+
+def _error(line: str, code: int) -> int:
+    """One line on stderr, every over-long word in it (a pasted file, a 100 kB URL) cut short."""
+    err_console.print(f"error: {shorten(line)}")
+    return code
 
 
 app = typer.Typer(

@@ -339,8 +339,15 @@ class _Retry(Exception):
         self.reason = reason
 
 
+MAX_URL = 2048
+"""Characters of a server URL at most (httpx refuses far longer ones; no server address needs more)."""
+
+
 def _split_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | None]:
     """(base URL without credentials or query, the query's parameters, (user, password) or None)."""
+    if len(url) > MAX_URL:
+        raise InputError(f"--url is {len(url):,} characters long: not a server address",
+                         hint="use e.g. http://127.0.0.1:8000")
     try:
         parts = urlsplit(url.strip())
         port = parts.port

@@ -69,15 +69,16 @@ class RouteConfig(Frozen):
         parts = [p.strip() for p in spec.split("+") if p.strip()]
         group = "group" in parts
         names = [p for p in parts if p != "group"]
+        known = ", ".join(p.value for p in RoutePolicy)
+        for name in names:
+            if name not in {p.value for p in RoutePolicy}:
+                what = "part" if len(parts) > 1 else "policy"
+                raise InputError(f"unknown routing {what} {name!r} in --route {spec!r}",
+                                 hint=f"use one of: {known}; add +group to co-route groups")
         if len(names) > 1:
-            raise InputError(f"--route {spec!r} names more than one policy")
-        name = names[0] if names else RoutePolicy.STICKY_LEAST_LOADED.value
-        try:
-            policy = RoutePolicy(name)
-        except ValueError:
-            known = ", ".join(p.value for p in RoutePolicy)
-            raise InputError(f"unknown routing policy {name!r}",
-                             hint=f"use one of: {known}; add +group to co-route groups") from None
+            raise InputError(f"--route {spec!r} names more than one policy ({', '.join(names)})",
+                             hint="pick one, with +group to co-route groups")
+        policy = RoutePolicy(names[0] if names else RoutePolicy.STICKY_LEAST_LOADED.value)
         return cls(policy=policy, group=group, **settings)  # type: ignore[arg-type]
 
     @property
