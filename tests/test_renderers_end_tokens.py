@@ -14,9 +14,12 @@ OFFICIAL = {  # eos_token_id of each family's generation_config.json on the Hugg
     "llama3": (128001, 128008, 128009), "mistral-v3": (2,), "mistral-v7-tekken": (2,), "gemma3": (1, 106),
     "phi3": (32000, 32001, 32007), "phi3.5": (32007, 32001, 32000), "phi4": (100265,), "phi4-mini": (200020, 199999),
     "deepseek-v3": (1,), "deepseek-r1": (1,), "gpt-oss": (200002, 199999, 200012),
+    "qwen3.6": (248046, 248044), "qwq": (151645, 151643), "glm-4.5": (151329, 151336, 151338), "kimi-k2": (163586,),
 }
 USER = Message(role="user", content="Weather in Paris?")
-OPENING = {"deepseek-r1": "ok\n</think>\n\n", "gpt-oss": "<|channel|>final<|message|>"}  # before the reply text
+OPENING = {"deepseek-r1": "ok\n</think>\n\n", "gpt-oss": "<|channel|>final<|message|>",  # before the reply text
+           "qwen3.6": "ok\n</think>\n\n", "qwq": "ok\n</think>\n\n"}
+NEXT_OPENER = {"glm-4.5"}  # its end tokens open the next turn: tests/test_renderers_glm_kimi_qwen.py
 
 
 def test_every_family_ships_its_official_end_tokens() -> None:
@@ -34,7 +37,7 @@ def test_the_tokenizer_gives_the_official_ids(name: str, default_model_dir: Path
         assert renderer.stop_token_ids == OFFICIAL[name]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - NEXT_OPENER))
 def test_any_end_token_ends_the_turn_and_bridges_like_the_template(name: str, default_model_dir: Path) -> None:
     renderer = get_renderer(name, model_dir=default_model_dir)
     prompt = list(renderer.render([USER], add_generation_prompt=True).token_ids)

@@ -19,9 +19,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "required": ["city"]}}}
 USER = Message(role="user", content="Weather in Paris?")
 CALL = ToolCall(name="get_weather", arguments={"city": "Paris", "days": 2}, id="call00001")
-REASONING = {"qwen3", "deepseek-r1", "gpt-oss"}
+REASONING = {"qwen3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5"}
 TOOL_CALLS = {"qwen2.5", "qwen3-instruct-2507", "qwen3", "llama3", "mistral-v3", "mistral-v7-tekken",
-              "deepseek-v3", "deepseek-r1", "gpt-oss"}
+              "deepseek-v3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5", "kimi-k2"}
 MALFORMED = {
     "qwen2.5": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",
     "qwen3": "<think>\nok\n</think>\n\n<tool_call>\n{\"name\": get_weather}\n</tool_call>",
@@ -31,6 +31,12 @@ MALFORMED = {
     "deepseek-v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{oops\n```"
                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "gpt-oss": " to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": ",
+    "qwen3.6": "ok\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n"
+               "</tool_call>",
+    "qwq": "ok\n</think>\n\n<tool_call>\n{\"name\": get_weather}\n</tool_call>",
+    "glm-4.5": "\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>",
+    "kimi-k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+               "{oops<|tool_call_end|><|tool_calls_section_end|>",
 }
 
 

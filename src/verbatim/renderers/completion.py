@@ -115,3 +115,17 @@ def extract_tagged(text: str, opener: str, closer: str) -> tuple[str, list[str],
         bodies.append(body)
     outside.append(rest)
     return "".join(outside), [b for b in bodies if b is not None], problems
+
+
+def loose_value(text: str) -> Any:
+    """An argument value from an XML-style tool call (Qwen3.6 ``<parameter=…>``, GLM ``<arg_value>``).
+
+    Those templates write a string value as it is and any other value through ``tojson``, so text that
+    reads as JSON other than a string is that value and the rest is a string. Without the tool's schema a
+    string that spells JSON (``"2"``, ``"true"``) cannot be told from the number or boolean: it reads as those.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return text if isinstance(value, str) else value

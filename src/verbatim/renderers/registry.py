@@ -19,7 +19,7 @@ class Family:
 
     name: str
     load: Callable[[], type[ChatFormat]]
-    tokenizer: str  # a tokenizers.* loader name, "smollm2" or "stand-in:<family>"
+    tokenizer: str  # a tokenizers.* loader name, "smollm2" or "stand-in:<family>" (or "stand-in:<loader>")
     options: dict[str, Any] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
 
@@ -49,6 +49,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek-v3", _cls("deepseek", "DeepSeekV3"), "stand-in:deepseek", aliases=("deepseek",)),
     Family("deepseek-r1", _cls("deepseek", "DeepSeekR1"), "stand-in:deepseek"),
     Family("gpt-oss", _cls("harmony", "Harmony"), "stand-in:harmony", aliases=("harmony", "gpt_oss")),
+    Family("qwen3.6", _cls("qwen3_6", "Qwen36"), "stand-in:qwen", aliases=("qwen3_6",)),
+    Family("qwq", _cls("qwq", "QwQ"), "qwen", aliases=("qwq-32b", "qwq_32b")),
+    Family("glm-4.5", _cls("glm", "GLM45"), "stand-in:glm4_5", aliases=("glm4.5", "glm4_5", "glm4_5_moe")),
+    Family("kimi-k2", _cls("kimi", "KimiK2"), "stand-in:kimi_k2", aliases=("kimi", "kimi_k2", "kimi-k2-instruct")),
 )}
 
 _ALIASES = {alias: f.name for f in FAMILIES.values() for alias in f.aliases}
@@ -68,7 +72,10 @@ def family(name: str) -> Family:
 
 def load_family_tokenizer(fam: Family, model_dir: str | Path | None = None) -> Any:
     """The tokenizer ``fam`` is verified with. SmolLM2 and stand-ins need the default model folder."""
-    if fam.tokenizer == "smollm2" or fam.tokenizer.startswith("stand-in:"):
+    loader = fam.tokenizer.removeprefix("stand-in:")
+    if not hasattr(tokenizers, f"{loader}_tokenizer"):  # a stand-in on an earlier generation's vocab loads it below
+        loader = fam.tokenizer
+    if loader == "smollm2" or loader.startswith("stand-in:"):
         if model_dir is None:
             raise InputError(f"the {fam.name} renderer needs the default model's tokenizer",
                              hint="pass tokenizer=… or model_dir=… (run 'verbatim models prepare' first)")
@@ -76,7 +83,7 @@ def load_family_tokenizer(fam: Family, model_dir: str | Path | None = None) -> A
             return tokenizers.smollm2_tokenizer(str(model_dir))
         return tokenizers.stand_in_tokenizer(fam.tokenizer.split(":", 1)[1], str(model_dir))
     try:
-        return getattr(tokenizers, f"{fam.tokenizer}_tokenizer")()
+        return getattr(tokenizers, f"{loader}_tokenizer")()
     except ImportError as exc:  # tiktoken, sentencepiece/protobuf, gguf, mistral-common
         raise DependencyError(f"the {fam.name} tokenizer needs the package {exc.name!r}",
                               hint="pip install 'verbatim-rl[renderers]'") from None

@@ -54,6 +54,17 @@ STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
     "harmony": {"tokens": ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                            "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"],
                 "bos_token": "<|startoftext|>", "eos_token": "<|return|>"},
+    # zai-org/GLM-4.5 tokenizer_config.json: eos <|endoftext|>, no BOS (the template writes [gMASK]<sop>)
+    "glm4_5": {"tokens": ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                          "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                          "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"],
+               "eos_token": "<|endoftext|>"},
+    # moonshotai/Kimi-K2-Instruct tokenizer_config.json (July 2025): bos [BOS], eos [EOS]
+    "kimi_k2": {"tokens": ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                           "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                           "<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
+                "bos_token": "[BOS]", "eos_token": "[EOS]"},
 }
 
 
@@ -175,8 +186,8 @@ def stand_in_tokenizer(family: str, model_dir: str) -> Any:
 
     spec = STAND_IN_SPECIALS[family]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(spec["tokens"]),
-                                  "bos_token": spec["bos_token"], "eos_token": spec["eos_token"]},
+    named = {key: spec[key] for key in ("bos_token", "eos_token") if key in spec}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(spec["tokens"]), **named},
                                  replace_extra_special_tokens=True)
     return tokenizer
 
