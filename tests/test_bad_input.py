@@ -247,3 +247,26 @@ def test_debug_after_the_subcommand_shows_our_traceback_not_a_usage_error(tmp_pa
     assert result.exit_code != 0
     assert "No such option" not in result.output
     assert type(result.exception).__name__ == "TraceFormatError", repr(result.exception)
+
+
+# -- output paths are checked before any work -------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--env", "guess", "--summary-json", "{nodir}/s.json"], "--summary-json {nodir}/s.json: the folder"),
+    (["train", "--env", "guess", "--summary-json", "{nodir}/s.json"], "--summary-json {nodir}/s.json: the folder"),
+    (["run", "--env", "guess", "--summary-json", "{tmp}"], "is a folder"),
+    (["mismatch", "{tmp}/run", "--plot", "{nodir}/x.png"], "--plot {nodir}/x.png: the folder"),
+    (["plot", "{tmp}/run", "--out", "{nodir}/c.png"], "--out {nodir}/c.png: the folder"),
+    (["run", "--env", "guess", "--out", "{file}"], "is a file, not a folder"),
+    (["train", "--env", "guess", "--out", "{file}/run"], "is a file, not a folder"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, args, needle):
+    (tmp_path / "notes.txt").write_text("mine")
+    names = {"nodir": str(tmp_path / "nodir"), "tmp": str(tmp_path), "file": str(tmp_path / "notes.txt")}
+    started = time.perf_counter()
+    result = runner.invoke(app, [a.format(**names) for a in args])
+    one_error_line(result, needle.format(**names))
+    assert time.perf_counter() - started < 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -45,3 +45,30 @@ def tokenizer_file(*parts: str) -> Path:
                 if os.environ.get(TEMPLATES_ENV) else "reinstall verbatim: its package data is incomplete")
         raise InputError(f"tokenizer file {path} is missing", hint=hint)
     return path
+
+
+def check_output_file(value: str | os.PathLike[str], flag: str) -> Path:
+    """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only
+    parent folder, or a name the file system refuses. Creates nothing."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise InputError(f"{flag} {path} is a folder", hint="give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if any(len(part.encode()) > 255 for part in path.parts):
+        raise InputError(f"{flag} {path}: a name in it is longer than the file system allows (255 bytes)")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: the folder {parent} does not exist", hint="create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: the folder {parent} is not writable")
+    return path
+
+
+def check_run_dir(value: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """Refuse, before any work, a run directory that is an existing file or sits under one."""
+    path = Path(value).expanduser()
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise InputError(f"{flag} {path}: {folder} is a file, not a folder", hint="pass a folder for the run")
+        if folder.exists():
+            break
+    return path

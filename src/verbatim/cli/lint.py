@@ -173,9 +173,12 @@ def mismatch_report(
 
     from verbatim.engine.models import resolve
     from verbatim.harness.store import read_run
+    from verbatim.paths import check_output_file
     from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, usable_rollouts
     from verbatim.trainer.reference import load_model
 
+    if plot:
+        check_output_file(plot, "--plot")  # before the minutes of computing, not after
     trace = read_run(run_dir)
     for problem in trace.problems:
         err_console.print(f"warning: {problem}")

@@ -20,7 +20,10 @@ def plot_command(
     """Plot a training run's metrics.jsonl: mean reward, mismatch |log π − log μ| and cache hit rate per step."""
     from verbatim.harness.curves import plot_training
     from verbatim.harness.metrics_log import read_metrics
+    from verbatim.paths import check_output_file
 
+    if out is not None:
+        check_output_file(out, "--out")
     records = read_metrics(run_dir)
     written = plot_training(records, out or run_dir / "curve.png", title=f"{run_dir.resolve().name}: "
                             f"{len(records)} steps")

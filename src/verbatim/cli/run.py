@@ -34,6 +34,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
+from verbatim.paths import check_output_file, check_run_dir
 
 
 class RunOptions(Frozen):
@@ -216,6 +217,9 @@ async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSu
 
 
 def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
+    check_run_dir(options.out)
+    if summary_json:
+        check_output_file(summary_json, "--summary-json")  # before the run, not after it
     run, engine = prepare_run(options)
     try:
         summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s))

@@ -32,6 +32,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.train import TrainLoop, TrainPlan, check_resumable
+from verbatim.paths import check_output_file, check_run_dir
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.correction import CorrectionConfig
 from verbatim.trainer.learner import LearnerConfig
@@ -180,6 +181,9 @@ def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float)
 
 def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
     started = time.perf_counter()
+    check_run_dir(options.out)
+    if summary_json:
+        check_output_file(summary_json, "--summary-json")  # before training, not after it
     loop = prepare(options)
     loop.on_step = lambda record: console.print(step_line(record, options.plan.steps))
     try:
