@@ -143,6 +143,8 @@ class DeepSeekR1(DeepSeekV3):
     prefix_stable = False  # reasoning cut from every turn; <think> in the prompt is not in history
     generation_text = ASSISTANT + "<think>\n"
     output_separator = ""
+    think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before the end
+    turn_starts = (ASSISTANT, USER, OUTPUTS_END)
 
     def message_text(self, message: Message, flags: Flags) -> str:
         if message.role == "assistant" and message.tool_calls:
