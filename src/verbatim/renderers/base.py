@@ -107,6 +107,10 @@ class ChatFormat:
     """Roles ``bridge`` accepts (Mistral v3 also takes the system message, to repeat it as its template does)."""
     message_dict_options: dict[str, bool] = {}
     """How :meth:`template_messages` writes messages for this family's official template."""
+    departures: frozenset[str] = frozenset()
+    """Lint causes (``drift.CAUSES``) where ``render`` departs from the official template on purpose, for
+    messages as the template's users write them (docs/renderers.md); :meth:`template_messages` writes the
+    form on which the two agree."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
