@@ -46,7 +46,7 @@ def test_every_cause_comes_from_a_real_template(golden: dict) -> None:
     ("mistral_7b_instruct_v0_3", "system_moved"), ("deepseek_r1", "tool_call_reserialized"),
     ("phi3_mini", "eos_in_history"), ("qwq_32b", "generation_prompt_dropped"), ("qwq_32b", "whitespace_trimmed"),
     ("smollm2_instruct", "default_system_injected"), ("llama3_1_instruct", "bpe_boundary_merge"),
-    ("llama3_instruct", "other"),
+    ("llama3_instruct", "other"), ("deepseek_v3", "tool_calls_dropped"),
 ])
 def test_the_documented_template_produces_its_cause(stem: str, cause: str, golden: dict) -> None:
     assert cause in {v["cause"] for verdict in golden[stem] for v in verdict["violations"]}
@@ -219,3 +219,54 @@ def test_history_and_generation_prompt_stability_are_reported_apart() -> None:
         assert line["prefix_stable"] == (history and prompt)
     pairs = {(line["history_stable"], line["generation_prompt_stable"]) for line in lines}
     assert pairs >= {(True, False), (False, True)}  # qwq: the prompt's <think> is dropped; a past reply trimmed
+
+
+# ---------------------------------------------------------------------------
+# tool calls a template drops (issue 14, item 6)
+# ---------------------------------------------------------------------------
+
+CALL_ONLY = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call00001",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."}]}
+
+
+def test_deepseek_v3_drops_calls_with_empty_content_and_the_lint_says_so(tmp_path: Path) -> None:
+    """The template writes a call only for content None; given content "" it writes an empty answer instead."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps(CALL_ONLY) + "\n" + json.dumps({**CALL_ONLY, "messages": [
+        {**m, "content": None} if m.get("tool_calls") else m for m in CALL_ONLY["messages"]]}) + "\n")
+    result = lint("--template", "deepseek_v3", "--tokenizer", "deepseek-v3", "--conversations", str(chats), "--json")
+    empty, none = _json_lines(result)
+    assert result.exit_code == 1, result.output
+    assert [(v["kind"], v["cut"], v["cause"]) for v in empty["violations"]] == [
+        ("tool_calls", [1, 2], "tool_calls_dropped")]
+    assert "".join(empty["violations"][0]["context"]["later"]).startswith("<｜Assistant｜><｜end▁of▁sentence｜>")
+    assert empty["tool_calls_kept"] is False and empty["prefix_stable"] is True  # dropped alike in every render
+    assert none["tool_calls_kept"] is True and none["violations"] == []
+    table = lint("--template", "deepseek_v3", "--tokenizer", "deepseek-v3", "--conversations", str(chats))
+    assert table.exit_code == 1 and "tool calls dropped in 1" in " ".join(table.stdout.split())
+
+
+def test_the_deepseek_v3_renderer_writes_the_calls_the_template_drops(default_model_dir: Path,
+                                                                      chat_templates_dir: Path) -> None:
+    """The departure is explicit: render follows the sampled calls, and the template's own lint names the cause."""
+    from verbatim.renderers.conversations import Conversation
+    from verbatim.renderers.registry import get_renderer
+
+    renderer = get_renderer("deepseek-v3", model_dir=default_model_dir)
+    conversation = Conversation(**CALL_ONLY)
+    ours = renderer.render(conversation.as_messages(), add_generation_prompt=False).token_ids
+    template = read_template(chat_templates_dir / "deepseek_v3.jinja")
+    as_given = renderer.tokenizer.apply_chat_template(list(conversation.messages), chat_template=template,
+                                                      tokenize=True, return_dict=False)
+    as_none = renderer.tokenizer.apply_chat_template(renderer.template_messages(conversation.as_messages()),
+                                                     chat_template=template, tokenize=True, return_dict=False)
+    assert list(ours) == list(as_none) != list(as_given)
+    assert "get_weather" in renderer.tokenizer.decode(ours) and "get_weather" not in renderer.tokenizer.decode(as_given)
+    verdict = drift.analyze(drift.TemplateRenderer(template, renderer.tokenizer), conversation, 0)
+    assert [v.cause for v in verdict.violations] == ["tool_calls_dropped"]
+    assert renderer.departures == {"tool_calls_dropped"}

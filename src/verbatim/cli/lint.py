@@ -39,7 +39,7 @@ def lint_template(
     pin_defaults: bool = typer.Option(True, "--pin-defaults/--no-pin-defaults", help="Pin date_string "
                                       "(\"26 Jul 2024\") for templates that read it, as the renderers do."),
 ) -> None:
-    """Does re-rendering history with this template change tokens already rendered? Exit 1 if so."""
+    """Does re-rendering history with this template change tokens already rendered, or drop tool calls? Exit 1 if so."""
     import json
 
     from verbatim.renderers import drift
@@ -134,8 +134,10 @@ def _drift_table(label: str, verdicts: Any, pins: dict[str, Any]) -> Table:
     def count(attribute: str) -> int:
         return sum(getattr(v, attribute) is True for v in verdicts)
 
+    dropped = sum(v.tool_calls_kept is False for v in verdicts)
     table = Table(title=f"{label}: {count('prefix_stable')}/{len(verdicts)} conversations prefix-stable "
-                        f"(history {count('history_stable')}, generation prompt {count('generation_prompt_stable')})")
+                        f"(history {count('history_stable')}, generation prompt {count('generation_prompt_stable')})"
+                        + (f"; tool calls dropped in {dropped}" if dropped else ""))
     for column in ("#", "stable", "kind", "cut", "diff at", "cause", "miss", "earlier | later tokens"):
         table.add_column(column)
     if pins:
@@ -150,7 +152,8 @@ def _drift_table(label: str, verdicts: Any, pins: dict[str, Any]) -> Table:
             table.add_row(number, "yes", "", "", "", "", "", "")
         for v in verdict.violations:
             context = f"{''.join(v.earlier)!r} | {''.join(v.later)!r}"
-            table.add_row(number, "no", v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
+            stable = "yes" if verdict.prefix_stable else "no"  # a dropped tool call is not a prefix drift
+            table.add_row(number, stable, v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
                           str(v.miss_tokens), context)
     return table
 

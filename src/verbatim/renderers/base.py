@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from verbatim.datamodel import Message
 from verbatim.errors import RenderError
+from verbatim.renderers.completion import close_think
 from verbatim.renderers.markup import decode_marked, markup_ids, restore
 
 PREAMBLE = -1
@@ -85,6 +86,8 @@ class ChatFormat:
       ``end_tokens`` (the ``eos_token_id`` list of the family's official ``generation_config.json``,
       as ``(id there, token text)``; the text finds the id in the tokenizer in use, stand-ins included),
       ``close_text`` (what ends an assistant turn cut short, e.g. by max tokens),
+      ``think`` (a reasoning block's opener and closer tokens: a turn cut inside one is closed first,
+      see :meth:`cut_close`) and ``turn_starts`` (tokens that begin a turn: the search for it stops there),
       ``after_stop`` (text the template writes after the stop token, e.g. ``"\\n"``),
       ``markup`` (texts of the control tokens ``parse_text`` looks for: see :mod:`verbatim.renderers.markup`),
       ``arguments_as_given`` (the template writes a string ``function.arguments`` unchanged).
@@ -98,10 +101,16 @@ class ChatFormat:
     arguments_as_given: bool = False
     close_text: str = ""
     after_stop: str = ""
+    think: tuple[str, str] | None = None
+    turn_starts: tuple[str, ...] = ()
     bridge_roles: tuple[str, ...] = ("user", "tool")
     """Roles ``bridge`` accepts (Mistral v3 also takes the system message, to repeat it as its template does)."""
     message_dict_options: dict[str, bool] = {}
     """How :meth:`template_messages` writes messages for this family's official template."""
+    departures: frozenset[str] = frozenset()
+    """Lint causes (``drift.CAUSES``) where ``render`` departs from the official template on purpose, for
+    messages as the template's users write them (docs/renderers.md); :meth:`template_messages` writes the
+    form on which the two agree."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -140,10 +149,27 @@ class ChatFormat:
         # Any end token closes the turn (Qwen's <|endoftext|> as well as <|im_end|>): then only what the
         # template writes after a closed turn follows. No copy: the cost must not grow with the history.
         closed = previous_ids[-1] in self._stop_ids
-        text = ("" if closed else self.close_text) + self.after_stop
+        text = ("" if closed else self.cut_close(previous_ids)) + self.after_stop
         text += "".join(p.text for p in self.bridge_pieces(previous_ids, list(new_messages),
                                                            list(tools) if tools else None))
         return self.encode(text)
+
+    def cut_close(self, previous_ids: Sequence[int]) -> str:
+        """What ends a turn cut short (no stop token): an open think block closed as the template writes one
+        (:func:`~verbatim.renderers.completion.close_think`), then ``close_text``.
+
+        It reads back only the current turn: from the last think opener or turn start on.
+        """
+        if self.think is None:
+            return self.close_text
+        opener, bounds = self._token_id(self.think[0]), {self._token_id(t) for t in self.turn_starts}
+        for k in range(len(previous_ids) - 1, -1, -1):
+            if previous_ids[k] == opener:
+                sampled = self._decode([int(i) for i in previous_ids[k + 1:]])
+                return close_think(sampled, self.think[1]) + self.close_text
+            if previous_ids[k] in bounds:
+                break
+        return self.close_text
 
     def parse_completion(self, token_ids: Sequence[int]) -> Message:
         ids = list(token_ids)

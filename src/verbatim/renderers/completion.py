@@ -60,6 +60,26 @@ def split_think(text: str, opener: str = "<think>", closer: str = "</think>",
     return reasoning, rest, []
 
 
+def close_think(sampled: str, closer: str = "</think>") -> str:
+    """What to append so that a think block cut short reads as the templates write one, then its turn can end.
+
+    ``sampled`` is the text after the opener token (``<think>``) up to the cut, the
+    generation prompt's own ``\\n`` included where it wrote one. The templates write
+    ``<think>\\n`` + reasoning stripped of newlines + ``\\n</think>\\n\\n`` + content; the
+    sampled text is never changed, so this returns only what follows it: the closer
+    and its newlines where the block is open, the missing newlines after a closer
+    sampled just before the cut, else nothing. Newlines the template would have
+    stripped from the sampled reasoning stay (then no further one is added).
+    """
+    if closer in sampled:
+        rest = sampled.split(closer, 1)[1]
+        return "\n\n"[len(rest):] if "\n\n".startswith(rest) else ""
+    whole = "\n" + sampled.strip("\n") + "\n" + closer + "\n\n"
+    if whole.startswith(sampled):
+        return whole[len(sampled):]
+    return ("" if sampled.endswith("\n") else "\n") + closer + "\n\n"
+
+
 def parse_json_call(raw: str, *, args_key: str = "arguments",
                     call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
     """A tool call written as a JSON object ``{"name": ..., args_key: {...}}``, or a problem."""

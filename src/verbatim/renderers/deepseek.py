@@ -12,6 +12,14 @@ R1 cuts every assistant turn to the text after ``</think>`` and opens the
 generation prompt with ``<think>\\n``, so its re-rendered history never contains
 the reasoning the model sampled (``reasoning_stripped``, ``generation_prompt_dropped``).
 Tool-call arguments are string-concatenated by both templates, so they are passed as JSON text.
+
+V3's template writes a turn's calls only when its ``content`` is None; with
+``content: ""`` (how many clients send a call-only turn) it writes an empty
+answer and drops the calls. The renderer writes them (``departures``): ``""`` and
+None are the same call-only turn to verbatim, and the history holds the calls
+the model sampled. Text before the calls has no syntax in V3's template; there
+the renderer follows it and drops the calls too. ``verbatim lint template``
+reports both as ``tool_calls_dropped``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ class DeepSeekV3(ChatFormat):
     markup = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP, "<think>", "</think>")
     arguments_as_given = True
     message_dict_options = {"arguments_as_string": True, "none_content_with_calls": True}
+    # The template writes calls only when content is None: given content "" it drops them for an empty
+    # answer. A call-only turn is written with its calls here, as sampled; template_messages passes None.
+    departures = frozenset({"tool_calls_dropped"})
     generation_text = ASSISTANT
     output_separator = "\n"
 
@@ -140,9 +151,12 @@ class DeepSeekV3(ChatFormat):
 class DeepSeekR1(DeepSeekV3):
     name = "deepseek-r1"
     templates = ("deepseek_r1.jinja",)
+    departures = frozenset()  # R1's template tests for 'tool_calls', not for content None
     prefix_stable = False  # reasoning cut from every turn; <think> in the prompt is not in history
     generation_text = ASSISTANT + "<think>\n"
     output_separator = ""
+    think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before the end
+    turn_starts = (ASSISTANT, USER, OUTPUTS_END)
 
     def message_text(self, message: Message, flags: Flags) -> str:
         if message.role == "assistant" and message.tool_calls:

@@ -6,7 +6,12 @@ For one conversation, ``analyze`` renders prefixes with the template
   ``render(messages[:c'])`` for consecutive cut points (after each assistant
   message and at the end), hence for every later cut point;
 - *generation-prompt stability*: ``render(messages[:k], add_generation_prompt=True)``
-  is a token prefix of ``render(messages[:k+1])`` for each assistant message ``k``.
+  is a token prefix of ``render(messages[:k+1])`` for each assistant message ``k``;
+- *tool calls kept*: for each assistant message ``k`` with tool calls, the render of
+  ``messages[:k+1]`` differs from the render of the same messages with those calls
+  taken away. Where it does not, the template drops the calls the model sampled
+  (DeepSeek-V3 with ``content: ""``): a violation of kind ``tool_calls``, cause
+  ``tool_calls_dropped``, that is not a prefix-stability one.
 
 Each violation names the first divergent token, a cause from :data:`CAUSES`,
 and ``miss_tokens``: the tokens of the earlier render from the divergence on,
@@ -40,6 +45,7 @@ from verbatim.renderers.drift_causes import Evidence, classify
 CAUSES = (
     "reasoning_stripped", "date_injected", "system_moved", "tool_call_reserialized", "eos_in_history",
     "generation_prompt_dropped", "whitespace_trimmed", "default_system_injected", "bpe_boundary_merge", "other",
+    "tool_calls_dropped",
 )
 CLOCK_START = dt.datetime(2025, 1, 1, 9, 0, 0)
 CONTEXT_TOKENS = 4
@@ -55,7 +61,7 @@ def default_pins(template: str) -> dict[str, Any]:
 class Violation(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["history", "generation_prompt"]
+    kind: Literal["history", "generation_prompt", "tool_calls"]
     cut: tuple[int, int]
     first_divergence: int
     cause: str
@@ -74,8 +80,9 @@ class Verdict(BaseModel):
     """The drift verdict for one conversation.
 
     ``prefix_stable`` is the conjunction of ``history_stable`` and
-    ``generation_prompt_stable``; all three are None when the template refuses
-    the conversation (``unsupported``) or raised on it (``problem``).
+    ``generation_prompt_stable``; ``tool_calls_kept`` says no tool call was
+    dropped. All four are None when the template refuses the conversation
+    (``unsupported``) or raised on it (``problem``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -94,13 +101,17 @@ class Verdict(BaseModel):
     def generation_prompt_stable(self) -> bool | None:
         return self._stable("generation_prompt")
 
+    @property
+    def tool_calls_kept(self) -> bool | None:
+        return self._stable("tool_calls")
+
     def _stable(self, kind: str) -> bool | None:
         return None if self.prefix_stable is None else not any(v.kind == kind for v in self.violations)
 
     def as_json(self) -> dict[str, Any]:
         data = {"conversation": self.conversation, "prefix_stable": self.prefix_stable,
                 "history_stable": self.history_stable, "generation_prompt_stable": self.generation_prompt_stable,
-                "violations": [v.as_json() for v in self.violations]}
+                "tool_calls_kept": self.tool_calls_kept, "violations": [v.as_json() for v in self.violations]}
         if self.unsupported is not None:
             data["unsupported"] = self.unsupported
         if self.problem is not None:
@@ -235,9 +246,40 @@ def analyze(renderer: TemplateRenderer, conversation: Conversation, index: int) 
             if _prompt_or_none(render, k) is not None:
                 found = compare("generation_prompt", (k, k + 1), True)
                 violations += [found] if found is not None else []
+        stable = not violations
+        violations += [v for k in replies if (v := _dropped_calls(renderer, messages, tools, render, k)) is not None]
     except TemplateRefused as exc:
         return Verdict(conversation=index, prefix_stable=None, unsupported=str(exc))
-    return Verdict(conversation=index, prefix_stable=not violations, violations=tuple(violations))
+    return Verdict(conversation=index, prefix_stable=stable, violations=tuple(violations))
+
+
+def _dropped_calls(renderer: TemplateRenderer, messages: list[dict], tools: Any, render: Any,
+                   k: int) -> Violation | None:
+    """A ``tool_calls`` violation when the template writes assistant message ``k`` the same without its calls.
+
+    ``first_divergence`` is where the template's turn starts in the render of
+    ``messages[:k+1]``; ``later`` shows that turn. Nothing cached is prefilled
+    again (``miss_tokens`` 0): what a re-rendering harness loses is the calls.
+    """
+    if not messages[k].get("tool_calls"):
+        return None
+    later = render(k + 1, False)
+    bare = {key: value for key, value in messages[k].items() if key != "tool_calls"}
+    try:
+        without = renderer.render(messages[:k] + [bare], tools, add_generation_prompt=False, day=k + 1)
+    except Exception:  # the template needs the calls to render the turn: it reads them
+        return None
+    if without.text != later.text:
+        return None
+    try:
+        earlier = render(k, False).ids
+    except Exception:  # an empty conversation some templates cannot render
+        earlier = []
+    start = first_divergence(earlier, later.ids)
+    start = len(earlier) if start is None else start
+    return Violation(kind="tool_calls", cut=(k, k + 1), first_divergence=start, cause="tool_calls_dropped",
+                     miss_tokens=0, before=renderer.pieces(later.ids[max(0, start - CONTEXT_TOKENS):start]),
+                     later=renderer.pieces(later.ids[start:start + CONTEXT_TOKENS]))
 
 
 def _pair(render: Any, cut: tuple[int, int], generation: bool) -> tuple[Rendered, Rendered, bool]:
@@ -348,7 +390,7 @@ def with_arguments_flipped(conversation: Conversation) -> Conversation:
 
 
 def exit_code(verdicts: Sequence[Verdict]) -> int:
-    """1 when any conversation drifts, else 2 when the template raised on one, else 0."""
-    if any(v.prefix_stable is False for v in verdicts):
+    """1 when any conversation drifts or loses a tool call, else 2 when the template raised on one, else 0."""
+    if any(v.violations for v in verdicts):
         return 1
     return 2 if any(v.problem is not None for v in verdicts) else 0

@@ -9,7 +9,9 @@ The model reasons on the ``analysis`` channel, calls tools on ``commentary``
 
 Not prefix-stable: the template drops analysis from turns before the last
 final answer and rewrites the sampled ``<|return|>`` as ``<|end|>`` once a
-turn is in history. ``bridge`` keeps both as sampled.
+turn is in history. ``bridge`` keeps both as sampled. A turn cut on the
+analysis channel is closed with ``<|end|>`` and an empty final message
+(:meth:`Harmony.cut_close`).
 """
 
 from __future__ import annotations
@@ -156,10 +158,30 @@ class Harmony(ChatFormat):
             out.append(Piece(text))
         return out + [Piece(f"{START}assistant")]
 
+    def cut_close(self, previous_ids: Sequence[int]) -> str:
+        """A turn cut short: ``<|end|>`` closes the open message (unless it was sampled just before the cut).
+
+        A turn cut on the analysis channel also gets an empty final message,
+        ``<|start|>assistant<|channel|>final<|message|><|end|>``: the template never writes an
+        assistant turn of analysis alone, but writes one whose reasoning ended there as the
+        analysis message followed by that final message (``<|return|>`` as the last turn,
+        ``<|end|>`` in history, which is where a bridged turn is).
+        """
+        begin = self._last_start(previous_ids)
+        message = self._decode([int(i) for i in previous_ids[begin + 1:]]) if begin is not None else ""
+        text = "" if message.endswith(END) else END
+        header = message.partition(MESSAGE)[0]
+        if re.search(r"<\|channel\|>analysis\b", header) and "to=" not in header:
+            text += f"{START}assistant{CHANNEL}final{MESSAGE}{END}"
+        return text
+
+    def _last_start(self, previous_ids: Sequence[int]) -> int | None:
+        start_id = self._token_id(START)
+        return next((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id), None)
+
     def last_call_name(self, previous_ids: Sequence[int]) -> str | None:
         """The function the last assistant message called, read from its header tokens."""
-        start_id = self._token_id(START)
-        begin = next((k for k in range(len(previous_ids) - 1, -1, -1) if previous_ids[k] == start_id), None)
+        begin = self._last_start(previous_ids)
         if begin is None:
             return None
         found = re.search(r"to=functions\.([^\s<]+)", self.tokenizer.decode(list(previous_ids[begin:])))

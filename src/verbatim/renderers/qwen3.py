@@ -6,7 +6,9 @@ need be). Re-rendered history therefore loses earlier reasoning, which an
 append-only history keeps. ``keep_reasoning=True`` renders every turn's
 reasoning, i.e. what ``bridge`` histories look like; ``False`` (the default)
 matches the template exactly. ``enable_thinking=False`` appends the empty think
-block to the generation prompt, as the template's kwarg does.
+block to the generation prompt, as the template's kwarg does. A reply cut by max
+tokens inside ``<think>`` is closed by ``bridge`` as the template writes a turn
+whose reasoning ended there: ``\\n</think>\\n\\n<|im_end|>``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Qwen3(QwenChat):
     default_system = None
     markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
     arguments_as_given = True
+    think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before <|im_end|>
+    turn_starts = (IM_START,)
 
     def __init__(self, tokenizer: Any, *, keep_reasoning: bool = False, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)
