@@ -14,9 +14,11 @@ OFFICIAL = {  # eos_token_id of each family's generation_config.json on the Hugg
     "llama3": (128001, 128008, 128009), "mistral-v3": (2,), "mistral-v7-tekken": (2,), "gemma3": (1, 106),
     "phi3": (32000, 32001, 32007), "phi3.5": (32007, 32001, 32000), "phi4": (100265,), "phi4-mini": (200020, 199999),
     "deepseek-v3": (1,), "deepseek-r1": (1,), "gpt-oss": (200002, 199999, 200012),
+    "deepseek-v3.1": (1,), "deepseek-v3.1-thinking": (1,), "mistral-nemo": (2,), "gemma2": (1, 107),
 }
 USER = Message(role="user", content="Weather in Paris?")
-OPENING = {"deepseek-r1": "ok\n</think>\n\n", "gpt-oss": "<|channel|>final<|message|>"}  # before the reply text
+OPENING = {"deepseek-r1": "ok\n</think>\n\n", "gpt-oss": "<|channel|>final<|message|>",
+           "deepseek-v3.1-thinking": "ok</think>"}  # before the reply text
 
 
 def test_every_family_ships_its_official_end_tokens() -> None:

@@ -49,6 +49,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek-v3", _cls("deepseek", "DeepSeekV3"), "stand-in:deepseek", aliases=("deepseek",)),
     Family("deepseek-r1", _cls("deepseek", "DeepSeekR1"), "stand-in:deepseek"),
     Family("gpt-oss", _cls("harmony", "Harmony"), "stand-in:harmony", aliases=("harmony", "gpt_oss")),
+    Family("deepseek-v3.1", _cls("deepseek_v3_1", "DeepSeekV31"), "stand-in:deepseek", aliases=("deepseek_v3_1",)),
+    Family("deepseek-v3.1-thinking", _cls("deepseek_v3_1", "DeepSeekV31Thinking"), "stand-in:deepseek"),
+    Family("mistral-nemo", _cls("mistral", "MistralNemo"), "mistral_nemo", aliases=("mistral-nemo-2407",)),
+    Family("gemma2", _cls("gemma", "Gemma2"), "stand-in:gemma2", aliases=("gemma-2",)),
 )}
 
 _ALIASES = {alias: f.name for f in FAMILIES.values() for alias in f.aliases}
