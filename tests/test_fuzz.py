@@ -34,7 +34,7 @@ def renderers(default_model_dir):
     return {name: get_renderer(name, model_dir=default_model_dir) for name in sorted(FAMILIES)}
 
 
-@pytest.mark.slow  # loads all 15 tokenizers (about a minute alone; shared with the renderer tests in one run)
+@pytest.mark.slow  # loads every family's tokenizer (about a minute alone; shared with the renderer tests in one run)
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 @FUZZ
 @given(data=st.data())

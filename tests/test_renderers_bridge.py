@@ -41,8 +41,9 @@ def starts_with_whitespace(messages: list[Message]) -> bool:
 
 
 def test_families_are_split_into_stable_and_not() -> None:
-    assert set(STABLE) == {"smollm2", "qwen2.5", "qwen3-instruct-2507", "llama3", "gemma3", "phi4", "kimi-k2"}
-    assert len(UNSTABLE) == 12
+    assert set(STABLE) == {"smollm2", "qwen2.5", "qwen3-instruct-2507", "llama3", "gemma3", "phi4", "kimi-k2",
+                           "gemma2", "deepseek-v3.1"}
+    assert len(UNSTABLE) == 14
 
 
 @pytest.mark.parametrize("family", STABLE)
@@ -60,7 +61,7 @@ def test_bridged_history_equals_the_template_render(family: str, default_model_d
         full = renderer.render(messages, tools=conversation.tools, add_generation_prompt=True).token_ids
         assert ids == list(full), f"{family}: {conversation.note!r}"
         compared += 1
-    assert compared >= 30
+    assert compared >= (23 if family == "gemma2" else 30)  # Gemma 2 refuses system messages and tool roles
 
 
 def test_a_reply_starting_with_whitespace_is_a_bpe_boundary_merge(default_model_dir: Path) -> None:
@@ -94,6 +95,8 @@ UNSTABLE_CASES = [
     ("deepseek-v3", "single tool call and result", "tool_call_reserialized"),
     ("mistral-v3", "two turns with system", "system_moved"),
     ("mistral-v7-tekken", "tools defined, multi turn", "system_moved"),
+    ("mistral-nemo", "two turns with system", "system_moved"),
+    ("deepseek-v3.1-thinking", "reasoning, multi turn", "reasoning_stripped"),  # sampled after <think>
     ("gpt-oss", "two turns with system", "eos_in_history"),
     ("gpt-oss", "reasoning, multi turn", "reasoning_stripped"),
     ("qwen3.6", "reasoning, multi turn", "reasoning_stripped"),
@@ -215,6 +218,8 @@ HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[Hea
 def test_bridge_is_a_pure_extension(family: str, messages: list[Message], default_model_dir: Path,
                                     chat_templates_dir: Path) -> None:
     renderer = get_renderer(family, model_dir=default_model_dir)
+    if family == "gemma2":  # its template refuses a system message
+        messages = [m for m in messages if m.role != "system"]
     ids = replay(renderer, messages)  # prompt, then reply + bridge, turn after turn
     first_reply = next(i for i, m in enumerate(messages) if m.role == "assistant")
     prefix = list(renderer.render(messages[:first_reply], add_generation_prompt=True).token_ids)
@@ -251,6 +256,7 @@ def test_bridge_takes_the_ledger_view(family: str, default_model_dir: Path) -> N
     renderer = get_renderer(family, model_dir=default_model_dir)
     messages, tools = by_note("single tool call and result")
     messages = messages[:3] if family not in ("gemma3", "phi3", "phi3.5", "phi4") else by_note("4 turns")[0][:3]
+    messages = by_note("5 turns")[0][:2] if family == "gemma2" else messages  # no system role
     history = replay(renderer, messages, tools=tools)
     view = np.array(history, dtype=np.int32)
     view.flags.writeable = False
@@ -259,7 +265,7 @@ def test_bridge_takes_the_ledger_view(family: str, default_model_dir: Path) -> N
 
 
 CURRENT_TURN = ["qwen3", "deepseek-r1", "deepseek-v3", "mistral-v3", "mistral-v7-tekken", "gpt-oss", "phi3",
-                "phi3.5", "phi4-mini", "qwen3.6", "qwq", "glm-4.5"]
+                "phi3.5", "phi4-mini", "qwen3.6", "qwq", "glm-4.5", "mistral-nemo", "deepseek-v3.1-thinking"]
 
 
 @pytest.mark.parametrize("family", CURRENT_TURN)
@@ -269,7 +275,8 @@ def test_unstable_families_match_the_template_on_the_current_turn(family: str, d
     renderer = get_renderer(family, model_dir=default_model_dir)
     messages, _ = by_note("reasoning, multi turn")  # system, user, reply with reasoning, user, reply
     held = replay(renderer, messages[:3])
-    new = messages[3:4] if family != "mistral-v3" else [messages[0], messages[3]]  # v3 repeats the system prompt
+    repeats_system = family in ("mistral-v3", "mistral-nemo")  # they write the system prompt into the newest turn
+    new = [messages[0], messages[3]] if repeats_system else messages[3:4]
     added = renderer.bridge(held, new)
     template = (chat_templates_dir / renderer.templates[0]).read_text(encoding="utf-8")
     full = renderer.tokenizer.apply_chat_template(

@@ -104,6 +104,14 @@ def test_cli_takes_a_template_path_and_a_tokenizer_name(chat_templates_dir: Path
     assert causes == {"reasoning_stripped"}  # with Qwen's own tokenizer, no BPE noise
 
 
+def test_the_table_prints_tokens_that_look_like_console_markup() -> None:
+    """Mistral's ``[/INST]`` in the context column is text, not a closing style tag."""
+    result = lint("--template", "mistral_nemo_instruct_2407", "--tokenizer", "mistral-nemo")
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception
+    assert "mistral_nemo_instruct_2407: 5/11 conversations prefix-stable" in " ".join(result.stdout.split())
+    assert "INST]" in result.stdout
+
+
 @pytest.mark.parametrize(("content", "needle"), [
     ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', ":2: invalid JSON"),
     ('{"messages": "nope"}\n', ":1: expected an object with a 'messages' list"),

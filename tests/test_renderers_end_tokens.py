@@ -15,10 +15,11 @@ OFFICIAL = {  # eos_token_id of each family's generation_config.json on the Hugg
     "phi3": (32000, 32001, 32007), "phi3.5": (32007, 32001, 32000), "phi4": (100265,), "phi4-mini": (200020, 199999),
     "deepseek-v3": (1,), "deepseek-r1": (1,), "gpt-oss": (200002, 199999, 200012),
     "qwen3.6": (248046, 248044), "qwq": (151645, 151643), "glm-4.5": (151329, 151336, 151338), "kimi-k2": (163586,),
+    "deepseek-v3.1": (1,), "deepseek-v3.1-thinking": (1,), "mistral-nemo": (2,), "gemma2": (1, 107),
 }
 USER = Message(role="user", content="Weather in Paris?")
 OPENING = {"deepseek-r1": "ok\n</think>\n\n", "gpt-oss": "<|channel|>final<|message|>",  # before the reply text
-           "qwen3.6": "ok\n</think>\n\n", "qwq": "ok\n</think>\n\n"}
+           "qwen3.6": "ok\n</think>\n\n", "qwq": "ok\n</think>\n\n", "deepseek-v3.1-thinking": "ok</think>"}
 NEXT_OPENER = {"glm-4.5"}  # its end tokens open the next turn: tests/test_renderers_glm_kimi_qwen.py
 
 

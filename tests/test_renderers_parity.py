@@ -14,6 +14,7 @@ from verbatim.renderers.registry import FAMILIES, get_renderer
 CORPUS = Path(__file__).parent / "data" / "conversations.jsonl"
 FROZEN = dt.datetime(2024, 7, 26, 12, 0, 0)  # the date the renderers default to (Mistral Small, gpt-oss)
 CASES = [(name, template) for name in sorted(FAMILIES) for template in FAMILIES[name].load().templates]
+FEWER = {"gemma2": 48}  # renders compared, where the template refuses many conversations (system, tool roles)
 
 
 class FrozenClock(dt.datetime):
@@ -77,18 +78,21 @@ def test_render_matches_the_official_template(family: str, template: str, defaul
                                 f"token {at}: ours {renderer.tokenizer.decode(ours.token_ids[at:at + 8])!r}, "
                                 f"template {renderer.tokenizer.decode(expected[at:at + 8])!r}")
     assert not failures, "\n".join(failures[:5])
-    assert matched >= 60, f"only {matched} renders compared ({refused} refused by the template)"
+    assert matched >= FEWER.get(family, 60), f"only {matched} renders compared ({refused} refused by the template)"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_message_index_marks_each_message(family: str, default_model_dir: Path) -> None:
     renderer = get_renderer(family, model_dir=default_model_dir)
-    messages = load_conversations(CORPUS)[2].as_messages()  # system + two turns
+    number = 3 if family == "gemma2" else 2  # system + two turns; Gemma 2 refuses system: three turns
+    messages = load_conversations(CORPUS)[number].as_messages()
     rendered = renderer.render(messages, add_generation_prompt=True)
     indices = set(rendered.message_index)
     assert {1, 2, 3, 4} <= indices  # every non-system message owns tokens
-    # the generation prompt belongs to the next message (Mistral has none: its last turn ends the prompt)
-    assert rendered.message_index[-1] == (len(messages) - 1 if family.startswith("mistral") else len(messages))
+    # the generation prompt belongs to the next message (Mistral has none: its last turn ends the prompt;
+    # DeepSeek V3.1 writes one only after a user message)
+    no_prompt = family.startswith(("mistral", "deepseek-v3.1"))
+    assert rendered.message_index[-1] == (len(messages) - 1 if no_prompt else len(messages))
     owned = [i for i in rendered.message_index if i != -1]
     assert owned == sorted(owned)  # tokens come in message order
     assert len(rendered.token_ids) == len(rendered.message_index)

@@ -19,9 +19,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "required": ["city"]}}}
 USER = Message(role="user", content="Weather in Paris?")
 CALL = ToolCall(name="get_weather", arguments={"city": "Paris", "days": 2}, id="call00001")
-REASONING = {"qwen3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5"}
+REASONING = {"qwen3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5", "deepseek-v3.1-thinking"}
 TOOL_CALLS = {"qwen2.5", "qwen3-instruct-2507", "qwen3", "llama3", "mistral-v3", "mistral-v7-tekken",
-              "deepseek-v3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5", "kimi-k2"}
+              "deepseek-v3", "deepseek-r1", "gpt-oss", "qwen3.6", "qwq", "glm-4.5", "kimi-k2", "deepseek-v3.1",
+              "deepseek-v3.1-thinking", "mistral-nemo"}
 MALFORMED = {
     "qwen2.5": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",
     "qwen3": "<think>\nok\n</think>\n\n<tool_call>\n{\"name\": get_weather}\n</tool_call>",
@@ -30,6 +31,9 @@ MALFORMED = {
     "mistral-v7-tekken": "[TOOL_CALLS]get_weather[CALL_ID]call00001[ARGS]{\"city\": Paris}",
     "deepseek-v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{oops\n```"
                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "deepseek-v3.1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{oops<｜tool▁call▁end｜>"
+                     "<｜tool▁calls▁end｜>",
+    "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ]',
     "gpt-oss": " to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": ",
     "qwen3.6": "ok\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n"
                "</tool_call>",

@@ -11,10 +11,10 @@ from verbatim.renderers.registry import FAMILIES, get_renderer
 
 COMPACT = '{"city":"Paris","days":2}'  # tojson would write {"city": "Paris", "days": 2}
 MALFORMED = '{"city": "Par'
-AS_GIVEN = [(name, template) for name in ("qwen3", "qwen3-instruct-2507", "deepseek-v3", "deepseek-r1")
+AS_GIVEN = [(name, template) for name in ("qwen3", "qwen3-instruct-2507", "deepseek-v3", "deepseek-r1", "deepseek-v3.1")
             for template in FAMILIES[name].load().templates]
 """Families whose official templates write a string ``arguments`` unchanged (the others put it through tojson)."""
-PARSED = ["qwen2.5", "llama3", "mistral-v3", "mistral-v7-tekken", "gpt-oss", "qwq", "kimi-k2"]
+PARSED = ["qwen2.5", "llama3", "mistral-v3", "mistral-v7-tekken", "gpt-oss", "qwq", "kimi-k2", "mistral-nemo"]
 
 
 def wire(arguments: str, content: str | None = "") -> list[dict]:

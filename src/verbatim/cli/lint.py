@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from verbatim.cli.console import console, err_console
@@ -145,13 +146,13 @@ def _drift_table(label: str, verdicts: Any, pins: dict[str, Any]) -> Table:
     for verdict in verdicts:
         number = str(verdict.conversation)
         if verdict.unsupported is not None:
-            table.add_row(number, "n/a", "", "", "", f"refused: {verdict.unsupported}", "", "")
+            table.add_row(number, "n/a", "", "", "", escape(f"refused: {verdict.unsupported}"), "", "")
         elif verdict.problem is not None:
-            table.add_row(number, "n/a", "", "", "", f"problem: {verdict.problem}", "", "")
+            table.add_row(number, "n/a", "", "", "", escape(f"problem: {verdict.problem}"), "", "")
         elif not verdict.violations:
             table.add_row(number, "yes", "", "", "", "", "", "")
         for v in verdict.violations:
-            context = f"{''.join(v.earlier)!r} | {''.join(v.later)!r}"
+            context = escape(f"{''.join(v.earlier)!r} | {''.join(v.later)!r}")  # tokens like [/INST] are text
             stable = "yes" if verdict.prefix_stable else "no"  # a dropped tool call is not a prefix drift
             table.add_row(number, stable, v.kind, f"{v.cut[0]}-{v.cut[1]}", str(v.first_divergence), v.cause,
                           str(v.miss_tokens), context)

@@ -1,8 +1,9 @@
-"""Gemma 3 instruct: ``<start_of_turn>user|model\\n … <end_of_turn>\\n`` with strict alternation.
+"""Gemma 2 and 3 instruct: ``<start_of_turn>user|model\\n … <end_of_turn>\\n`` with strict alternation.
 
-The system message has no turn of its own: the template writes it, followed by
-a blank line, at the start of the first user turn. Content is trimmed. There is
-no tool role and no tool-call syntax; tool calls in ``content`` stay plain text.
+Gemma 3's system message has no turn of its own: the template writes it, followed by
+a blank line, at the start of the first user turn. Gemma 2's template refuses a system
+message. Content is trimmed. There is no tool role and no tool-call syntax; tool calls
+in ``content`` stay plain text.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Gemma3(ChatFormat):
         out = [Piece(self.tokenizer.bos_token)]
         for offset, message in enumerate(messages[start:]):
             if (message.role == "user") != (offset % 2 == 0):
-                raise RenderError("gemma3: roles must alternate user/assistant/user/assistant/...")
+                raise RenderError(f"{self.name}: roles must alternate user/assistant/user/assistant/...")
             out.append(Piece(self.turn(message, prefix if offset == 0 else ""), start + offset))
         if add_generation_prompt:
             out.append(Piece(f"{START}model\n", len(messages)))
@@ -46,10 +47,24 @@ class Gemma3(ChatFormat):
     def bridge_pieces(self, previous_ids: Sequence[int], new_messages: list[Message],
                       tools: list[dict] | None) -> list[Piece]:
         if len(new_messages) != 1 or new_messages[0].role != "user":
-            raise RenderError("gemma3: after an assistant turn comes exactly one user message "
+            raise RenderError(f"{self.name}: after an assistant turn comes exactly one user message "
                               "(no tool role: send tool results as a user message)")
         return [Piece(self.turn(new_messages[0])), Piece(f"{START}model\n")]
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
         problems = () if finished else ("completion ended without <end_of_turn> (cut by max tokens?)",)
         return Message(role="assistant", content=text, problems=problems)
+
+
+class Gemma2(Gemma3):
+    """Gemma 2 (and Gemma 1): Gemma 3's turns, but a leading system message is refused, as the template does."""
+
+    name = "gemma2"
+    templates = ("gemma2.jinja",)
+    end_tokens = ((1, "<eos>"), (107, END))  # google/gemma-2-2b-it generation_config.json: eos_token_id [1, 107]
+
+    def pieces(self, messages: list[Message], tools: list[dict] | None,
+               add_generation_prompt: bool) -> list[Piece]:
+        if messages[0].role == "system":
+            raise RenderError("gemma2: the template has no system role (send it as user text)")
+        return super().pieces(messages, tools, add_generation_prompt)

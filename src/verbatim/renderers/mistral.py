@@ -1,4 +1,5 @@
-"""Mistral instruct formats: v3 (SentencePiece, Mistral-7B-Instruct-v0.3) and v7-tekken (Mistral Small 3.2).
+"""Mistral instruct formats: v3 (SentencePiece, Mistral-7B-Instruct-v0.3), Nemo (v3 on tekken,
+Mistral-Nemo-Instruct-2407) and v7-tekken (Mistral Small 3.2).
 
 Both write ``<s>`` once, ``[INST] … [/INST]`` per user turn and ``</s>`` after
 each assistant turn, and have no generation prompt: the model starts right
@@ -10,6 +11,8 @@ Where the official templates are not prefix-stable:
   the last user turn. ``bridge`` matches this on the current turn: tools go before
   the newest user message, and a system message passed with the new messages is
   written into it; the copy an earlier render wrote stays where it is.
+- Nemo is v3 without the spaces around ``[INST]``/``[TOOL_CALLS]``/``[TOOL_RESULTS]``
+  and without trimming the assistant's text: the same moves, the same ``bridge``.
 - v7-tekken writes the system prompt once at the top (stable) but injects a
   default one that contains today's date when none is given; ``today`` fixes it.
 """
@@ -54,6 +57,7 @@ class MistralV3(ChatFormat):
     close_text = EOS
     markup = ("[TOOL_CALLS]",)
     bridge_roles = ("user", "tool", "system")
+    strip_content = True  # the template writes `" " + content.strip()`, so parsing trims too
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,
                add_generation_prompt: bool) -> list[Piece]:
@@ -79,13 +83,16 @@ class MistralV3(ChatFormat):
             call_id = check_call_id(message.tool_call_id, self.name)
             return f'[TOOL_RESULTS] {{"content": {message.content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
         if message.role == "assistant" and message.tool_calls:
-            calls = [f'{{"name": {tojson(c.name)}, "arguments": {arguments_json(c, as_given=False)}, '
-                     f'"id": "{check_call_id(c.id, self.name)}"}}' for c in message.tool_calls]
-            return "[TOOL_CALLS] [" + ", ".join(calls) + "]" + EOS
+            return "[TOOL_CALLS] " + self.calls_json(message) + EOS
         if message.role == "assistant":
             return " " + message.content.strip() + EOS
         raise RenderError(f"{self.name}: only user, assistant and tool roles (and one leading system "
                           "message) are supported")
+
+    def calls_json(self, message: Message) -> str:
+        calls = [f'{{"name": {tojson(c.name)}, "arguments": {arguments_json(c, as_given=False)}, '
+                 f'"id": "{check_call_id(c.id, self.name)}"}}' for c in message.tool_calls]
+        return "[" + ", ".join(calls) + "]"
 
     def tools_text(self, tools: list[dict]) -> str:
         return "[AVAILABLE_TOOLS] [" + ", ".join(self.tool_text(t) for t in tools) + "][/AVAILABLE_TOOLS]"
@@ -116,7 +123,8 @@ class MistralV3(ChatFormat):
     def parse_text(self, text: str, *, finished: bool) -> Message:
         problems = [] if finished else ["completion ended without </s> (cut by max tokens?)"]
         if "[TOOL_CALLS]" not in text:
-            return Message(role="assistant", content=text.strip(), problems=tuple(problems))
+            return Message(role="assistant", content=text.strip() if self.strip_content else text,
+                           problems=tuple(problems))
         content, raw = text.split("[TOOL_CALLS]", 1)
         calls = []
         try:
@@ -130,8 +138,34 @@ class MistralV3(ChatFormat):
                 calls.append(call.model_copy(update={"raw": "[TOOL_CALLS]" + raw}))
             else:
                 problems.append(problem)
-        return Message(role="assistant", content=content.strip(), tool_calls=tuple(calls),
-                       problems=tuple(problems))
+        return Message(role="assistant", content=content.strip() if self.strip_content else content,
+                       tool_calls=tuple(calls), problems=tuple(problems))
+
+
+class MistralNemo(MistralV3):
+    """Mistral-Nemo-Instruct-2407: v3's template with no spaces inside the markers, on the v3 tekken vocabulary."""
+
+    name = "mistral-nemo"
+    templates = ("mistral_nemo_instruct_2407.jinja",)
+    end_tokens = ((2, EOS),)  # mistralai/Mistral-Nemo-Instruct-2407 generation_config.json: eos_token_id 2
+    strip_content = False  # the template writes `content + eos_token`, untrimmed
+
+    def message_text(self, message: Message, tools: list[dict] | None, system: str | None) -> str:
+        if message.role == "user":
+            listing = self.tools_text(tools) if tools else ""
+            prompt = f"{system}\n\n{message.content}" if system is not None else message.content
+            return f"{listing}[INST]{prompt}[/INST]"
+        if message.role == "tool":
+            call_id = check_call_id(message.tool_call_id, self.name)
+            return f'[TOOL_RESULTS]{{"content": {message.content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
+        if message.role == "assistant" and message.tool_calls:
+            return "[TOOL_CALLS]" + self.calls_json(message) + EOS
+        if message.role == "assistant":
+            return message.content + EOS
+        return super().message_text(message, tools, system)  # refuses the roles the template refuses
+
+    def tools_text(self, tools: list[dict]) -> str:
+        return "[AVAILABLE_TOOLS][" + ", ".join(self.tool_text(t) for t in tools) + "][/AVAILABLE_TOOLS]"
 
 
 TEKKEN_DEFAULT_SYSTEM = (

@@ -53,6 +53,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwq", _cls("qwq", "QwQ"), "qwen", aliases=("qwq-32b", "qwq_32b")),
     Family("glm-4.5", _cls("glm", "GLM45"), "stand-in:glm4_5", aliases=("glm4.5", "glm4_5", "glm4_5_moe")),
     Family("kimi-k2", _cls("kimi", "KimiK2"), "stand-in:kimi_k2", aliases=("kimi", "kimi_k2", "kimi-k2-instruct")),
+    Family("deepseek-v3.1", _cls("deepseek_v3_1", "DeepSeekV31"), "stand-in:deepseek", aliases=("deepseek_v3_1",)),
+    Family("deepseek-v3.1-thinking", _cls("deepseek_v3_1", "DeepSeekV31Thinking"), "stand-in:deepseek"),
+    Family("mistral-nemo", _cls("mistral", "MistralNemo"), "mistral_nemo", aliases=("mistral-nemo-2407",)),
+    Family("gemma2", _cls("gemma", "Gemma2"), "stand-in:gemma2", aliases=("gemma-2",)),
 )}
 
 _ALIASES = {alias: f.name for f in FAMILIES.values() for alias in f.aliases}

@@ -2,7 +2,7 @@
 
 Real vocabularies come from the package's ``chat_templates/tokenizers`` (Llama 3
 tiktoken ranks, Qwen tiktoken ranks, the Phi-3 vocab GGUF, Mistral
-SentencePiece), from ``mistral_common`` (tekken), from the Gemma 3 GGUF
+SentencePiece), from ``mistral_common`` (tekken: Mistral Small 3.x and Nemo), from the Gemma 3 GGUF
 package's first chunk, or from the default model folder (SmolLM2). Families with no small public tokenizer file get a
 *stand-in*: the SmolLM2 vocabulary with the family's special tokens added, so
 the family's control tokens are single ids while ordinary text is tokenized by
@@ -51,6 +51,8 @@ STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
                             "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
                             "<think>", "</think>"],
                  "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
+    "gemma2": {"tokens": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+               "bos_token": "<bos>", "eos_token": "<eos>"},
     "harmony": {"tokens": ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                            "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"],
                 "bos_token": "<|startoftext|>", "eos_token": "<|return|>"},
@@ -169,6 +171,18 @@ def mistral_tekken_tokenizer() -> Any:
     tokenizer.add_special_tokens({"additional_special_tokens": ["[CALL_ID]", "[ARGS]"]},
                                  replace_extra_special_tokens=False)
     return tokenizer
+
+
+@functools.cache
+def mistral_nemo_tokenizer() -> Any:
+    """Mistral Nemo's tekken (v3, ``tekken_240718.json``) vocabulary from the ``mistral_common`` package."""
+    import mistral_common
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+    path = Path(mistral_common.__file__).parent / "data" / "tekken_240718.json"
+    if not path.is_file():
+        raise InputError(f"{path} is missing", hint="pip install 'mistral-common>=1.5'")
+    return convert_tekken_tokenizer(str(path), chat_template="")
 
 
 @functools.cache
