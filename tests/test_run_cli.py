@@ -15,11 +15,19 @@ import pytest
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
+from verbatim.engine.reaper import alive, descendants
 from verbatim.harness.store import read_run
 from verbatim.lint.trace import lint_run
 
 ARGS = ["--env", "guess", "--groups", "3", "--group-size", "4", "--max-turns", "2", "--max-tokens", "24",
         "--kv-cache-gib", "1", "--max-model-len", "2048", "--concurrency", "4"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
 
 
 def _verbatim(*args: str) -> list[str]:
@@ -36,8 +44,14 @@ def test_killed_run_resumes_with_every_rollout_exactly_once(tmp_path: Path, defa
     while time.monotonic() < deadline and not list(out.glob("rollouts-*.parquet")):
         assert proc.poll() is None, "the run ended before it could be killed"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process tree dies, engine included
+    engine = descendants(proc.pid)  # vLLM's engine core and worker (and the reaper watching them)
+    assert any("VLLM" in _cmdline(pid) for pid, _ in engine), [_cmdline(pid) for pid, _ in engine]
+    os.kill(proc.pid, signal.SIGKILL)  # only the command: its engine must not outlive it
     proc.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in engine):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in engine), [_cmdline(pid) for pid, _ in engine if alive((pid, _))]
     before = read_run(out)
     assert 0 < len(before.rollouts) < 12
     assert before.manifest.status == "running"

@@ -27,6 +27,7 @@ from verbatim.datamodel import Frozen, Rollout
 from verbatim.engine.http import redact
 from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
 from verbatim.errors import InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
@@ -172,7 +173,7 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
     """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
     shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
-    async with started(engine, console):
+    async with started(engine, console, run.out):
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             return await _play_with_progress(run, resume, console)
@@ -181,18 +182,26 @@ async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_gr
 
 
 @contextlib.asynccontextmanager
-async def started(engine: Any, console: Console) -> AsyncIterator[Any]:
-    """The engine started (a transient spinner until it answers), and closed however the block ends."""
-    try:
-        with console.status("starting engine…"):
-            await engine.start()
-        yield engine
-    finally:
-        close = getattr(engine, "aclose", None)
-        if close is not None:
-            await close()
-        else:
-            engine.close()
+async def started(engine: Any, console: Console, run_dir: Path | None = None) -> AsyncIterator[Any]:
+    """The engine started (a transient spinner until it answers), and closed however the block ends.
+
+    Its processes are watched by a :class:`Reaper` (they die with this command, even a SIGKILLed one)
+    and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them)."""
+    with Reaper():
+        try:
+            with console.status("starting engine…"):
+                await engine.start()
+            if run_dir is not None:
+                record_engine(run_dir)
+            yield engine
+        finally:
+            close = getattr(engine, "aclose", None)
+            if close is not None:
+                await close()
+            else:
+                engine.close()
+            if run_dir is not None:
+                forget_engine(run_dir)
 
 
 async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:

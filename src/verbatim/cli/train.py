@@ -123,7 +123,7 @@ def _existing_run_id(out: Path) -> str | None:
 async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> list[dict[str, Any]]:
     from verbatim.cli.run import started
 
-    async with started(loop.engine, console):
+    async with started(loop.engine, console, loop.out):
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import Field
 
 from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import EngineError, InputError, RunInterrupted, VerbatimError
 from verbatim.harness.engine_gate import FAILURES_TO_STOP, EngineGate
@@ -140,6 +141,7 @@ class Run:
         if resume and not (self.out / "manifest.json").exists():
             raise InputError(f"--resume: {self.out} holds no run to resume",
                              hint="check --out, or drop --resume to start a new run")
+        check_no_leftover_engine(self.out)
         self._check_plan(resume)
 
     def _check_plan(self, resume: bool) -> None:

@@ -36,6 +36,7 @@ from pydantic import Field
 from verbatim.datamodel import Frozen, Rollout
 from verbatim.engine.checkpoints import publish_weights
 from verbatim.engine.protocol import CachePolicy
+from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import InputError, RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
@@ -212,6 +213,7 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> None:
     from verbatim.trainer.checkpoint import config_differences
 
     RunLock.check_free(out)
+    check_no_leftover_engine(out)
     if not (out / "manifest.json").exists():
         if resume:
             raise InputError(f"--resume: {out} holds no run to resume",

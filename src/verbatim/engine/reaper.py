@@ -1,0 +1,199 @@
+"""Engine processes die with the command that started them, even a ``kill -9``ed one.
+
+vLLM runs its engine core and workers as child processes. A command that exits normally closes
+them; one killed with SIGKILL cannot, and they would go on holding gigabytes of memory and every
+core, invisible to the user and competing with a ``--resume``. Two guards:
+
+* :class:`Reaper` starts a small watcher process (``python -m verbatim.engine.reaper PID``) in its
+  own session, joined to the command by a pipe. It notes the command's descendants (pid and start
+  time, so a reused pid is never touched) every half second. When the pipe closes, because the
+  command ended however it ended, it sends SIGTERM to every noted process still alive, then
+  SIGKILL after a grace period.
+* :func:`record_engine` writes the engine's processes into the run directory
+  (``.engine-processes.json``); :func:`check_no_leftover_engine` refuses a ``--resume`` while any of
+  them is still alive (one line naming the pids), so two engines never write one run.
+
+Linux only (``/proc``); elsewhere both are no-ops. Standard library only: the watcher must start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.5
+GRACE_S = 5.0
+RECORD = ".engine-processes.json"
+
+Process = tuple[int, int]
+"""(pid, start time in clock ticks since boot): a process, never confused with a later one on the same pid."""
+
+
+# -- /proc, pure reads ------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of ``pid``, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> set[Process]:
+    """Every process below ``root`` (children, their children…), with its start time."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                children.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found: set[Process] = set()
+    todo = [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if (pid, started) not in found:
+                found.add((pid, started))
+                todo.append(pid)
+    return found
+
+
+def alive(process: Process) -> bool:
+    stat = _stat(process[0])
+    return stat is not None and stat[1] == process[1] and not _zombie(process[0])
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2:].split()[0] == "Z"
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or "?"
+    except OSError:
+        return "?"
+
+
+# -- the watcher ------------------------------------------------------------------------------------
+
+
+def reap(processes: set[Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every live process of ``processes``, SIGKILL those still alive after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        live = [p for p in processes if alive(p)]
+        for pid, _ in live:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while live and time.monotonic() < deadline:
+            time.sleep(0.1)
+            live = [p for p in live if alive(p)]
+        if not live:
+            return
+
+
+def watch(parent: int, pipe: int, poll_s: float = POLL_S) -> None:
+    """Note ``parent``'s new descendants until ``pipe`` closes; if the parent died, reap them.
+
+    Only processes started after the watcher are noted (a command run inside a longer-lived
+    process, such as a test, leaves that process's other children alone), and a parent that
+    closed the pipe itself (a normal exit: it closed its engine) gets nothing reaped."""
+    stat = _stat(parent)
+    if stat is None:
+        return
+    me, started = os.getpid(), stat[1]
+    before = descendants(parent)
+    print("watching", flush=True)  # the parent waits for this before it starts its engine
+    known: set[Process] = set()
+    while True:
+        known |= {p for p in descendants(parent) - before if p[0] != me}
+        known = {p for p in known if alive(p)}
+        ready, _, _ = select.select([pipe], [], [], poll_s)
+        if ready and not os.read(pipe, 4096):
+            break
+    if not alive((parent, started)):
+        reap(known)
+
+
+class Reaper:
+    """The watcher of this process's engine children, for as long as the context is open."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Reaper:
+        if sys.platform.startswith("linux"):
+            self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.engine.reaper", str(os.getpid())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+            assert self.proc.stdout is not None
+            ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+            if ready:  # it has noted what ran before: whatever starts from now on is watched
+                self.proc.stdout.readline()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()  # the engine is closed by now: the watcher finds nothing left and ends
+            try:
+                self.proc.wait(GRACE_S + 5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# -- a run directory's record of its engine ------------------------------------------------------------
+
+
+def record_engine(run_dir: Path) -> None:
+    """Write this process's descendants (the engine's processes) into the run directory."""
+    if not run_dir.is_dir():
+        return
+    found = sorted(descendants(os.getpid()))
+    (run_dir / RECORD).write_text(json.dumps({"parent": os.getpid(), "processes": found}) + "\n")
+
+
+def forget_engine(run_dir: Path) -> None:
+    (run_dir / RECORD).unlink(missing_ok=True)
+
+
+def leftover_engine(run_dir: Path) -> list[tuple[int, str]]:
+    """(pid, name) of each process a killed command's engine left alive in ``run_dir``'s record."""
+    try:
+        record = json.loads((run_dir / RECORD).read_text())
+        processes = [(int(pid), int(started)) for pid, started in record["processes"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [(pid, _name(pid)) for pid, started in processes if alive((pid, started))]
+
+
+def check_no_leftover_engine(run_dir: Path) -> None:
+    """Refuse to start beside engine processes a killed command left running for ``run_dir``."""
+    from verbatim.errors import InputError
+
+    left = leftover_engine(Path(run_dir))
+    if left:
+        named = ", ".join(f"{pid} ({name})" for pid, name in left[:4])
+        raise InputError(f"{run_dir} is still held by the engine of a killed run: {named}",
+                         hint=f"stop it first (kill {' '.join(str(pid) for pid, _ in left)}), then resume")
+
+
+def main(argv: list[str]) -> None:
+    watch(int(argv[1]), sys.stdin.fileno())
+
+
+if __name__ == "__main__":
+    main(sys.argv)
