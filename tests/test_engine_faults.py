@@ -50,12 +50,15 @@ class ScriptedServer:
     Steps: ``ok``, ``503``, ``400``, ``bad_json`` (a 200 whose body is not JSON), ``cut`` (headers promise
     more body than is sent, then the connection closes), ``close`` (closed without an answer), ``hang``
     (never answers), ``trickle`` (one body byte every 0.2 s, never done), ``shape`` (valid JSON, no tokens),
-    ``echo`` (a 400 whose body repeats the request's headers).
+    ``echo`` (a 400 whose body repeats the request's headers), ``slow`` (answers after 1.5 s).
+    ``/health`` follows the script too, unless ``healthy`` is set: then it is answered at once (True:
+    200) or never (False), outside the script.
     """
 
     def __init__(self, script: list[str]) -> None:
         self.script = list(script)
         self.requests: list[dict] = []
+        self.healthy: bool | None = None
         self.release = threading.Event()
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -81,6 +84,12 @@ class ScriptedServer:
             request = _read_request(conn)
             if request is None:
                 return
+            if request["path"] == "/health" and self.healthy is not None:
+                if self.healthy:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                else:
+                    self.release.wait(30)
+                return
             step = self.script[min(len(self.requests), len(self.script) - 1)]
             self.requests.append(request | {"step": step})
             try:
@@ -93,6 +102,8 @@ class ScriptedServer:
             return
         if step == "hang":
             self.release.wait(30)
+            return
+        if step == "slow" and self.release.wait(1.5):
             return
         if step == "trickle":
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
@@ -210,13 +221,50 @@ def test_the_budget_bounds_a_call_whatever_the_retries_and_timeouts(scripted):
     assert 0.9 < seconds < 2.5
 
 
+def watched(url: str) -> tuple[object, float]:
+    """A generate with minutes of timeout but a quick /health watch (0.25 s apart, 3 failures)."""
+    async def call():
+        engine = HttpEngine(url, model="scripted", timeout_s=120, budget_s=240)
+        engine.health_every_s = 0.25
+        try:
+            return await engine.generate([5, 6, 7], Sampling(max_tokens=4))
+        finally:
+            await engine.aclose()
+
+    started = time.monotonic()
+    try:
+        result = asyncio.run(call())
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        result = exc
+    return result, time.monotonic() - started
+
+
+def test_a_hung_server_is_declared_dead_in_seconds_not_after_its_timeout(scripted):
+    server = scripted("hang")
+    server.healthy = False  # accepts connections, answers nothing: a stopped or wedged server
+    error, seconds = watched(server.url)
+    assert isinstance(error, EngineError), error
+    line = error.one_line()
+    assert "the server stopped answering (/health failed 3 times in a row" in line and "--resume" in line, line
+    assert seconds < 5, f"{seconds:.1f}s"
+    assert len(server.requests) == 1  # declared dead, not retried
+
+
+def test_a_slow_answer_from_a_live_server_is_waited_for(scripted):
+    server = scripted("slow")
+    server.healthy = True
+    completion, seconds = watched(server.url)
+    assert not isinstance(completion, Exception), completion
+    assert seconds >= 1.5
+
+
 @pytest.mark.parametrize("fault,kind,needle", [
     ("400", InputError, "refused the request (400): prompt too long"),
     ("shape", EngineError, "malformed completion"),
 ])
 def test_a_refusal_or_a_wrong_answer_is_not_retried(scripted, fault, kind, needle):
     server = scripted(fault)
-    error, _ = generate(server.url, **FAST)
+    error, _ = generate(server.url, **{**FAST, "timeout_s": 5.0})  # the answer is prompt: no timeout under load
     assert isinstance(error, kind) and needle in error.one_line(), error
     assert len(server.requests) == 1
 

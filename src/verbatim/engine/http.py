@@ -38,6 +38,12 @@ from verbatim.errors import EngineError, InputError
 SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
 """A query parameter whose name contains one of these carries a secret (``api_key``, ``access_token``…)."""
 
+HEALTH_EVERY_S = 5.0
+HEALTH_FAILURES = 3
+"""While a generation waits for its answer, ``/health`` is probed every ``HEALTH_EVERY_S`` (each probe
+may take as long); this many failures in a row mean the server is dead or hung, and the request fails
+at once instead of after its timeout (minutes: a long generation is slow, a hung server is silent)."""
+
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
 
@@ -105,6 +111,7 @@ class HttpEngine:
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.health_every_s, self.health_failures = HEALTH_EVERY_S, HEALTH_FAILURES
         self.budget_s = budget_s if budget_s is not None else 2 * timeout_s
         self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if _secret_param(k))) if v]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -220,9 +227,12 @@ class HttpEngine:
         timeouts bound each read, not the answer, which a server can trickle forever."""
         bound = min(self.timeout_s, left)
         timeout = httpx.Timeout(bound, connect=min(self.connect_timeout_s, bound))
+        answer = asyncio.wait_for(
+            self._client.request(method, self.url + path, json=json, params=params, timeout=timeout), bound)
         try:
-            return await asyncio.wait_for(
-                self._client.request(method, self.url + path, json=json, params=params, timeout=timeout), bound)
+            if path == "/v1/completions":
+                return await self._while_alive(answer, path)
+            return await answer
         except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
             what = "connecting" if isinstance(exc, httpx.ConnectTimeout) else "an answer"
             raise _Retry(f"timed out waiting for {what} ({bound:.3g}s)") from exc
@@ -232,6 +242,30 @@ class HttpEngine:
             raise _Retry(f"cannot connect ({_short(exc)})") from exc
         except httpx.TransportError as exc:
             raise _Retry(f"connection lost ({type(exc).__name__}: {_short(exc)})") from exc
+
+    async def _while_alive(self, answer: Any, path: str) -> httpx.Response:
+        """Await ``answer`` while ``/health`` keeps answering; fail at once (no retry) when it stops."""
+        request = asyncio.ensure_future(answer)
+        probe = asyncio.ensure_future(self._until_dead())
+        try:
+            await asyncio.wait({request, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if request.done():
+                return request.result()
+            raise EngineError(self._scrub(f"{self._where(path)}: the server stopped answering (/health failed "
+                                          f"{self.health_failures} times in a row, "
+                                          f"{self.health_every_s:g}s apart)"),
+                              hint="is the server alive? check its log, restart it, then --resume")
+        finally:
+            for task in (request, probe):
+                task.cancel()
+            await asyncio.gather(request, probe, return_exceptions=True)
+
+    async def _until_dead(self) -> None:
+        """Return once ``/health`` has failed ``health_failures`` times in a row."""
+        failures = 0
+        while failures < self.health_failures:
+            await asyncio.sleep(self.health_every_s)
+            failures = 0 if await self.healthy(timeout_s=self.health_every_s) else failures + 1
 
     def _where(self, path: str) -> str:
         """The redacted URL of a request to ``path``."""
