@@ -140,6 +140,11 @@ def test_phi_history_is_stable_but_the_template_appends_eos(family: str, default
     assert earlier.ids[at:] == renderer.encode(renderer.tokenizer.eos_token)  # the first token that departs
 
 
+PROMPT_OPENS_THINK = {"deepseek-r1": "\n</think>\n\n", "qwen3.6": "\n</think>\n\n", "qwq": "\n</think>\n\n",
+                      "deepseek-v3.1-thinking": "</think>"}
+"""Families whose generation prompt opens a think block, and what closes it (tests/test_renderers_cut.py)."""
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bridge_closes_a_truncated_reply(family: str, default_model_dir: Path) -> None:
     renderer = get_renderer(family, model_dir=default_model_dir)
@@ -149,8 +154,8 @@ def test_bridge_closes_a_truncated_reply(family: str, default_model_dir: Path) -
     previous = tuple(ids + cut_reply)
     added = renderer.bridge(previous, [Message(role="user", content="Go on.")])
     assert previous == tuple(ids + cut_reply)  # nothing before is touched
-    close = renderer.cut_close(previous)  # R1's prompt opened <think>: it is closed before the turn end
-    assert close == renderer.close_text or (family == "deepseek-r1" and close == "\n</think>\n\n" + renderer.close_text)
+    close = renderer.cut_close(previous)  # a think block the prompt opened is closed before the turn end
+    assert close == PROMPT_OPENS_THINK.get(family, "") + renderer.close_text
     assert added[:len(renderer.encode(close))] == renderer.encode(close)
     finished = renderer.bridge(ids + cut_reply + [renderer.stop_token_ids[0]], [Message(role="user", content="Go on.")])
     assert added[len(added) - len(finished):] == finished  # a finished reply gets the same tokens, minus the close

@@ -2,9 +2,11 @@
 
 The sampled tokens stay as they are; ``bridge`` closes the reasoning the way the
 family's official template writes an assistant turn whose reasoning ended there
-(``\\n</think>\\n\\n`` for Qwen3 and DeepSeek-R1, ``<|end|>`` and an empty final
-message for gpt-oss), then ends the turn. ``parse_completion`` reports the cut and
-keeps the partial reasoning.
+(``\\n</think>\\n\\n`` for Qwen3, Qwen3.6, QwQ and DeepSeek-R1, ``</think>`` for GLM-4.5
+and DeepSeek-V3.1 thinking, ``<|end|>`` and an empty final message for gpt-oss), then
+ends the turn. Where the template drops reasoning from history (R1, QwQ, V3.1), the
+turn is the one the model samples for a reasoning that ended there (``completion_ids``).
+``parse_completion`` reports the cut and keeps the partial reasoning.
 """
 
 from __future__ import annotations
@@ -102,6 +104,80 @@ def test_deepseek_r1_cut_while_reasoning_closes_the_think_block(sampled: str, de
     assert after == full[len(full) - len(after):] and renderer.tokenizer.decode(after).startswith("<｜User｜>")
 
 
+def official_template(renderer, chat_templates_dir: Path) -> str:
+    return (chat_templates_dir / renderer.templates[0]).read_text(encoding="utf-8")
+
+
+def next_turn_is_the_templates(renderer, template: str, history: list[int], turn_end: int, closed: Message,
+                               user_turn: str) -> None:
+    """The tokens after the cut turn (``history[turn_end:]``) are the template's: its user turn, then its prompt."""
+    full = template_ids(renderer, template, [USER, closed, MORE], generation=True)
+    after = history[turn_end:]
+    assert after == full[len(full) - len(after):] and renderer.tokenizer.decode(after).startswith(user_turn)
+
+
+@pytest.mark.parametrize("sampled", [PARTIAL, PARTIAL + "\n", PARTIAL + "\n</think>"])
+def test_qwen36_cut_while_reasoning_closes_the_think_block(sampled: str, default_model_dir: Path,
+                                                           chat_templates_dir: Path) -> None:
+    """Qwen3.6's prompt opens <think>\\n; its template keeps the last turn's reasoning (and every turn's with
+    preserve_thinking), so the bridged history is the template's own text, token for token."""
+    renderer = get_renderer("qwen3.6", model_dir=default_model_dir)
+    held, added, parsed = cut_history(renderer, sampled)
+    assert parsed.reasoning == PARTIAL and parsed.content == "" and parsed.problems
+    template, history = official_template(renderer, chat_templates_dir), held + added
+    turn = template_ids(renderer, template, [USER, closed_turn(parsed)], generation=False)
+    assert history[:len(turn)] == turn  # ... "\n</think>\n\n<|im_end|>\n"
+    next_turn_is_the_templates(renderer, template, history, len(turn), closed_turn(parsed), "<|im_start|>user")
+    keep = get_renderer("qwen3.6", model_dir=default_model_dir, keep_reasoning=True)
+    assert keep.bridge(held, [MORE]) == added
+    assert history == template_ids(keep, template, [USER, closed_turn(parsed), MORE], generation=True)
+
+
+@pytest.mark.parametrize("sampled", [PARTIAL, PARTIAL + "\n</think>"])
+def test_qwq_cut_while_reasoning_closes_the_think_block(sampled: str, default_model_dir: Path,
+                                                        chat_templates_dir: Path) -> None:
+    """QwQ's template never writes reasoning (as R1's): the turn is what QwQ samples for it, then <|im_end|>."""
+    renderer = get_renderer("qwq", model_dir=default_model_dir)
+    held, added, parsed = cut_history(renderer, sampled)
+    assert parsed.reasoning == PARTIAL and parsed.content == "" and parsed.problems
+    prompt = list(renderer.render([USER], add_generation_prompt=True).token_ids)
+    turn = prompt + renderer.completion_ids([USER, closed_turn(parsed)], 1)  # reasoning\n</think>\n\n<|im_end|>
+    history = held + added
+    assert history[:len(turn)] == turn
+    next_turn_is_the_templates(renderer, official_template(renderer, chat_templates_dir), history, len(turn),
+                               closed_turn(parsed), "\n<|im_start|>user")
+
+
+@pytest.mark.parametrize("sampled", ["\n<think>" + PARTIAL, "\n<think>"])
+def test_glm_cut_while_reasoning_closes_the_think_block(sampled: str, default_model_dir: Path,
+                                                        chat_templates_dir: Path) -> None:
+    """GLM-4.5 writes the last turn's reasoning tight, <think>reasoning</think>, and has no end-of-turn token:
+    the closer alone, then the next turn's opener."""
+    renderer = get_renderer("glm-4.5", model_dir=default_model_dir)
+    held, added, parsed = cut_history(renderer, sampled)
+    assert parsed.reasoning == sampled.removeprefix("\n<think>") and parsed.content == ""
+    template, history = official_template(renderer, chat_templates_dir), held + added
+    turn = template_ids(renderer, template, [USER, closed_turn(parsed)], generation=False)
+    assert history[:len(turn)] == turn and renderer.tokenizer.decode(turn).endswith("</think>")
+    next_turn_is_the_templates(renderer, template, history, len(turn), closed_turn(parsed), "<|user|>\nGo on.")
+
+
+@pytest.mark.parametrize("sampled", [PARTIAL, "\n" + PARTIAL])
+def test_deepseek_v31_thinking_cut_while_reasoning_closes_the_think_block(sampled: str, default_model_dir: Path,
+                                                                          chat_templates_dir: Path) -> None:
+    """V3.1's thinking prompt opens <think>; its template drops reasoning from history (as R1's), so the turn is
+    what the model samples for it: reasoning</think>, empty content, <｜end▁of▁sentence｜>."""
+    renderer = get_renderer("deepseek-v3.1-thinking", model_dir=default_model_dir)
+    held, added, parsed = cut_history(renderer, sampled)
+    assert parsed.reasoning == sampled and parsed.content == "" and parsed.problems
+    prompt = list(renderer.render([USER], add_generation_prompt=True).token_ids)
+    turn = prompt + renderer.completion_ids([USER, closed_turn(parsed)], 1)
+    history = held + added
+    assert history[:len(turn)] == turn and renderer.tokenizer.decode(turn).endswith("</think><｜end▁of▁sentence｜>")
+    next_turn_is_the_templates(renderer, official_template(renderer, chat_templates_dir), history, len(turn),
+                               closed_turn(parsed), "<｜User｜>Go on.")
+
+
 @pytest.fixture
 def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers.utils.chat_template_utils as chat_utils
@@ -146,3 +222,9 @@ def test_gpt_oss_cut_on_the_final_channel_is_closed_by_end(default_model_dir: Pa
 ])
 def test_close_think_appends_only(sampled: str, appended: str) -> None:
     assert close_think(sampled) == appended
+
+
+@pytest.mark.parametrize(("sampled", "appended"), [("plan", "</think>"), ("", "</think>"), ("plan</think>", ""),
+                                                   ("plan</think>\nok", "")])
+def test_close_think_tight_appends_the_closer_only(sampled: str, appended: str) -> None:
+    assert close_think(sampled, padded=False) == appended

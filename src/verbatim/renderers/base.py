@@ -87,7 +87,10 @@ class ChatFormat:
       as ``(id there, token text)``; the text finds the id in the tokenizer in use, stand-ins included),
       ``close_text`` (what ends an assistant turn cut short, e.g. by max tokens),
       ``think`` (a reasoning block's opener and closer tokens: a turn cut inside one is closed first,
-      see :meth:`cut_close`) and ``turn_starts`` (tokens that begin a turn: the search for it stops there),
+      see :meth:`cut_close`), ``think_padded`` (the template writes newlines around the reasoning,
+      ``<think>\\n…\\n</think>\\n\\n``, rather than ``<think>…</think>``: see
+      :func:`~verbatim.renderers.completion.close_think`) and ``turn_starts`` (tokens that begin a turn:
+      the search for the opener stops there),
       ``after_stop`` (text the template writes after the stop token, e.g. ``"\\n"``),
       ``markup`` (texts of the control tokens ``parse_text`` looks for: see :mod:`verbatim.renderers.markup`),
       ``arguments_as_given`` (the template writes a string ``function.arguments`` unchanged).
@@ -102,6 +105,7 @@ class ChatFormat:
     close_text: str = ""
     after_stop: str = ""
     think: tuple[str, str] | None = None
+    think_padded: bool = True
     turn_starts: tuple[str, ...] = ()
     bridge_roles: tuple[str, ...] = ("user", "tool")
     """Roles ``bridge`` accepts (Mistral v3 also takes the system message, to repeat it as its template does)."""
@@ -166,7 +170,7 @@ class ChatFormat:
         for k in range(len(previous_ids) - 1, -1, -1):
             if previous_ids[k] == opener:
                 sampled = self._decode([int(i) for i in previous_ids[k + 1:]])
-                return close_think(sampled, self.think[1]) + self.close_text
+                return close_think(sampled, self.think[1], padded=self.think_padded) + self.close_text
             if previous_ids[k] in bounds:
                 break
         return self.close_text

@@ -60,17 +60,21 @@ def split_think(text: str, opener: str = "<think>", closer: str = "</think>",
     return reasoning, rest, []
 
 
-def close_think(sampled: str, closer: str = "</think>") -> str:
+def close_think(sampled: str, closer: str = "</think>", *, padded: bool = True) -> str:
     """What to append so that a think block cut short reads as the templates write one, then its turn can end.
 
     ``sampled`` is the text after the opener token (``<think>``) up to the cut, the
-    generation prompt's own ``\\n`` included where it wrote one. The templates write
-    ``<think>\\n`` + reasoning stripped of newlines + ``\\n</think>\\n\\n`` + content; the
-    sampled text is never changed, so this returns only what follows it: the closer
-    and its newlines where the block is open, the missing newlines after a closer
-    sampled just before the cut, else nothing. Newlines the template would have
-    stripped from the sampled reasoning stay (then no further one is added).
+    generation prompt's own ``\\n`` included where it wrote one. ``padded`` templates
+    (Qwen, DeepSeek-R1) write ``<think>\\n`` + reasoning stripped of newlines +
+    ``\\n</think>\\n\\n`` + content; the sampled text is never changed, so this returns
+    only what follows it: the closer and its newlines where the block is open, the
+    missing newlines after a closer sampled just before the cut, else nothing. Newlines
+    the template would have stripped from the sampled reasoning stay (then no further
+    one is added). Tight templates (GLM-4.5, DeepSeek-V3.1) write ``<think>reasoning</think>``
+    and nothing after it for empty content: the closer alone, unless it was sampled.
     """
+    if not padded:
+        return "" if closer in sampled else closer
     if closer in sampled:
         rest = sampled.split(closer, 1)[1]
         return "\n\n"[len(rest):] if "\n\n".startswith(rest) else ""

@@ -125,6 +125,11 @@ class DeepSeekV31Thinking(DeepSeekV31):
     name = "deepseek-v3.1-thinking"
     prefix_stable = False  # the prompt's <think> and the sampled reasoning are not re-rendered
     thinking = True
+    # A reply cut while reasoning gets "</think>" before <｜end▁of▁sentence｜>: what the model samples for a
+    # reasoning that ended there (the template drops reasoning from history; as DeepSeek-R1).
+    think = (THINK, END_THINK)
+    think_padded = False
+    turn_starts = (ASSISTANT, USER, OUTPUT_END)  # after tool outputs the model continues past the last end
 
 
 def parse_calls(text: str) -> tuple[str, list, list[str]]:

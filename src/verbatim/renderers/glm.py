@@ -47,6 +47,9 @@ class GLM45(ChatFormat):
     close_text = ""  # no end-of-turn token: a cut reply is followed by the next opener
     markup = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
               "</arg_value>")
+    think = ("<think>", "</think>")  # a reply cut while reasoning gets "</think>", as the template writes it
+    think_padded = False  # <think>reasoning</think>, no newline after it when the content is empty
+    turn_starts = (SYSTEM, USER, ASSISTANT, OBSERVATION)
 
     def __init__(self, tokenizer: Any, *, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)

@@ -56,6 +56,8 @@ class Qwen36(QwenChat):
     end_tokens = ((248046, IM_END), (248044, "<|endoftext|>"))  # Qwen/Qwen3.6-27B generation_config.json
     markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
     default_system = None
+    think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before <|im_end|>
+    turn_starts = (IM_START,)
 
     def __init__(self, tokenizer: Any, *, keep_reasoning: bool = False, enable_thinking: bool = True) -> None:
         super().__init__(tokenizer)

@@ -25,6 +25,10 @@ class QwQ(QwenChat):
     end_tokens = QWEN_END_TOKENS  # Qwen/QwQ-32B generation_config.json: eos_token_id [151645, 151643]
     markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
     default_system = None
+    # A reply cut while reasoning gets "\n</think>\n\n" before <|im_end|>: what QwQ samples for a reasoning that
+    # ended there (the template writes no reasoning, so it has no form of its own; as DeepSeek-R1).
+    think = ("<think>", "</think>")
+    turn_starts = (IM_START,)
 
     def tools_system_text(self, system: str | None) -> str:
         return (system or "") + "\n\n"
