@@ -152,7 +152,11 @@ def test_refusals_are_per_conversation(default_tokenizer, chat_templates_dir: Pa
                                     {"role": "assistant", "content": "a"}))
     verdict = drift.analyze(renderer, system, 0)
     assert verdict.prefix_stable is None and "System role not supported" in verdict.unsupported
-    assert drift.exit_code([verdict]) == 0
+    plain = Conversation(messages=({"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}))
+    accepted = drift.analyze(renderer, plain, 1)
+    assert accepted.unsupported is None
+    assert drift.exit_code([verdict, accepted]) == 0  # one refusal among linted conversations is fine
+    assert drift.exit_code([verdict]) == 2  # refusing everything lints nothing
 
 
 # ---------------------------------------------------------------------------
@@ -278,3 +282,13 @@ def test_the_deepseek_v3_renderer_writes_the_calls_the_template_drops(default_mo
     verdict = drift.analyze(drift.TemplateRenderer(template, renderer.tokenizer), conversation, 0)
     assert [v.cause for v in verdict.violations] == ["tool_calls_dropped"]
     assert renderer.departures == {"tool_calls_dropped"}
+
+
+def test_cli_a_template_that_refuses_every_conversation_is_an_error(tmp_path: Path) -> None:
+    refusing = tmp_path / "refuse.jinja"
+    refusing.write_text('{{ raise_exception("this template accepts nothing") }}')
+    result = lint("--template", str(refusing))
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "refused all 11 conversations" in lines[0], result.stderr
+    assert "this template accepts nothing" in lines[0]

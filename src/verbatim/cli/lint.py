@@ -71,6 +71,10 @@ def lint_template(
     for verdict in verdicts:
         if verdict.problem is not None:
             err_console.print(f"warning: {verdict.problem}", markup=False, highlight=False)
+    refused = drift.nothing_linted(verdicts)
+    if refused:
+        err_console.print(f"error: {label}: {refused} (check the template, or pass --conversations it accepts)",
+                          markup=False, highlight=False)
     # sys.exit, not typer.Exit: the group runs click with standalone_mode=False, where an Exit's code
     # comes back as a return value and would be lost.
     sys.exit(drift.exit_code(verdicts))

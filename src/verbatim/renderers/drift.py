@@ -390,7 +390,19 @@ def with_arguments_flipped(conversation: Conversation) -> Conversation:
 
 
 def exit_code(verdicts: Sequence[Verdict]) -> int:
-    """1 when any conversation drifts or loses a tool call, else 2 when the template raised on one, else 0."""
+    """1 when any conversation drifts or loses a tool call, else 2 when the template raised on one or
+    refused every one (nothing was linted), else 0."""
     if any(v.violations for v in verdicts):
         return 1
-    return 2 if any(v.problem is not None for v in verdicts) else 0
+    if any(v.problem is not None for v in verdicts) or nothing_linted(verdicts):
+        return 2
+    return 0
+
+
+def nothing_linted(verdicts: Sequence[Verdict]) -> str | None:
+    """Why no conversation was linted (the template refused them all), or None if some were."""
+    if not verdicts or not all(v.unsupported for v in verdicts):
+        return None
+    reasons = sorted({str(v.unsupported) for v in verdicts})
+    return (f"the template refused all {len(verdicts)} conversations (it raised: {reasons[0]!r}"
+            f"{f' and {len(reasons) - 1} other reasons' if len(reasons) > 1 else ''}): nothing was linted")
