@@ -24,50 +24,11 @@ from verbatim.datamodel import Message
 from verbatim.errors import RenderError
 from verbatim.renderers.base import PREAMBLE, ChatFormat, Piece
 from verbatim.renderers.completion import arguments_json, parse_json_arguments, tojson
+from verbatim.renderers.harmony_tools import tool_namespace
 
 START, MESSAGE, CHANNEL, END = "<|start|>", "<|message|>", "<|channel|>", "<|end|>"
 RETURN, CALL = "<|return|>", "<|call|>"
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
-
-
-def typescript_type(spec: dict) -> str:
-    """A JSON-schema property as the template's TypeScript-like type (the common cases)."""
-    kind = spec.get("type")
-    if kind == "array":
-        items = spec.get("items") or {}
-        inner = {"string": "string[]", "number": "number[]", "integer": "number[]", "boolean": "boolean[]"}
-        text = inner.get(items.get("type"), "any[]") if items else "any[]"
-        return text + (" | null" if spec.get("nullable") else "")
-    if isinstance(kind, list) and kind:
-        return " | ".join(kind)
-    if kind == "string":
-        if spec.get("enum"):
-            return '"' + '" | "'.join(spec["enum"]) + '"'
-        return "string" + (" | null" if spec.get("nullable") else "")
-    return {"number": "number", "integer": "number", "boolean": "boolean", "object": "object"}.get(kind, "any")
-
-
-def tool_namespace(tools: list[dict]) -> str:
-    text = "## functions\n\nnamespace functions {\n\n"
-    for tool in tools:
-        function = tool["function"]
-        text += f"// {function['description']}\ntype {function['name']} = "
-        parameters = function.get("parameters") or {}
-        properties = parameters.get("properties") or {}
-        if not properties:
-            text += "() => any;\n\n"
-            continue
-        text += "(_: {\n"
-        required = parameters.get("required") or []
-        for name, spec in properties.items():
-            if spec.get("description"):
-                text += f"// {spec['description']}\n"
-            text += name + ("" if name in required else "?") + ": " + typescript_type(spec)
-            if "default" in spec:
-                text += f", // default: {tojson(spec['default'])}"
-            text += ",\n"
-        text += "}) => any;\n\n"
-    return text + "} // namespace functions"
 
 
 class Harmony(ChatFormat):

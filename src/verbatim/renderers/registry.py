@@ -48,7 +48,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi4-mini", _cls("phi", "Phi4Mini"), "stand-in:phi4_mini"),
     Family("deepseek-v3", _cls("deepseek", "DeepSeekV3"), "stand-in:deepseek", aliases=("deepseek",)),
     Family("deepseek-r1", _cls("deepseek", "DeepSeekR1"), "stand-in:deepseek"),
-    Family("gpt-oss", _cls("harmony", "Harmony"), "stand-in:harmony", aliases=("harmony", "gpt_oss")),
+    Family("gpt-oss", _cls("harmony", "Harmony"), "o200k_harmony", aliases=("harmony", "gpt_oss")),
     Family("qwen3.6", _cls("qwen3_6", "Qwen36"), "stand-in:qwen", aliases=("qwen3_6",)),
     Family("qwq", _cls("qwq", "QwQ"), "qwen", aliases=("qwq-32b", "qwq_32b")),
     Family("glm-4.5", _cls("glm", "GLM45"), "stand-in:glm4_5", aliases=("glm4.5", "glm4_5", "glm4_5_moe")),

@@ -1,7 +1,7 @@
 """Loading the tokenizer each chat family is verified with, offline.
 
 Real vocabularies come from the package's ``chat_templates/tokenizers`` (Llama 3
-tiktoken ranks, Qwen tiktoken ranks, the Phi-3 vocab GGUF, Mistral
+tiktoken ranks, Qwen tiktoken ranks, o200k (gpt-oss) tiktoken ranks, the Phi-3 vocab GGUF, Mistral
 SentencePiece), from ``mistral_common`` (tekken: Mistral Small 3.x and Nemo), from the Gemma 3 GGUF
 package's first chunk, or from the default model folder (SmolLM2). Families with no small public tokenizer file get a
 *stand-in*: the SmolLM2 vocabulary with the family's special tokens added, so
@@ -14,7 +14,10 @@ call ``apply_chat_template`` on the very same object) and caches it per process.
 
 from __future__ import annotations
 
+import base64
 import functools
+import gzip
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +56,6 @@ STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
                  "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
     "gemma2": {"tokens": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
                "bos_token": "<bos>", "eos_token": "<eos>"},
-    "harmony": {"tokens": ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>",
-                           "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"],
-                "bos_token": "<|startoftext|>", "eos_token": "<|return|>"},
     # zai-org/GLM-4.5 tokenizer_config.json: eos <|endoftext|>, no BOS (the template writes [gMASK]<sop>)
     "glm4_5": {"tokens": ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                           "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -67,6 +67,24 @@ STAND_IN_SPECIALS: dict[str, dict[str, Any]] = {
                            "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                            "<|media_start|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"],
                 "bos_token": "[BOS]", "eos_token": "[EOS]"},
+}
+
+
+# o200k_base's pre-tokenizer regex (tiktoken's and openai-harmony's pat_str), split for reading
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+# The sha256 of o200k_base.tiktoken that openai-harmony (0.0.8) and tiktoken (0.14) pin for the file they fetch
+O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+O200K_RANKS = 199998
+# openai/gpt-oss-20b and -120b tokenizer_config.json: the added tokens 199998-200018 (the rest are reserved);
+# openai-harmony's own encoder names 200018 <|reserved_200018|> and reserves up to 201087 beyond it.
+HARMONY_SPECIALS = {
+    199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+    200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>",
+    200018: "<|endofprompt|>",
 }
 
 
@@ -100,6 +118,35 @@ def qwen_tokenizer() -> Any:
     backend = converter.converted()
     backend.normalizer = normalizers.NFC()
     return _fast(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def o200k_base_ranks(path: Path) -> dict[bytes, int]:
+    """The o200k_base BPE ranks from the shipped gzip, checked against the hash openai-harmony pins."""
+    data = gzip.decompress(path.read_bytes())
+    if hashlib.sha256(data).hexdigest() != O200K_BASE_SHA256:
+        raise InputError(f"{path} is not o200k_base.tiktoken (sha256 differs from {O200K_BASE_SHA256[:16]}…)",
+                         hint="reinstall verbatim: its package data is damaged")
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines())}
+    if sorted(ranks.values()) != list(range(O200K_RANKS)):
+        raise InputError(f"{path} does not hold the ranks 0..{O200K_RANKS - 1}")
+    return ranks
+
+
+@functools.cache
+def o200k_harmony_tokenizer() -> Any:
+    """gpt-oss's real vocabulary: o200k_base's ranks and the harmony tokens at their ids (199998-200018)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = o200k_base_ranks(tokenizer_file("o200k", "o200k_base.tiktoken.gz"))
+
+    class Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            return ranks
+
+    named = [HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>") for i in range(O200K_RANKS, 200019)]
+    backend = Converter(pattern=O200K_PATTERN, extra_special_tokens=named).converted()
+    return _fast(backend, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>")
 
 
 @functools.cache
