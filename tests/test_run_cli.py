@@ -70,8 +70,13 @@ def test_killed_run_resumes_with_every_rollout_exactly_once(tmp_path: Path, defa
     assert lint_run(out).ok
     summary = json.loads(summary_path.read_text())
     for key in ("rollouts", "turns", "prompt_tokens", "cached_tokens", "prefill_tokens", "min_prefill_tokens",
-                "rerender_prefill_tokens", "block_size", "wall_s", "generated_tokens"):
+                "rerender_prefill_tokens", "block_size", "wall_s", "generated_tokens", "engine_start_s"):
         assert key in summary, key
+    assert summary["engine_start_s"] > 1  # the start is counted, not folded into the rollouts' time
+    log = out / "engine.log"  # what vLLM printed while starting went here, not to the terminal
+    assert log.is_file()
+    noise = [line for line in resumed.stderr.splitlines() if line.strip()]
+    assert len(noise) < 10, resumed.stderr[-3000:]  # the terminal is not flooded with the engine's notes
     assert summary["rollouts"] == 12
 
 

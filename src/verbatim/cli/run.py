@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -173,27 +176,36 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
     """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
     shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
-    async with started(engine, console, run.out):
+    async with started(engine, console, run.out) as start_s:
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
-            return await _play_with_progress(run, resume, console)
+            summary = await _play_with_progress(run, resume, console)
         finally:
             undo_signals()
+    return summary.model_copy(update={"engine_start_s": round(start_s, 3)})
+
+
+ENGINE_LOG = "engine.log"
+"""What the bundled engine's processes print (vLLM, Triton, NUMA and shared-memory notes), kept in the
+run directory instead of the terminal."""
 
 
 @contextlib.asynccontextmanager
-async def started(engine: Any, console: Console, run_dir: Path | None = None) -> AsyncIterator[Any]:
-    """The engine started (a transient spinner until it answers), and closed however the block ends.
+async def started(engine: Any, console: Console, run_dir: Path | None = None) -> AsyncIterator[float]:
+    """The engine started (one line with the seconds so far until it answers), and closed however the
+    block ends; yields the seconds the start took.
 
     Its processes are watched by a :class:`Reaper` (they die with this command, even a SIGKILLed one)
-    and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them)."""
+    and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them). What a
+    bundled engine prints goes to ``run_dir/engine.log``."""
+    log = run_dir / ENGINE_LOG if run_dir is not None and _local(engine) else None
+    began = time.perf_counter()
     with Reaper():
         try:
-            with console.status("starting engine…"):
-                await engine.start()
+            await _start_showing_progress(engine, console, log)
             if run_dir is not None:
                 record_engine(run_dir)
-            yield engine
+            yield time.perf_counter() - began
         finally:
             close = getattr(engine, "aclose", None)
             if close is not None:
@@ -202,6 +214,47 @@ async def started(engine: Any, console: Console, run_dir: Path | None = None) ->
                 engine.close()
             if run_dir is not None:
                 forget_engine(run_dir)
+
+
+def _local(engine: Any) -> bool:
+    """An engine whose processes are this command's children (not a server reached over HTTP)."""
+    return not hasattr(engine, "url") and not hasattr(engine, "replicas")
+
+
+async def _start_showing_progress(engine: Any, console: Console, log: Path | None) -> None:
+    where = f" (its output: {log})" if log is not None else ""
+    with console.status(f"starting engine…{where}") as status, _stderr_into(log):
+        began = time.perf_counter()
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(1)
+                status.update(f"starting engine… {time.perf_counter() - began:.0f} s{where}")
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            await engine.start()
+        finally:
+            ticker.cancel()
+
+
+@contextlib.contextmanager
+def _stderr_into(log: Path | None) -> Any:
+    """While the engine starts, file descriptor 2 is ``log``: the processes it starts keep writing there."""
+    if log is None:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log, "ab") as handle:
+            os.dup2(handle.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:

@@ -123,7 +123,8 @@ def _existing_run_id(out: Path) -> str | None:
 async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> list[dict[str, Any]]:
     from verbatim.cli.run import started
 
-    async with started(loop.engine, console, loop.out):
+    async with started(loop.engine, console, loop.out) as start_s:
+        loop.engine_start_s = start_s
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)
@@ -170,13 +171,14 @@ def _fmt(value: Any, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float) -> dict[str, Any]:
+def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float,
+            engine_start_s: float = 0.0) -> dict[str, Any]:
     return {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
             "mean_reward_by_step": [r.get("reward_mean") for r in history],
             "success_rate_by_step": [r.get("success_rate") for r in history],
             "mismatch_by_step": [r.get("mismatch_mean_abs") for r in history],
             "cache_hit_rate_by_step": [r.get("cache_hit_rate") for r in history],
-            "wall_s": round(wall_s, 2), "run_dir": options.out}
+            "wall_s": round(wall_s, 2), "engine_start_s": round(engine_start_s, 2), "run_dir": options.out}
 
 
 def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
@@ -192,8 +194,8 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
         if loop.history:
             console.print(reward_table(loop.history, Path(options.out)))
         if summary_json and loop.history:
-            Path(summary_json).write_text(json.dumps(summary(loop.history, options,
-                                                             time.perf_counter() - started), indent=2) + "\n")
+            Path(summary_json).write_text(json.dumps(summary(loop.history, options, time.perf_counter() - started,
+                                                             loop.engine_start_s), indent=2) + "\n")
     return history
 
 

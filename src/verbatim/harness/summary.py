@@ -35,6 +35,9 @@ class RunSummary(Frozen):
     block_size: int = Field(ge=1)
     """The engine's KV block size (the run manifest's ``engine.block_size``)."""
     wall_s: float = 0.0
+    """Seconds the rollouts took (from the first start to the last write)."""
+    engine_start_s: float = 0.0
+    """Seconds the engine took to start before them (0 when the caller did not start it)."""
     statuses: dict[str, int] = Field(default_factory=dict)
     mean_reward: float | None = None
     admission_wait_s: float = 0.0

@@ -76,6 +76,8 @@ class TrainLoop:
         self.renderer, self.env, self.tasks = renderer, env, tasks
         self.out, self.manifest, self.model_dir, self.served = Path(out), manifest, Path(model_dir), served
         self.history: list[dict[str, Any]] = []
+        self.engine_start_s = 0.0
+        """Seconds the engine took to start (set by the command that started it)."""
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         self.on_rollout: Callable[[Rollout], None] | None = None
         self._trained = 0
