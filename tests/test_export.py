@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -17,20 +18,37 @@ from typer.testing import CliRunner
 from verbatim.cli.app import app
 from verbatim.datamodel import Completion, Rollout, Source
 from verbatim.errors import InputError
-from verbatim.harness.export import FORMATS, export_rollouts, export_run
+from verbatim.harness.export import EXPORT_VERSION, FORMATS, TRAINERS, export_rollouts, export_run
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.store import RunManifest, TraceWriter, read_run
 from verbatim.harness.tracefile import from_json_line, from_table
 
 runner = CliRunner()
 
-# Column names of the split formats: (prompt, response, mask, logprobs, versions, group)
-SPLIT_COLUMNS = {
-    "verl": ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "rollout_policy_versions", "uid"),
-    "trl": ("prompt_ids", "completion_ids", "completion_mask", "logprobs", "policy_versions", "group_id"),
-    "prime": ("prompt_ids", "completion_ids", "completion_mask", "completion_logprobs",
-              "completion_policy_versions", "group_id"),
-}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "traces.md"
+
+
+def whole_sequence(row: dict, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(token ids, model-token mask, logprobs, versions, prompt length) of one exported row, over the
+    whole sequence: the prompt (mask 0, logprob 0.0, version -1) followed by the response."""
+    if fmt == "prime":
+        ids = np.asarray(row["token_ids"], np.int32)
+        mask = np.asarray(row["mask"], bool)
+        return ids, mask, np.asarray(row["logprobs"], np.float32), np.asarray(row["policy_versions"]), -1
+    names = {"verl": ("response_ids", "response_mask", "response_logprobs", "response_policy_versions"),
+             "trl": ("completion_ids", "env_mask", "logprobs", "policy_versions")}[fmt]
+    prompt = np.asarray(row["prompt_ids"], np.int32)
+    response, mask, logprobs, versions = (row[name] for name in names)
+    n = len(prompt)
+    return (np.concatenate([prompt, np.asarray(response, np.int32)]),
+            np.concatenate([np.zeros(n, bool), np.asarray(mask).astype(bool)]),
+            np.concatenate([np.zeros(n, np.float32), np.asarray(logprobs, np.float32)]),
+            np.concatenate([np.full(n, -1), np.asarray(versions)]), n)
+
+
+def last_sampled(r: Rollout) -> int:
+    """One past the rollout's last model token: where every split format's sequence ends."""
+    return int(np.flatnonzero(r.tokens.source == Source.MODEL)[-1]) + 1
 
 
 def build_rollout(rng: np.random.Generator, group: str, rid: str, turns: list[tuple[int, int, int]], *,
@@ -86,28 +104,24 @@ def by_id(rollouts: list[Rollout]) -> dict[str, Rollout]:
 
 def check_split_rows(table, originals: dict[str, Rollout], fmt: str) -> None:
     """Every row rebuilds its rollout's tokens exactly; masks, logprobs, versions, rewards, groups agree."""
-    prompt_col, resp_col, mask_col, lp_col, ver_col, group_col = SPLIT_COLUMNS[fmt]
-    rows = table.to_pydict()
-    for i, rid in enumerate(rows["rollout_id"]):
-        r = originals[rid]
-        start, end = r.turns[0].prompt_end, r.turns[-1].completion_end
-        prompt = np.asarray(rows[prompt_col][i], np.int32)
-        response = np.asarray(rows[resp_col][i], np.int32)
-        assert np.array_equal(prompt, r.tokens.token_id[:start])
-        assert np.array_equal(np.concatenate([prompt, response]), r.tokens.token_id[:end])
-        mask = np.asarray(rows[mask_col][i]).astype(bool)
-        assert np.array_equal(mask, r.tokens.source[start:end] == Source.MODEL)
-        logprobs = np.asarray(rows[lp_col][i], np.float32)
-        assert np.array_equal(logprobs[mask], r.tokens.logprob[start:end][mask])  # bit-exact float32
+    rows = table.to_pylist()
+    for row in rows:
+        r = originals[row["rollout_id"]]
+        end = last_sampled(r)
+        ids, mask, logprobs, versions, prompt_len = whole_sequence(row, fmt)
+        assert np.array_equal(ids, r.tokens.token_id[:end])
+        if prompt_len >= 0:
+            assert prompt_len == r.turns[0].prompt_end
+        assert np.array_equal(mask, r.tokens.source[:end] == Source.MODEL)
+        assert np.array_equal(logprobs[mask], r.tokens.logprob[:end][mask])  # bit-exact float32
         assert np.all(logprobs[~mask] == 0.0)
-        versions = np.asarray(rows[ver_col][i], np.int32)
-        assert np.array_equal(versions[mask], r.tokens.policy_version[start:end][mask])
+        assert np.array_equal(versions[mask], r.tokens.policy_version[:end][mask])
         assert np.all(versions[~mask] == -1)
-        assert rows[group_col][i] == r.group_id
-        assert rows["group_size"][i] == rows["group_id"].count(r.group_id)
-        assert rows["reward"][i] == r.reward and rows["status"][i] == r.status
-        assert json.loads(rows["task"][i]) == r.task
-    groups = rows["group_id"]
+        assert row["reward_score" if fmt == "verl" else "reward"] == r.reward
+        assert row["group_size"] == sum(x["group_id"] == r.group_id for x in rows)
+        assert row["status"] == r.status and row["model_turns"] == len(r.turns)
+        assert json.loads(row["task"]) == r.task
+    groups = [row["group_id"] for row in rows]
     for g in set(groups):
         at = [i for i, x in enumerate(groups) if x == g]
         assert at == list(range(at[0], at[0] + len(at))), f"group {g}'s rows are not contiguous"
@@ -135,34 +149,162 @@ def test_split_formats_read_back_exactly(run_dir: Path, tmp_path: Path, fmt: str
     check_split_rows(table, originals, fmt)
 
 
-def test_verl_rewards_sit_on_the_last_model_token(run_dir: Path, tmp_path: Path):
-    originals = by_id(read_run(run_dir).rollouts)
-    rows = pq.read_table(export_run(run_dir, "verl", tmp_path / "v.parquet")).to_pylist()
-    for row in rows:
-        rewards = np.asarray(row["token_level_rewards"])
-        mask = np.asarray(row["response_mask"])
-        last = np.flatnonzero(mask)[-1]
-        expected = originals[row["rollout_id"]].reward or 0.0
-        assert rewards[last] == pytest.approx(expected) and np.count_nonzero(np.delete(rewards, last)) == 0
-        assert row["uid"] == row["group_id"]
-        assert row["response_turns"][-1] == len(originals[row["rollout_id"]].turns) - 1
+def test_split_formats_name_their_version_and_trainer(run_dir: Path, tmp_path: Path):
+    for fmt in ("verl", "trl", "prime"):
+        metadata = pq.read_schema(export_run(run_dir, fmt, tmp_path / f"{fmt}.parquet")).metadata
+        note = json.loads(metadata[b"verbatim.export"])
+        assert note == {"format": fmt, "version": EXPORT_VERSION, "follows": TRAINERS[fmt]} and EXPORT_VERSION == 2
 
 
-def test_trailing_env_tokens_and_env_mask(tmp_path: Path):
+def test_no_column_means_padding_or_mixes_verl_batch_keys(run_dir: Path, tmp_path: Path):
+    """TRL builds ``completion_mask`` (padding) itself; verl builds its batch keys from the agent-loop fields."""
+    columns = {fmt: set(pq.read_schema(export_run(run_dir, fmt, tmp_path / f"{fmt}.parquet")).names)
+               for fmt in ("verl", "trl", "prime")}
+    assert "completion_mask" not in columns["trl"] and "env_mask" in columns["trl"]
+    batch_keys = {"prompts", "responses", "input_ids", "attention_mask", "rollout_log_probs", "rm_scores",
+                  "token_level_rewards", "token_level_scores", "uid"}
+    assert not columns["verl"] & batch_keys
+    assert {"prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score",
+            "num_turns"} <= columns["verl"]
+    assert {"token_ids", "mask", "logprobs", "reward"} <= columns["prime"]
+    assert not columns["prime"] & {"completion_mask", "prompt_mask", "advantage", "advantages"}
+
+
+def test_response_ends_on_the_last_sampled_token(tmp_path: Path):
     rng = np.random.default_rng(1)
     r = build_rollout(rng, "g", "r", [(3, 4, 0), (2, 0, 1)], prompt_len=5, trailing_obs=6)
     row = pq.read_table(export_rollouts([r], "trl", tmp_path / "t.parquet").path).to_pylist()[0]
     assert len(row["prompt_ids"]) == 5 and len(row["completion_ids"]) == 3 + 4 + 2  # trailing 6 dropped
-    assert row["completion_mask"] == [1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert row["env_mask"] == [1, 1, 1, 0, 0, 0, 0, 1, 1]
     assert row["policy_versions"] == [0, 0, 0, -1, -1, -1, -1, 1, 1]
+    # an empty last completion: its context is not part of the response either
+    ledger = Ledger()
+    ledger.append_prompt(rng.integers(0, 50_000, 4))
+    for n in (3, 0):
+        ledger.append_completion(Completion(
+            token_ids=rng.integers(0, 50_000, n), logprobs=-rng.exponential(2.0, n), versions=np.zeros(n, int),
+            finish_reason="length", prompt_tokens=len(ledger), cached_tokens=0))
+        if n:
+            ledger.append_observation(rng.integers(0, 50_000, 5))
+    empty_last = ledger.to_rollout(run_id="run-x", group_id="g", rollout_id="e", reward=1.0)
+    row = pq.read_table(export_rollouts([empty_last], "verl", tmp_path / "v.parquet").path).to_pylist()[0]
+    assert row["response_mask"] == [1, 1, 1] and row["num_turns"] == 4 and row["model_turns"] == 2
 
 
-def test_prime_example_id_and_prompt_mask(run_dir: Path, tmp_path: Path):
+def test_prime_example_id_and_flat_sequence(run_dir: Path, tmp_path: Path):
     rows = pq.read_table(export_run(run_dir, "prime", tmp_path / "p.parquet")).to_pylist()
+    originals = by_id(read_run(run_dir).rollouts)
     for row in rows:
         assert row["example_id"] == f"task-{row['group_id']}"
-        assert row["prompt_mask"] == [0] * len(row["prompt_ids"])
-        assert "advantage" not in row
+        prompt_end = originals[row["rollout_id"]].turns[0].prompt_end
+        assert not any(row["mask"][:prompt_end]) and row["mask"][prompt_end] is True
+        assert row["token_turns"] == originals[row["rollout_id"]].tokens.turn[:len(row["token_ids"])].tolist()
+
+
+# ---------------------------------------------------------------------------
+# Each trainer's data path, as docs/traces.md shows it
+# ---------------------------------------------------------------------------
+
+
+def doc_loader(fmt: str, name: str):
+    """Run the first Python block of the docs' ``### `fmt``` section and return the function it defines."""
+    text = DOCS.read_text(encoding="utf-8")
+    section = text.split(f"### `{fmt}`\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block, f"docs/traces.md shows no loader for {fmt}"
+    namespace: dict = {}
+    exec(compile(block.group(1), f"docs/traces.md ({fmt})", "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+@pytest.fixture
+def datasets_cache(tmp_path: Path, monkeypatch):
+    """``datasets`` caches what it loads: under the test's folder, never the home directory."""
+    import datasets  # the dev extra installs it: TRL and verl read Parquet through it
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+
+
+def right_padded(rows: list[list], value) -> np.ndarray:
+    width = max(len(x) for x in rows)
+    return np.array([list(x) + [value] * (width - len(x)) for x in rows])
+
+
+def test_trl_rollout_func_feeds_grpo(run_dir: Path, tmp_path: Path, datasets_cache):
+    originals = by_id(read_run(run_dir).rollouts)
+    path = export_run(run_dir, "trl", tmp_path / "trl.parquet")
+    group_ids, rollout_func = doc_loader("trl", "trl_replay")(path)
+    assert group_ids == ["g0", "g1", "g2"]
+    exported = pq.read_table(path).column("rollout_id").to_pylist()
+    served = [originals[rid] for rid in exported]  # group by group, members in trace order
+    prompts = [r.group_id for r in served]  # GRPO hands rollout_func each prompt num_generations times
+    out = rollout_func(prompts, None)
+    assert {"prompt_ids", "completion_ids", "logprobs"} <= out.keys()  # the keys GRPOTrainer requires
+    assert len(out["completion_ids"]) == len(served)
+    # as GRPOTrainer pads: completion_mask 1 on tokens, 0 on right padding; env_mask padded with 1
+    completion_mask = right_padded([[1] * len(c) for c in out["completion_ids"]], 0)
+    env_mask = right_padded(out["env_mask"], 1)
+    logprobs = right_padded(out["logprobs"], 0.0).astype(np.float32)
+    loss_mask = completion_mask * env_mask
+    for i, r in enumerate(served):
+        start, end = r.turns[0].prompt_end, last_sampled(r)
+        assert out["prompt_ids"][i] + out["completion_ids"][i] == r.tokens.token_id[:end].tolist()
+        model = r.tokens.source[start:end] == Source.MODEL
+        assert np.array_equal(loss_mask[i].astype(bool), np.pad(model, (0, loss_mask.shape[1] - len(model))))
+        assert np.array_equal(logprobs[i][loss_mask[i] == 1], r.tokens.logprob[start:end][model])
+        assert np.all(logprobs[i][loss_mask[i] == 0] == 0.0) and out["env_mask"][i][-1] == 1
+        assert out["reward"][i] == r.reward
+
+
+def test_verl_agent_loop_outputs_make_its_batch(run_dir: Path, tmp_path: Path, datasets_cache):
+    originals = by_id(read_run(run_dir).rollouts)
+    path = export_run(run_dir, "verl", tmp_path / "verl.parquet")
+    groups = doc_loader("verl", "verl_outputs")(path)
+    rows = pq.read_table(path).to_pylist()
+    assert {g: len(v) for g, v in groups.items()} == {g: rows[[x["group_id"] for x in rows].index(g)]["group_size"]
+                                                      for g in groups}
+    outputs = [fields for g in groups for fields in groups[g]]
+    ids = [row["rollout_id"] for row in rows]
+    # as verl's agent loop pads: prompts left with 0, responses right with 0, response_mask * attention
+    width = max(len(o["prompt_ids"]) for o in outputs)
+    prompts = np.array([[0] * (width - len(o["prompt_ids"])) + o["prompt_ids"] for o in outputs])
+    responses = right_padded([o["response_ids"] for o in outputs], 0)
+    attention = np.concatenate([np.array([[0] * (width - len(o["prompt_ids"])) + [1] * len(o["prompt_ids"])
+                                          for o in outputs]),
+                                right_padded([[1] * len(o["response_ids"]) for o in outputs], 0)], 1)
+    response_mask = right_padded([o["response_mask"] for o in outputs], 0) * attention[:, width:]
+    log_probs = right_padded([o["response_logprobs"] for o in outputs], 0.0).astype(np.float32)
+    last = attention[:, width:].sum(1) - 1  # where verl puts reward_score (rm_scores)
+    for i, fields in enumerate(outputs):
+        r = originals[ids[i]]
+        start, end = r.turns[0].prompt_end, last_sampled(r)
+        assert np.array_equal(np.concatenate([prompts[i][width - start:], responses[i][:end - start]]),
+                              r.tokens.token_id[:end])
+        model = r.tokens.source[start:end] == Source.MODEL
+        assert np.array_equal(np.flatnonzero(response_mask[i]), np.flatnonzero(model))
+        assert np.array_equal(log_probs[i][response_mask[i] == 1], r.tokens.logprob[start:end][model])
+        assert last[i] == np.flatnonzero(model)[-1]  # the reward lands on the last model token
+        assert fields["reward_score"] == r.reward and fields["num_turns"] == 2 * len(r.turns)
+
+
+def test_prime_training_samples(run_dir: Path, tmp_path: Path):
+    originals = by_id(read_run(run_dir).rollouts)
+    path = export_run(run_dir, "prime", tmp_path / "prime.parquet")
+    samples = doc_loader("prime", "prime_samples")(path, 0.7, "env-x")
+    ids = pq.read_table(path).column("rollout_id").to_pylist()
+    assert len(samples) == len(ids) == 10
+    for rid, sample in zip(ids, samples, strict=True):
+        r = originals[rid]
+        end = last_sampled(r)
+        n = len(sample["token_ids"])
+        assert n == end and len(sample["mask"]) == len(sample["logprobs"]) == len(sample["temperatures"]) == n
+        assert sample["token_ids"] == r.tokens.token_id[:end].tolist()
+        mask = np.asarray(sample["mask"])
+        assert mask.dtype == bool and np.array_equal(mask, r.tokens.source[:end] == Source.MODEL)
+        logprobs = np.asarray(sample["logprobs"], np.float32)
+        assert np.array_equal(logprobs[mask], r.tokens.logprob[:end][mask]) and np.all(logprobs[~mask] == 0.0)
+        assert sample["temperatures"] == [0.7] * n and sample["env_name"] == "env-x"
+        assert sample["advantages"] == [] and sample["reward"] == r.reward
 
 
 def test_unknown_format_is_input_error(run_dir: Path):
@@ -210,7 +352,7 @@ def test_cli_export_every_format(run_dir: Path, tmp_path: Path, fmt: str):
     result = runner.invoke(app, ["export", str(run_dir), "--format", fmt, "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert out.is_file() and str(out) in result.stdout.replace("\n", "")
-    if fmt in SPLIT_COLUMNS:
+    if fmt in TRAINERS:
         assert "left out 1 with no sampled token, 1 with status error" in result.stdout.replace("\n", " ")
 
 

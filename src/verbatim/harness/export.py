@@ -2,15 +2,21 @@
 
 One row per rollout in every format. ``parquet`` and ``jsonl`` are the native
 trace in one file (every rollout, every column, lossless). ``verl``, ``trl`` and
-``prime`` split each rollout into a prompt (the tokens before its first
-completion) and a response/completion (everything from the first completion to
-the end of the last one: model tokens, and the env tokens between turns, masked
-out). They keep ``ok`` and ``truncated`` rollouts and leave out rollouts with
-status ``error`` or ``interrupted`` and rollouts without a sampled token; the
-result says how many were left out and why. Masked positions carry logprob 0.0
-and version -1 (a NaN would survive multiplication by a zero mask). Rows are
-ordered group by group; ``group_id`` and ``group_size`` make the groups explicit.
-See docs/traces.md for every column.
+``prime`` hold each rollout up to its last sampled token in the field
+names and meanings of one trainer's own rollout record (``TRAINERS`` says which
+release and which structure): verl's agent-loop output, the dict TRL's GRPO
+``rollout_func`` returns, prime-rl's flat training sample. The model-token mask
+(1 where the model sampled the token, 0 on prompt and env tokens) is the
+trainer's own field (``response_mask``, ``env_mask``, ``mask``); nothing here
+stands for padding, which each trainer adds itself. They keep ``ok`` and
+``truncated`` rollouts and leave out rollouts with status ``error`` or
+``interrupted`` and rollouts without a sampled token; the result says how many
+were left out and why. Positions outside the mask carry logprob 0.0 and version -1
+(a NaN would survive multiplication by a zero mask). Rows are ordered group by
+group; ``group_id`` and ``group_size`` make the groups explicit. The Arrow
+schema's ``verbatim.export`` metadata names the format, ``EXPORT_VERSION`` and
+the trainer contract. See docs/traces.md for every column and how to feed each
+trainer.
 """
 
 from __future__ import annotations
@@ -37,6 +43,14 @@ FORMATS = ("parquet", "jsonl", "verl", "trl", "prime")
 TRAINABLE_STATUSES = ("ok", "truncated")
 MASKED_LOGPROB = 0.0
 MASKED_VERSION = -1
+# 1: first release. 2: each split format follows one trainer's field names and meanings (TRAINERS).
+EXPORT_VERSION = 2
+METADATA_KEY = b"verbatim.export"
+TRAINERS = {
+    "verl": "verl 0.9.1 AgentLoopOutput (verl/experimental/agent_loop/agent_loop.py)",
+    "trl": "trl 1.16.0 GRPOTrainer rollout_func output (trl/trainer/grpo_trainer.py)",
+    "prime": "prime-rl TrainingSample, verifiers 0.4.0 era (src/prime_rl/transport/types.py)",
+}
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,7 @@ def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLik
         left_out: dict[str, int] = {}
     else:
         kept, left_out = trainable(ordered)
-        table = TABLE_BUILDERS[fmt](kept)
+        table = with_export_metadata(TABLE_BUILDERS[fmt](kept), fmt)
     _write_atomic(path, lambda p: pq.write_table(table, p, compression="zstd"))
     return ExportResult(path, fmt, table.num_rows, left_out)
 
@@ -154,23 +168,20 @@ class Split:
     response_logprobs: np.ndarray
     response_versions: np.ndarray
     response_turns: np.ndarray
-    token_rewards: np.ndarray
 
 
 def split_rollout(rollout: Rollout) -> Split:
-    """Prompt = tokens before the first completion; response = first completion … end of the last one.
+    """Prompt = tokens before the first completion; response = first completion … the last sampled token.
 
-    Env tokens after the last completion carry no loss and are not part of the response.
+    Tokens after the last sampled token (env tokens after the last completion, an empty last
+    completion's context) carry no loss and are not part of the response, so it ends on a model token.
     """
-    start, end = rollout.turns[0].prompt_end, rollout.turns[-1].completion_end
+    start = rollout.turns[0].prompt_end
+    end = int(np.flatnonzero(rollout.tokens.source == Source.MODEL)[-1]) + 1  # trainable(): one exists
     tokens = rollout.tokens
     model = tokens.source[start:end] == Source.MODEL
     logprobs = np.where(model, tokens.logprob[start:end], np.float32(MASKED_LOGPROB)).astype(np.float32)
     versions = np.where(model, tokens.policy_version[start:end], MASKED_VERSION).astype(np.int32)
-    rewards = np.zeros(end - start, dtype=np.float32)
-    sampled = np.flatnonzero(model)
-    if rollout.reward is not None and len(sampled):
-        rewards[sampled[-1]] = rollout.reward
     return Split(
         prompt_ids=tokens.token_id[:start],
         response_ids=tokens.token_id[start:end],
@@ -178,7 +189,6 @@ def split_rollout(rollout: Rollout) -> Split:
         response_logprobs=logprobs,
         response_versions=versions,
         response_turns=tokens.turn[start:end],
-        token_rewards=rewards,
     )
 
 
@@ -204,56 +214,76 @@ def _identity(rollouts: list[Rollout]) -> dict[str, pa.Array]:
         "group_size": pa.array([sizes[r.group_id] for r in rollouts], pa.int32()),
         "rollout_id": pa.array([r.rollout_id for r in rollouts], pa.string()),
         "status": pa.array([r.status for r in rollouts], pa.string()),
-        "reward": pa.array([r.reward for r in rollouts], pa.float64()),
-        "num_turns": pa.array([len(r.turns) for r in rollouts], pa.int32()),
+        "model_turns": pa.array([len(r.turns) for r in rollouts], pa.int32()),
         "task": pa.array([json.dumps(r.task, sort_keys=True) for r in rollouts], pa.string()),
     }
 
 
-def _split_columns(rollouts: list[Rollout], names: dict[str, str]) -> dict[str, pa.Array]:
+def _rewards(rollouts: list[Rollout]) -> pa.Array:
+    return pa.array([r.reward for r in rollouts], pa.float64())
+
+
+SPLIT_TYPES = {"prompt_ids": pa.int32(), "response_ids": pa.int32(), "response_mask": pa.int8(),
+               "response_logprobs": pa.float32(), "response_versions": pa.int32(), "response_turns": pa.int16()}
+
+
+def _split_columns(splits: list[Split], names: dict[str, str]) -> dict[str, pa.Array]:
     """Split columns renamed per format: ``names`` maps a :class:`Split` field to a column name."""
-    splits = [split_rollout(r) for r in rollouts]
-    types = {"prompt_ids": pa.int32(), "response_ids": pa.int32(), "response_mask": pa.int8(),
-             "response_logprobs": pa.float32(), "response_versions": pa.int32(),
-             "response_turns": pa.int16(), "token_rewards": pa.float32()}
-    return {column: _lists([getattr(s, part) for s in splits], types[part]) for part, column in names.items()}
+    return {column: _lists([getattr(s, part) for s in splits], SPLIT_TYPES[part]) for part, column in names.items()}
 
 
 def verl_table(rollouts: list[Rollout]) -> pa.Table:
-    """verl: ``uid`` (= group id, GRPO grouping), prompt/response ids, response mask, logprobs, versions."""
-    identity = _identity(rollouts)
-    columns = {"uid": identity["group_id"], **identity}
-    columns.update(_split_columns(rollouts, {
-        "prompt_ids": "prompt_ids", "response_ids": "response_ids", "response_mask": "response_mask",
-        "response_logprobs": "rollout_log_probs", "response_versions": "rollout_policy_versions",
-        "token_rewards": "token_level_rewards", "response_turns": "response_turns",
-    }))
+    """verl's ``AgentLoopOutput``: prompt/response ids, response mask and logprobs, reward score, num_turns."""
+    splits = [split_rollout(r) for r in rollouts]
+    columns = _split_columns(splits, {"prompt_ids": "prompt_ids", "response_ids": "response_ids",
+                                      "response_mask": "response_mask", "response_logprobs": "response_logprobs"})
+    columns["reward_score"] = _rewards(rollouts)
+    # verl counts chat messages: the first prompt, every completion and every env reply between them.
+    columns["num_turns"] = pa.array([2 * len(r.turns) for r in rollouts], pa.int32())
+    columns.update(_identity(rollouts))
+    columns.update(_split_columns(splits, {"response_versions": "response_policy_versions",
+                                           "response_turns": "response_turns"}))
     return pa.table(columns)
 
 
 def trl_table(rollouts: list[Rollout]) -> pa.Table:
-    """TRL: prompt/completion ids, completion mask (env tokens 0), sampler logprobs, reward."""
-    columns = _identity(rollouts)
-    columns.update(_split_columns(rollouts, {
-        "prompt_ids": "prompt_ids", "response_ids": "completion_ids", "response_mask": "completion_mask",
-        "response_logprobs": "logprobs", "response_versions": "policy_versions",
-        "response_turns": "completion_turns",
-    }))
+    """TRL's ``rollout_func`` output: prompt/completion ids, sampler logprobs, ``env_mask``, reward."""
+    splits = [split_rollout(r) for r in rollouts]
+    columns = _split_columns(splits, {"prompt_ids": "prompt_ids", "response_ids": "completion_ids",
+                                      "response_logprobs": "logprobs", "response_mask": "env_mask"})
+    columns["reward"] = _rewards(rollouts)
+    columns.update(_identity(rollouts))
+    columns.update(_split_columns(splits, {"response_versions": "policy_versions",
+                                           "response_turns": "completion_turns"}))
     return pa.table(columns)
 
 
 def prime_table(rollouts: list[Rollout]) -> pa.Table:
-    """prime-rl style: example id, prompt ids + (all-zero) prompt mask, completion ids/mask/logprobs; no advantage."""
-    identity = _identity(rollouts)
+    """prime-rl's flat ``TrainingSample``: token ids, model-token mask, logprobs, reward; no advantages."""
+    splits = [split_rollout(r) for r in rollouts]
+
+    def whole(part: str, prompt_value: int | float) -> list[np.ndarray]:
+        return [np.concatenate([np.full(len(s.prompt_ids), prompt_value, getattr(s, part).dtype), getattr(s, part)])
+                for s in splits]
+
     examples = [str(r.task["id"]) if "id" in r.task else r.group_id for r in rollouts]
-    columns = {"example_id": pa.array(examples, pa.string()), **identity}
-    columns.update(_split_columns(rollouts, {
-        "prompt_ids": "prompt_ids", "response_ids": "completion_ids", "response_mask": "completion_mask",
-        "response_logprobs": "completion_logprobs", "response_versions": "completion_policy_versions",
-        "response_turns": "completion_turns",
-    }))
-    columns["prompt_mask"] = _lists([np.zeros(r.turns[0].prompt_end, np.int8) for r in rollouts], pa.int8())
+    columns = {
+        "token_ids": _lists([np.concatenate([s.prompt_ids, s.response_ids]) for s in splits], pa.int32()),
+        "mask": _lists([m.astype(bool) for m in whole("response_mask", 0)], pa.bool_()),
+        "logprobs": _lists(whole("response_logprobs", MASKED_LOGPROB), pa.float32()),
+        "reward": _rewards(rollouts),
+        "example_id": pa.array(examples, pa.string()),
+        **_identity(rollouts),
+        "policy_versions": _lists(whole("response_versions", MASKED_VERSION), pa.int32()),
+        "token_turns": _lists(whole("response_turns", 0), pa.int16()),
+    }
     return pa.table(columns)
+
+
+def with_export_metadata(table: pa.Table, fmt: str) -> pa.Table:
+    """``table`` with the ``verbatim.export`` schema metadata: format, export version, trainer contract."""
+    note = {"format": fmt, "version": EXPORT_VERSION, "follows": TRAINERS[fmt]}
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(note).encode()})
 
 
 TABLE_BUILDERS: dict[str, Callable[[list[Rollout]], pa.Table]] = {
