@@ -31,14 +31,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed-cpu
 	$(BIN)/pip uninstall --quiet -y $(BROKEN_EXTRAS) || true
 	touch $@
 
-# The main job on the default model: 2 groups x 4 rollouts of the guess game, 3 turns each (verbatim run),
+# The main job on the default model: 2 groups x 4 rollouts of the guess game, up to its 6 guesses (verbatim run),
 # then a short real training run on a small guess game (verbatim train: 4 steps, its reward table at the end).
 DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: $(VENV)/.installed-cpu
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim models prepare
-	HF_HUB_OFFLINE=1 $(BIN)/verbatim run --env guess --groups 2 --group-size 4 --max-turns 3 \
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim run --env guess --groups 2 --group-size 4 \
 		--max-tokens 48 --out $(DEMO_OUT) --summary-json $(DEMO_OUT).summary.json
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim lint trace $(DEMO_OUT)
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim show $(DEMO_OUT)
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim train --env guess --env-arg high=5 --env-arg max_guesses=3 --steps 4 \
 		--groups 2 --group-size 4 --max-turns 3 --max-tokens 12 --lr 2e-5 --out $(DEMO_OUT)-train \
 		--summary-json $(DEMO_OUT)-train.summary.json

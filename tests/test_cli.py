@@ -69,3 +69,32 @@ def test_exit_codes_raised_inside_commands_reach_the_shell():
 
     assert runner.invoke(demo, ["fail"]).exit_code == 3
     assert runner.invoke(demo, ["ok"]).exit_code == 0
+
+
+def _commands(group, path=()):
+    for name, command in getattr(group, "commands", {}).items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+        else:
+            yield " ".join((*path, name)), command
+
+
+def test_every_option_and_argument_of_every_command_has_a_description():
+    import typer.main
+
+    missing = [f"{path} {param.opts[0]}" for path, command in _commands(typer.main.get_command(app))
+               for param in command.params if not getattr(param, "help", None)]
+    assert missing == []
+
+
+def test_one_default_context_length_for_every_command_and_models_list():
+    import typer.main
+
+    from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, EngineConfig
+
+    defaults = {path: param.default for path, command in _commands(typer.main.get_command(app))
+                for param in command.params if param.name == "max_model_len"}
+    assert {"run", "train", "generate", "serve", "fleet up"} <= set(defaults)
+    assert set(defaults.values()) == {DEFAULT_MAX_MODEL_LEN} == {EngineConfig(model="m").max_model_len}
+    listed = " ".join(runner.invoke(app, ["models", "list"]).stdout.split())
+    assert f"context {DEFAULT_MAX_MODEL_LEN} tokens" in listed and "8k" not in listed

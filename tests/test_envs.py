@@ -361,3 +361,31 @@ def test_envs_import_no_engine_harness_renderers_torch_or_vllm():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-500:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+# -- what a run needs to know: solved, and how many turns an episode may take ----------------------
+
+def test_every_builtin_env_says_whether_the_episode_was_solved():
+    tools = load_env("tools").tasks(1, seed=11)[0]
+    assert play(load_env("tools").make(), tools, [assistant(f"Answer: {tools['answer']}")])[1][-1].info["solved"]
+    assert not play(load_env("tools").make(), tools, [assistant("Answer: -1")])[1][-1].info["solved"]
+    longdoc = load_env("longdoc", words=300, questions=2)
+    task = longdoc.tasks(1, seed=9)[0]
+    answers = [q["answer"] for q in task["questions"]]
+    assert play(longdoc.make(), task, [assistant(a) for a in answers])[1][-1].info["solved"] is True
+    assert play(longdoc.make(), task, [assistant(answers[0]), assistant("no idea")])[1][-1].info["solved"] is False
+    python = {"prompt": "Print 6 times 7.", "expected": "42", "max_attempts": 2}
+    results = play(load_env("python").make(), python, [assistant("print(6 + 7)"), assistant("print(6 * 7)")])[1]
+    assert [r.info["solved"] for r in results] == [False, True]
+
+
+def test_default_max_turns_covers_every_builtin_episode_and_a_task_files_own_limit(user_module):
+    limits = {"guess": 6, "tools": 6, "python": 2, "longdoc": 3}
+    for name, turns in limits.items():
+        factory = load_env(name)
+        assert registry.default_max_turns(factory, factory.tasks(2, 0)) == turns, name
+    guess = load_env("guess")
+    tasks = [{"target": 3}, {"target": 4, "max_guesses": 9}]
+    assert registry.default_max_turns(guess, tasks) == 9
+    plain = load_env(f"{user_module}:EchoEnv")
+    assert registry.default_max_turns(plain, [{"say": "x"}]) == registry.FALLBACK_MAX_TURNS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -307,3 +308,12 @@ def test_router_command_writes_json_and_only_its_own_doc_section(tmp_path: Path,
     again = doc.read_text()
     assert again.count("## Router") == 1 and again.count("<!-- bench-router:end -->") == 1
     assert "keep me" in again
+
+
+def test_router_table_is_readable_at_80_columns():
+    console = Console(width=80, record=True, file=io.StringIO())
+    rows = bench_router.router_command([], [4], [1000], [16], 0, None, False, console,
+                                       policies=("round_robin", "sticky_least_loaded+group"))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert "sticky+g" in text and f"{rows[1].hit_rate:.1%}" in text and "4/1k/16" in text

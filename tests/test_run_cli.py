@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from verbatim.cli.app import app
 from verbatim.engine.reaper import alive, descendants
+from verbatim.errors import VerbatimError
 from verbatim.harness.store import read_run
 from verbatim.lint.trace import lint_run
 
@@ -116,3 +117,31 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, default_mod
     result = runner.invoke(app, ["run", "--env", "guess", "--out", str(out)])
     assert result.exit_code == 2 and "already holds a run" in result.stderr
     assert json.loads((out / "manifest.json").read_text()) == {"run_id": "x"}
+
+
+# ---------------------------------------------------------------------------
+# Defaults that show the tool working (issue 16)
+# ---------------------------------------------------------------------------
+
+
+def _prepared(tmp_path, **options):
+    from verbatim.cli.run import RunOptions, prepare_run
+
+    run, _ = prepare_run(RunOptions(engine="http", urls=("http://127.0.0.1:9",), out=str(tmp_path / "run"),
+                                    **options))  # constructing the engine starts nothing
+    return run
+
+
+def test_a_one_task_file_runs_one_group_and_max_turns_covers_the_envs_guesses(tmp_path, default_model_dir):
+    tasks = tmp_path / "one.jsonl"
+    tasks.write_text('{"target": 7, "max_guesses": 5}\n')
+    run = _prepared(tmp_path, env="guess", tasks=str(tasks))
+    assert len(run.groups) == 1 and run.loop.max_turns == 5
+    assert run.manifest.config["options"]["groups"] == 1 and run.manifest.config["options"]["max_turns"] == 5
+    default = _prepared(tmp_path, env="guess")  # the env's generator: 2 groups of 6-guess games
+    assert len(default.groups) == 2 and default.loop.max_turns == 6
+    chosen = _prepared(tmp_path, env="guess", groups=3, max_turns=2)
+    assert len(chosen.groups) == 3 and chosen.loop.max_turns == 2
+    with pytest.raises(VerbatimError, match="2 groups need 2 tasks"):
+        _prepared(tmp_path, env="guess", tasks=str(tasks), groups=2)
+

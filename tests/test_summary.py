@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from fakes import tiny_rollout
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
-from verbatim.harness.summary import min_prefill
+from verbatim.cli.run import summary_table
+from verbatim.harness.summary import min_prefill, summarize
 
 requests = st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=4)),
                     max_size=8)
@@ -41,3 +46,17 @@ def test_group_and_turn_sharing():
     # turn the last sampled token (its KV was never computed) plus the 10 new ones
     assert min_prefill(pairs) == 100 + 3 * 1 + 4 * (1 + 10)
     assert min_prefill([(prompt, [])] * 2) == 101
+
+
+def test_summary_table_and_json_count_solved_rollouts():
+    said = [{"env": {"solved": True}}, {"env": {"solved": False}}, {"env": {}}, {}]
+    rollouts = [tiny_rollout(i).model_copy(update={"info": info}) for i, info in enumerate(said)]
+    summary = summarize(rollouts, block_size=16)
+    assert (summary.solved, summary.success_rate) == (1, 0.5)
+    assert summary.model_dump()["solved"] == 1
+    console = Console(width=120, record=True)
+    console.print(summary_table(summary, Path("out")))
+    text = console.export_text()
+    assert "success_rate" in text and "50.0%" in text and "ok: the env ended the episode" in text
+    unsaid = summarize(rollouts[2:], block_size=16)
+    assert (unsaid.solved, unsaid.success_rate) == (None, None)

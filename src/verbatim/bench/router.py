@@ -254,17 +254,44 @@ def router_command(traces: list[Path], replicas: list[int], sessions: list[int],
     return rows
 
 
+SHORT_POLICIES = {"round_robin": "rr", "least_loaded": "ll", "session_hash": "hash",
+                  "sticky_least_loaded": "sticky"}
+"""The terminal table's policy names (the markdown table and --json keep the full ones)."""
+
+
+def short_policy(policy: str) -> str:
+    base, plus, suffix = policy.partition("+")
+    return SHORT_POLICIES.get(base, base) + (plus + suffix[:1] if plus else "")
+
+
+def compact(count: float) -> str:
+    """``1234567`` as ``1.2M``: a count in at most 6 characters."""
+    for bound, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= bound:
+            scaled = count / bound
+            return f"{scaled:.1f}".removesuffix(".0") + unit if scaled < 10 else f"{scaled:.0f}{unit}"
+    return f"{count:.0f}"
+
+
 def rich_table(rows: Sequence[Row], title: str) -> Any:
+    """The rows for a terminal: readable at 80 columns (short policy names, compact counts, one fleet
+    column shown once per fleet); every figure in full is in --json and the markdown table."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title)
-    for column in ("replicas", "sessions", "G", "policy", "hit rate", "prefill tok", "imbalance", "queue p50",
-                   "queue p99", "gen tok/s", "migrations", "adm. wait"):
-        table.add_column(column, justify="left" if column == "policy" else "right")
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, caption=(
+        "fleet: replicas/sessions/G. rr round_robin, ll least_loaded, hash session_hash, sticky "
+        "sticky_least_loaded, +g +group. queue and wait in s; wait: admission wait (mean)."))
+    for column in ("fleet", "policy", "hit", "prefill", "imbal.", "q p50", "q p99", "tok/s", "migr.", "wait"):
+        table.add_column(column, justify="left" if column in ("fleet", "policy") else "right", no_wrap=True)
+    previous = None
     for r in rows:
-        table.add_row(str(r.replicas), str(r.sessions), str(r.group_size), r.policy, f"{r.hit_rate:.1%}",
-                      f"{r.prefill_tokens:,}", f"{r.imbalance:.2f}", f"{r.queue_p50_s:.2f}", f"{r.queue_p99_s:.2f}",
-                      f"{r.tokens_per_s:,.0f}", f"{r.migrations:,}", f"{r.admission_wait_mean_s:.2f}")
+        fleet = f"{r.replicas}/{compact(r.sessions)}/{r.group_size}"
+        table.add_row(fleet if fleet != previous else "", short_policy(r.policy), f"{r.hit_rate:.1%}",
+                      compact(r.prefill_tokens), f"{r.imbalance:.2f}", f"{r.queue_p50_s:.2f}",
+                      f"{r.queue_p99_s:.1f}", compact(r.tokens_per_s), compact(r.migrations),
+                      f"{r.admission_wait_mean_s:.2f}")
+        previous = fleet
     return table
 
 

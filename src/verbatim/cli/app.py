@@ -21,6 +21,9 @@ from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
+from verbatim.cli.show import show_command
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.envs.registry import FALLBACK_MAX_TURNS
 from verbatim.errors import VerbatimError, shorten
 
 try:  # typer >= 0.24 vendors click as typer._click
@@ -140,15 +143,18 @@ def models_list() -> None:
     """List the bundled models and whether each is prepared."""
     from verbatim.engine import models
 
-    table = Table(title="bundled models")
-    table.add_column("name", no_wrap=True)
-    for column in ("default", "prepared", "package", "description"):
-        table.add_column(column)
     for name, bundled in sorted(models.BUNDLED.items()):
-        where = str(models.prepared_path(name)) if models.is_prepared(name) else "no"
-        default = "(default)" if name == models.DEFAULT_MODEL else ""
-        table.add_row(name, default, where, bundled.distribution, bundled.description)
-    console.print(table)
+        table = Table(title=name + (" (default)" if name == models.DEFAULT_MODEL else ""), title_justify="left",
+                      show_header=False, box=None)
+        table.add_column("field", no_wrap=True, style="bold")
+        table.add_column("value")
+        table.add_row("context", f"{DEFAULT_MAX_MODEL_LEN} tokens, as every command uses unless --max-model-len "
+                                 f"says otherwise (the model's own maximum: {bundled.max_context})")
+        table.add_row("prepared", str(models.prepared_path(name)) if models.is_prepared(name)
+                      else "no (verbatim models prepare)")
+        table.add_row("package", bundled.distribution)
+        table.add_row("about", bundled.description)
+        console.print(table)
     console.print("Any Hugging Face model folder can be passed as --model PATH too.")
 
 
@@ -176,11 +182,14 @@ def generate(
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to sample."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 means greedy."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
+                                      help="Context length per request: prompt + sampled tokens."),
 ) -> None:
     """Sample one completion from token IDs on the bundled vLLM engine; print tokens and logprobs."""
     from verbatim.engine.generate import generate_once
 
-    result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                           max_model_len=max_model_len)
     table = Table(title=f"{len(result.completion.token_ids)} sampled tokens "
                         f"(prompt {result.completion.prompt_tokens} tokens)")
     for column in ("#", "token id", "text", "logprob", "version"):
@@ -206,12 +215,17 @@ def run(
     tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
-    groups: int = typer.Option(2, "--groups", min=1, help="Tasks, one group each."),
+    groups: int = typer.Option(None, "--groups", min=1,
+                               help="Tasks, one group each (default: every task of --tasks, else 2 from the "
+                                    "env's generator)."),
     group_size: int = typer.Option(4, "--group-size", min=1, help="Rollouts per group (G)."),
-    max_turns: int = typer.Option(3, "--max-turns", min=1),
+    max_turns: int = typer.Option(None, "--max-turns", min=1,
+                                  help="Model turns per rollout at most; a rollout cut here is 'truncated' "
+                                       "(default: as many as the env's tasks allow, e.g. guess's 6 guesses; "
+                                       f"{FALLBACK_MAX_TURNS} for an env that does not say)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
-    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks and of sampling (same seed, same tasks)."),
     out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
     engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
     url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
@@ -223,7 +237,8 @@ def run(
     admission: bool = typer.Option(True, "--admission/--no-admission", help="KV admission control (router)."),
     cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
     concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
-    max_model_len: int = typer.Option(4096, "--max-model-len", min=256, help="Context budget per request."),
+    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
+                                      help="Context length per request: prompt + sampled tokens."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
     stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
@@ -259,7 +274,10 @@ def train(
     steps: int = typer.Option(10, "--steps", help="Training steps (each: play, learn, push weights)."),
     groups: int = typer.Option(2, "--groups", help="Groups per step (one task each)."),
     group_size: int = typer.Option(4, "--group-size", help="Rollouts per group (at least 2)."),
-    max_turns: int = typer.Option(3, "--max-turns", min=1),
+    max_turns: int = typer.Option(None, "--max-turns", min=1,
+                                  help="Model turns per rollout at most (default: as many as the env's tasks "
+                                       f"allow, e.g. guess's guesses; {FALLBACK_MAX_TURNS} for an env that does "
+                                       "not say)."),
     max_tokens: int = typer.Option(48, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (above 0)."),
     lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate (of the first step)."),
@@ -268,7 +286,7 @@ def train(
                                          "--lr × --lr-final at the last."),
     lr_final: float = typer.Option(0.1, "--lr-final", help="The last step's learning rate as a fraction of --lr "
                                                            "(linear and cosine)."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the gradient norm of each update."),
     advantage: str = typer.Option("grpo", "--advantage", help="grpo: (r - mean) / (std + eps); rloo: r minus "
                                                               "the mean of the group's other rewards."),
@@ -291,7 +309,8 @@ def train(
     sequence_tis: str = typer.Option(None, "--sequence-tis",
                                      help="Sequence-level TIS instead of token-level: product | geo_mean "
                                           "(then set --token-tis-cap 0)."),
-    sequence_tis_cap: float = typer.Option(2.0, "--sequence-tis-cap"),
+    sequence_tis_cap: float = typer.Option(2.0, "--sequence-tis-cap",
+                                           help="Sequence-level TIS: weight min(ratio, cap) (with --sequence-tis)."),
     token_mask_band: str = typer.Option("0.5,5", "--token-mask-band",
                                         help="Drop tokens whose pi/mu is outside LOW,HIGH; none turns it off."),
     sequence_mask_band: str = typer.Option(None, "--sequence-mask-band",
@@ -300,7 +319,7 @@ def train(
                                     help="Run each group's shared prompt through the trainer once per step."),
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks, sampling and the trainer."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
     out: str = typer.Option("runs/train", "--out", help="Run directory: trace, metrics.jsonl, checkpoints/."),
@@ -308,7 +327,8 @@ def train(
     url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
     route: str = typer.Option(None, "--route", help="Routing over several --url replicas (as for 'verbatim run')."),
     concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
-    max_model_len: int = typer.Option(2048, "--max-model-len", min=256, help="Context budget per request."),
+    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
+                                      help="Context length per request: prompt + sampled tokens."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
@@ -384,6 +404,8 @@ def export(
 app.command("mismatch")(mismatch_report)
 # plot draws a training run's metrics.jsonl (cli/plot.py).
 app.command("plot")(plot_command)
+# show prints one rollout's text turn by turn (cli/show.py).
+app.command("show")(show_command)
 
 
 # ---------------------------------------------------------------------------
@@ -395,10 +417,11 @@ app.command("plot")(plot_command)
 def serve(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (CPU engine)."),
-    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
+                                      help="Context length per request: prompt + sampled tokens."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
 ) -> None:
     """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
@@ -423,7 +446,8 @@ def fleet_up(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", min=1, help="KV cache space per replica, GiB."),
     kv_blocks: int = typer.Option(None, "--kv-blocks", min=2, help="Cap each replica's KV cache at this many blocks."),
-    max_model_len: int = typer.Option(4096, "--max-model-len", min=64),
+    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
+                                      help="Context length per request: prompt + sampled tokens."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
 ) -> None:

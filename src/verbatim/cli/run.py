@@ -32,6 +32,7 @@ from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.errors import InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
@@ -48,9 +49,11 @@ class RunOptions(Frozen):
     tasks: str | None = None
     model: str = "default"
     renderer: str | None = None
-    groups: int = Field(default=2, ge=1)
+    groups: int | None = Field(default=None, ge=1)
+    """None: every task of the task file, else DEFAULT_GROUPS from the env's generator."""
     group_size: int = Field(default=4, ge=1)
-    max_turns: int = Field(default=3, ge=1)
+    max_turns: int | None = Field(default=None, ge=1)
+    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     seed: int = 0
@@ -63,11 +66,33 @@ class RunOptions(Frozen):
     admission: bool = True
     cache_policy: str = "keep"
     concurrency: int = Field(default=16, ge=1)
-    max_model_len: int = Field(default=4096, ge=256)
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
     stop_grace_s: float = Field(default=30.0, ge=0)
     """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
     resume: bool = False
+
+
+DEFAULT_GROUPS = 2
+"""Groups a run plays from the env's own task generator when --groups is not given."""
+
+
+def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict[str, Any]]]:
+    """The tasks to play, and the options with --groups and --max-turns filled in where not given.
+
+    A task file gives one group per task unless --groups says fewer; the env's generator gives
+    DEFAULT_GROUPS. --max-turns defaults to the most turns the env's tasks may need.
+    """
+    from verbatim.envs.registry import default_max_turns, load_tasks
+
+    if options.tasks:
+        tasks = list(load_tasks(options.tasks))  # an empty file is refused there
+        groups = options.groups or len(tasks)
+    else:
+        groups = options.groups or DEFAULT_GROUPS
+        tasks = list(factory.tasks(groups, options.seed))
+    max_turns = options.max_turns or default_max_turns(factory, tasks[:groups])
+    return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
 
 
 def default_renderer(model: str) -> str:
@@ -109,12 +134,12 @@ def _make_engine(options: RunOptions) -> Any:
 
 def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
-    from verbatim.envs.registry import load_env, load_tasks
+    from verbatim.envs.registry import load_env
     from verbatim.renderers.registry import get_renderer
 
     policy = CachePolicy.parse(options.cache_policy)
     factory = load_env(options.env)
-    tasks = load_tasks(options.tasks) if options.tasks else list(factory.tasks(options.groups, options.seed))
+    options, tasks = with_tasks(options, factory)
     model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
     renderer_name = options.renderer or default_renderer(options.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
@@ -306,8 +331,15 @@ def summary_table(summary: RunSummary, out: Path) -> Table:
     table.add_column("value", justify="right")
     rows = summary.model_dump()
     rows["cache_hit_rate"] = f"{summary.cache_hit_rate:.1%}"
+    if summary.success_rate is not None:
+        rows["success_rate"] = f"{summary.success_rate:.1%}"
     for key, value in rows.items():
         if isinstance(value, float):
             value = f"{value:.3f}"
-        table.add_row(key, str(value))
+        table.add_row(key, "-" if value is None else str(value))
+    table.caption = STATUS_CAPTION
     return table
+
+
+STATUS_CAPTION = ("status ok: the env ended the episode (solved or not; see solved); truncated: --max-turns came "
+                  "first; error: see 'verbatim show RUN'")

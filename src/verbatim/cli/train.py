@@ -27,6 +27,7 @@ from verbatim.datamodel import Frozen
 from verbatim.engine.http import redact
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.errors import InputError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import StopRequest
@@ -48,7 +49,8 @@ class TrainOptions(Frozen):
     tasks: str | None = None
     model: str = "default"
     renderer: str | None = None
-    max_turns: int = Field(default=3, ge=1)
+    max_turns: int | None = Field(default=None, ge=1)
+    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
     max_tokens: int = Field(default=48, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     plan: TrainPlan
@@ -57,7 +59,7 @@ class TrainOptions(Frozen):
     engine: str = "inproc"
     urls: tuple[str, ...] = ()
     route: str | None = None
-    max_model_len: int = Field(default=2048, ge=256)
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
     resume: bool = False
 
@@ -71,7 +73,7 @@ class TrainOptions(Frozen):
 def prepare(options: TrainOptions) -> TrainLoop:
     """Resolve every input and build the loop; starts nothing (the engine starts in :func:`execute`)."""
     from verbatim.cli.run import RunOptions, _make_engine, default_renderer
-    from verbatim.envs.registry import load_env, load_tasks
+    from verbatim.envs.registry import default_max_turns, load_env, load_tasks
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model
@@ -88,7 +90,8 @@ def prepare(options: TrainOptions) -> TrainLoop:
     model_dir = resolve(options.model)
     renderer_name = options.renderer or default_renderer(options.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
-    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len,
+    max_turns = options.max_turns or default_max_turns(factory, tasks(0))
+    loop = LoopConfig(max_turns=max_turns, context_budget=options.max_model_len,
                       cache_policy=options.plan.cache_policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
     run_id = _existing_run_id(out) or uuid.uuid4().hex[:12]

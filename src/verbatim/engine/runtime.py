@@ -25,6 +25,11 @@ DEFAULT_BLOCK_SIZE = 32
 assumes of a server that does not report its own."""
 
 
+DEFAULT_MAX_MODEL_LEN = 4096
+"""The context length (prompt + sampled tokens per request) of every command unless --max-model-len says
+otherwise; ``verbatim models list`` shows it beside each model's own maximum."""
+
+
 class EngineConfig(Frozen):
     """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
 
@@ -39,7 +44,7 @@ class EngineConfig(Frozen):
 
     model: str = "default"
     dtype: str = "float32"
-    max_model_len: int = Field(default=4096, ge=64)
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=64)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=32, multiple_of=32)
     kv_cache_gib: int = Field(default=2, ge=1)
     kv_blocks: int | None = Field(default=None, ge=2)

@@ -47,7 +47,14 @@ class Env(Protocol):
 
 @runtime_checkable
 class EnvFactory(Protocol):
-    """Makes env instances and, for built-in envs, deterministic tasks from a seed."""
+    """Makes env instances and, for built-in envs, deterministic tasks from a seed.
+
+    A factory may also define ``turns_needed(task) -> int``: the most model turns an episode of
+    ``task`` can take (guess: its guesses). ``verbatim run`` and ``train`` use it as the default
+    ``--max-turns``, so a default run is never cut before the env could finish. Where an env
+    knows whether an episode succeeded it says so as ``info["solved"]`` (a bool) in each
+    :class:`StepResult`; the last one is the rollout's, counted by the run summary.
+    """
 
     name: str
 

@@ -94,6 +94,10 @@ class GuessFactory:
     def make(self) -> GuessEnv:
         return GuessEnv()
 
+    def turns_needed(self, task: dict[str, Any]) -> int:
+        """One model turn per guess."""
+        return parse_task(GuessTask, task, self.name).max_guesses
+
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"guess:{seed}")
         return [{"id": f"guess-{seed}-{i}", "target": rng.randint(self.low, self.high), "low": self.low,

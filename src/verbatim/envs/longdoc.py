@@ -4,7 +4,8 @@ Every rollout of a group gets the same document in its first user message, so
 the group shares a prefix of thousands of tokens (the retrieval-heavy
 workload). The document is rebuilt from ``doc_seed`` and ``words`` (or taken
 verbatim from the task's ``document``). Each question is worth
-``1 / len(questions)``; the rollout's reward is the fraction answered right.
+``1 / len(questions)``; the rollout's reward is the fraction answered right, and it is
+``solved`` when every answer is.
 A word answer is right when the reply names it and no other value of the same
 kind (naming every town does not score); a year answer when the reply's last
 number is that year.
@@ -151,7 +152,7 @@ class LongDocEnv:
         self.results.append(correct)
         done = len(self.results) >= len(questions)
         info = {"answered": len(self.results), "correct": list(self.results),
-                "score": sum(self.results) / len(questions)}
+                "score": sum(self.results) / len(questions), "solved": done and all(self.results)}
         reward = 1.0 / len(questions) if correct else 0.0
         if done:
             return StepResult(reward=reward, done=True, info=info)
@@ -171,6 +172,10 @@ class LongDocFactory:
 
     def make(self) -> LongDocEnv:
         return LongDocEnv()
+
+    def turns_needed(self, task: dict[str, Any]) -> int:
+        """One model turn per question."""
+        return len(parse_task(LongDocTask, task, self.name).questions)
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"longdoc-tasks:{seed}")

@@ -3,7 +3,7 @@
 The code is the first fenced ```python (or bare ```) block of the reply, else
 the whole reply. Its stdout, stderr and exit status (or why it was killed) come
 back as a user message. Reward 1.0 when the last non-empty line of stdout
-equals the task's ``expected`` text (whitespace-normalised); the model gets
+equals the task's ``expected`` text (whitespace-normalised; ``info["solved"]``); the model gets
 ``max_attempts`` tries.
 """
 
@@ -68,13 +68,13 @@ class PythonEnv:
         if not code:
             text = "No code found. Write your program in a ```python block."
             return StepResult(messages=(Message(role="user", content=text),), done=done_trying,
-                              info={"attempts": self.attempts, "correct": False})
+                              info={"attempts": self.attempts, "correct": False, "solved": False})
         result = run_python(code, self.limits)
         correct = result.ok and last_line(result.stdout) == " ".join(self.task.expected.split())
         text = result.observation()
         if not correct and not done_trying:
             text += "\nThat is not the expected answer. Fix the program and try again."
-        info = {"attempts": self.attempts, "correct": correct, "exit_code": result.exit_code,
+        info = {"attempts": self.attempts, "correct": correct, "solved": correct, "exit_code": result.exit_code,
                 "killed": result.killed, "wall_s": result.wall_s}
         return StepResult(messages=(Message(role="user", content=text),), reward=1.0 if correct else 0.0,
                           done=correct or done_trying, info=info)
@@ -93,6 +93,10 @@ class PythonFactory:
 
     def make(self) -> PythonEnv:
         return PythonEnv(self.limits)
+
+    def turns_needed(self, task: dict[str, Any]) -> int:
+        """One model turn per attempt."""
+        return parse_task(PythonTask, task, self.name).max_attempts
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"python:{seed}")

@@ -19,9 +19,13 @@ from verbatim.envs.base import Env, EnvFactory
 from verbatim.envs.taskfile import load_tasks
 from verbatim.errors import InputError
 
-__all__ = ["BUILTIN_ENVS", "ENTRY_POINT_GROUP", "env_names", "load_env", "load_tasks"]
+__all__ = ["BUILTIN_ENVS", "ENTRY_POINT_GROUP", "FALLBACK_MAX_TURNS", "default_max_turns", "env_names", "load_env",
+           "load_tasks"]
 
 ENTRY_POINT_GROUP = "verbatim.envs"
+
+FALLBACK_MAX_TURNS = 8
+"""The default ``--max-turns`` for an env whose factory has no ``turns_needed``."""
 
 BUILTIN_ENVS: dict[str, str] = {
     "tools": "verbatim.envs.tools:ToolsFactory",
@@ -51,6 +55,20 @@ def load_env(spec: str, **options: Any) -> EnvFactory:
     if target is None and ":" not in spec:
         raise InputError(f"unknown env {spec!r}", hint=_suggestion(spec))
     return _as_factory(_import(target or spec), options, spec)
+
+
+def default_max_turns(factory: EnvFactory, tasks: Sequence[dict[str, Any]]) -> int:
+    """The turns every one of ``tasks`` may need (the factory's ``turns_needed``), else FALLBACK_MAX_TURNS."""
+    needed = getattr(factory, "turns_needed", None)
+    if not callable(needed) or not tasks:
+        return FALLBACK_MAX_TURNS
+    turns = []
+    for index, task in enumerate(tasks):
+        try:
+            turns.append(int(needed(task)))
+        except InputError as exc:  # a task the env refuses, named as the run's preflight names it
+            raise InputError(f"task {index}: {exc.message}", hint=exc.hint) from None
+    return max(1, *turns)
 
 
 def _suggestion(name: str) -> str:

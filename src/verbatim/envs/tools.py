@@ -4,7 +4,7 @@ The model calls tools as ``<tool_call>{"name": …, "arguments": {…}}</tool_ca
 (the renderer parses them into ``Message.tool_calls``); each call is answered
 by a ``tool`` message. A reply without tool calls is the final answer: reward
 1.0 if its number (after ``Answer:``, else the last number) equals the task's
-answer to 2 decimals. The episode also ends after ``max_steps`` model turns.
+answer to 2 decimals (``info["solved"]``). The episode also ends after ``max_steps`` model turns.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class ToolsEnv:
             out_of_steps = self.steps >= self.task.max_steps
             text = "No answer found. Call a tool, or reply: Answer: <number>"
             return StepResult(messages=(Message(role="user", content=text),), done=out_of_steps,
-                              info=info | {"correct": False})
+                              info=info | {"correct": False, "solved": False})
         correct = numbers_match(got, self.task.answer)
-        return StepResult(reward=1.0 if correct else 0.0, done=True, info=info | {"correct": correct})
+        return StepResult(reward=1.0 if correct else 0.0, done=True,
+                          info=info | {"correct": correct, "solved": correct})
 
     def _tool_turn(self, calls: Sequence[ToolCall], problems: list[str]) -> StepResult:
         observations = []
@@ -87,7 +88,7 @@ class ToolsEnv:
         done = self.steps >= self.task.max_steps
         return StepResult(messages=tuple(observations), done=done,
                           info={"steps": self.steps, "tool_calls": self.calls, "correct": False,
-                                "out_of_steps": done})
+                                "solved": False, "out_of_steps": done})
 
 
 class ToolsFactory:
@@ -103,6 +104,10 @@ class ToolsFactory:
 
     def make(self) -> ToolsEnv:
         return ToolsEnv()
+
+    def turns_needed(self, task: dict[str, Any]) -> int:
+        """The task's ``max_steps``: the episode ends there at the latest."""
+        return parse_task(ToolsTask, task, self.name).max_steps
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"tools:{seed}")

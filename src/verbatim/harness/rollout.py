@@ -23,6 +23,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Frozen, Rollout
 from verbatim.engine.protocol import CachePolicy, Engine, Sampling, cache_salt
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.envs.base import Env
 from verbatim.errors import VerbatimError
 from verbatim.harness.env_output import checked_reset, checked_step, describe_failure, jsonable
@@ -38,7 +39,7 @@ class LoopConfig(Frozen):
 
     max_turns: int = Field(default=4, ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
-    context_budget: int = Field(default=4096, ge=16)
+    context_budget: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=16)
     """Tokens a request may hold (prompt + max_tokens): the engine's context length."""
     cache_policy: CachePolicy = CachePolicy.KEEP
     step_timeout_s: float = Field(default=60.0, gt=0)

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Frozen, Message, Rollout
 from verbatim.errors import VerbatimError
+from verbatim.harness.transcript import solved
 from verbatim.prefix_cache import min_prefill
 
 
@@ -39,7 +40,13 @@ class RunSummary(Frozen):
     engine_start_s: float = 0.0
     """Seconds the engine took to start before them (0 when the caller did not start it)."""
     statuses: dict[str, int] = Field(default_factory=dict)
+    """Rollouts per status: ``ok`` the env ended the episode (solved or not), ``truncated`` --max-turns
+    ended it first, ``error`` a failure (its reason in the rollout's ``error``)."""
     mean_reward: float | None = None
+    solved: int | None = None
+    """Rollouts whose env said ``solved`` (its last ``info["solved"]``); None when the env never says."""
+    success_rate: float | None = None
+    """``solved`` over the rollouts whose env said whether they were solved."""
     admission_wait_s: float = 0.0
     """Time new rollouts were held by the router's admission control, summed."""
     migrations: int = 0
@@ -51,6 +58,12 @@ class RunSummary(Frozen):
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def solved_flags(rollouts: Sequence[Rollout]) -> list[bool]:
+    """Whether each rollout was solved, for those whose env says (``info["env"]["solved"]``, a bool)."""
+    said = [solved(r) for r in rollouts]
+    return [s for s in said if s is not None]
 
 
 def request_prompts(rollout: Rollout) -> list[Sequence[int]]:
@@ -108,6 +121,7 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
     for r in rollouts:
         statuses[r.status] = statuses.get(r.status, 0) + 1
     rewards = [r.reward for r in rollouts if r.reward is not None]
+    flags = solved_flags(rollouts)
     rerender = None
     if renderer is not None:
         rerender = min_prefill(pair for r in rollouts for pair in zip(rerendered_prompts(r, renderer), sampled(r)))
@@ -118,5 +132,6 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         rerender_prefill_tokens=rerender,
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        solved=sum(flags) if flags else None, success_rate=sum(flags) / len(flags) if flags else None,
         **routing_totals(rollouts),
     )

@@ -23,7 +23,7 @@ import numpy as np
 
 from verbatim.datamodel import Rollout
 from verbatim.errors import InputError
-from verbatim.harness.summary import RunSummary
+from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.learner import StepInput
 
@@ -64,8 +64,7 @@ def _nothing_to_train(rollouts: Sequence[Rollout]) -> str:
 
 def success_rate(rollouts: Sequence[Rollout]) -> float | None:
     """The fraction of rollouts whose env said ``solved``, when the env says it; else None."""
-    said = [r.info.get("env", {}).get("solved") for r in rollouts]
-    flags = [bool(s) for s in said if isinstance(s, bool)]
+    flags = solved_flags(rollouts)
     return sum(flags) / len(flags) if flags else None
 
 
