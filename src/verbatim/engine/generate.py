@@ -22,12 +22,9 @@ class Generation:
 def generate_once(model: str, user_message: str, *, max_tokens: int = 32,
                   temperature: float = 0.0, seed: int = 0) -> Generation:
     """Render one user message once, sample from its token IDs, decode for display only."""
-    from verbatim.renderers.detect import folder_template
-
-    engine = InprocEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_gib=1))
-    folder_template(engine.model_dir)  # a folder without a chat template: one line now, before anything loads
     from transformers import AutoTokenizer
 
+    engine = InprocEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_gib=1))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     prompt_ids = list(tokenizer.apply_chat_template(
         [{"role": "user", "content": user_message}], add_generation_prompt=True,
