@@ -18,6 +18,7 @@ from rich.table import Table
 
 from verbatim import __version__
 from verbatim.cli.bench import bench_app
+from verbatim.cli.config_file import CONFIG_HELP, load_config
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
@@ -186,8 +187,13 @@ def generate(
                                       help="Context length per request: prompt + sampled tokens."),
 ) -> None:
     """Sample one completion from token IDs on the bundled vLLM engine; print tokens and logprobs."""
-    from verbatim.engine.generate import generate_once
+    from pathlib import Path
 
+    from verbatim.engine.generate import generate_once
+    from verbatim.renderers.detect import folder_template
+
+    if Path(model).expanduser().is_dir():  # a folder without a chat template: one line before anything loads
+        folder_template(Path(model).expanduser())
     result = generate_once(model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
                            max_model_len=max_model_len)
     table = Table(title=f"{len(result.completion.token_ids)} sampled tokens "
@@ -244,6 +250,7 @@ def run(
     stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
                                      help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+    config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
     from verbatim.cli.run import RunOptions, run_command
@@ -332,6 +339,7 @@ def train(
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+    config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
 ) -> None:
     """Train the model with RL on its own token-exact rollouts: play, learn, push weights, repeat."""
     from verbatim.cli.train import (

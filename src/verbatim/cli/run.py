@@ -96,8 +96,13 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
 
 
 def default_renderer(model: str) -> str:
+    """The bundled default's renderer, or the family a model folder's chat template is (renderers/detect.py)."""
     if model in ("default", "", DEFAULT_MODEL):
         return "smollm2"
+    if Path(model).expanduser().is_dir():
+        from verbatim.renderers.detect import detect_folder
+
+        return detect_folder(Path(model).expanduser())
     raise InputError(f"no renderer is known for model {model!r}", hint="pass --renderer NAME (see docs/renderers.md)")
 
 
