@@ -21,6 +21,7 @@ from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
+from verbatim.cli.view import view_command
 from verbatim.errors import VerbatimError, shorten
 
 try:  # typer >= 0.24 vendors click as typer._click
@@ -384,6 +385,8 @@ def export(
 app.command("mismatch")(mismatch_report)
 # plot draws a training run's metrics.jsonl (cli/plot.py).
 app.command("plot")(plot_command)
+# view serves a local page of a run directory (cli/view.py, verbatim/view/).
+app.command("view")(view_command)
 
 
 # ---------------------------------------------------------------------------
