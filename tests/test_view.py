@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -228,6 +227,10 @@ def test_hostile_trace_text_never_runs(page, site, train_run, tmp_path):
     body = page.locator("body").inner_text()
     assert "env said <img src=x onerror" in body and "</script><script>window.__pwned=2</script>" in body
     assert page.evaluate("window.__pwned") is None and page.locator("img").count() == 0
+    _, _, detail = get(f"{site}/api/rollout?id=g1-evil")
+    assert any("<" in text for text in detail["columns"]["text"])
+    shown = page.locator("#tokens .tok").evaluate_all("cs => cs.map(c => c.textContent)")
+    assert shown == detail["columns"]["text"]  # each token's text as text, markup and all
     out = tmp_path / "run.html"
     assert runner.invoke(app, ["view", str(train_run), "--static", str(out)]).exit_code == 0
     open_page(page, out.as_uri())
@@ -258,6 +261,7 @@ def test_a_run_being_written_updates_the_page(page, tmp_path, renderer, default_
         server.server_close()
 
 
+@pytest.mark.slow
 def test_chromium_is_debians(browser):
     """The browser the tests drive is the system's, never one Playwright downloaded."""
     assert Path(CHROMIUM).resolve().is_file() and shutil.which("chromium")

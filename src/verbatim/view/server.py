@@ -85,7 +85,10 @@ class ViewHandler(BaseHTTPRequestHandler):
         for key, value in SECURITY_HEADERS.items():
             self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the page navigated away mid-answer
+            pass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the page is the output
         return

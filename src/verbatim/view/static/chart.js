@@ -20,7 +20,7 @@
   }
   // series: [{name, points: [[x, y], ...]}]; points with a null y are left out.
   function line(parent, title, series, opts) {
-    const o = Object.assign({ width: 340, height: 170 }, opts || {});
+    const o = Object.assign({ width: 300, height: 150 }, opts || {});
     const box = document.createElement("div");
     box.className = "chart";
     box.dataset.chart = title;
@@ -61,7 +61,7 @@
         el("title", {}, dot).textContent = `${s.name} step ${p[0]}: ${fmt(p[1])}`;
       }
       if (series.length > 1) {
-        const lx = pad.l + k * 78;
+        const lx = pad.l + k * 62;
         el("rect", { x: lx, y: o.height - 14, width: 8, height: 8, class: `s${k % 4}` }, svg);
         text(svg, lx + 11, o.height - 6, s.name).setAttribute("class", "label legend");
       }

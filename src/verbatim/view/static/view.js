@@ -64,14 +64,14 @@
   }
 
   function charts(metrics) {
-    const box = h("div", { class: "charts" });
+    const box = h("div", { class: "charts", id: "charts" });
     const series = (name, key) => ({ name, points: metrics.map((m) => [m.step, m[key] ?? null]) });
     const chart = VerbatimChart.line;
     chart(box, "reward", [series("reward", "reward_mean")]);
     chart(box, "mismatch |log π − log μ|", [series("mismatch", "mismatch_mean_abs")]);
     chart(box, "cache hit rate", [series("hit rate", "cache_hit_rate")]);
     chart(box, "time split (s)", [series("rollout", "rollout_s"), series("train", "train_s"),
-      series("weight sync", "weight_sync_s"), series("checkpoint", "checkpoint_s")]);
+      series("sync", "weight_sync_s"), series("checkpoint", "checkpoint_s")]);
     return box;
   }
 
@@ -136,8 +136,8 @@
     const [s, list] = [state.summary, await api("rollouts")];
     state.rows = list.rows;
     const listBox = h("div", { id: "list-box" });
-    main().replaceChildren(h("section", { id: "summary" }, summaryTable(s)),
-      s.training ? charts(s.metrics) : null, h("h2", { text: "rollouts" }), filters(listBox), listBox);
+    main().replaceChildren(h("div", { class: "overview" }, h("section", { id: "summary" }, summaryTable(s)),
+      s.training ? charts(s.metrics) : null), h("h2", { text: "rollouts" }), filters(listBox), listBox);
     rolloutList(listBox);
   }
 
