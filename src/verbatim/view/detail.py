@@ -1,0 +1,150 @@
+"""What the page shows of one rollout and of one group, as JSON-ready dicts (pure: no I/O).
+
+A rollout's tokens go out as columns (text, id, source, logprob, version, turn, and the
+flags the colourings need); its turns carry each request's cached and prefilled tokens;
+``lint trace``'s problems are pinned to a token position. A group is aligned on the
+prefix all its members share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from verbatim.datamodel import Rollout, Source
+from verbatim.lint.findings import Problem
+
+DEFAULT_HYBRID_WINDOW = 32
+DEFAULT_MASK_BAND = (0.5, 5.0)
+CACHE_MISS = "cache_shortfall"
+TRAINER_LOGPROBS = "trainer_logprobs"
+"""``rollout.info`` key of the trainer's logprobs (log π), one per token, null where not a model token."""
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def rollout_row(rollout: Rollout, problems: Sequence[Problem]) -> dict[str, Any]:
+    """One line of the rollout list."""
+    return {
+        "id": rollout.rollout_id, "group": rollout.group_id, "status": rollout.status,
+        "reward": rollout.reward, "turns": len(rollout.turns), "tokens": len(rollout.tokens),
+        "misses": sum(p.kind == CACHE_MISS for p in problems), "problems": len(problems),
+        "step": rollout.info.get("step") if isinstance(rollout.info.get("step"), int) else None,
+        "error": rollout.error,
+    }
+
+
+def hybrid_mask(versions: np.ndarray, model: np.ndarray, window: int) -> np.ndarray:
+    """Model tokens sampled within ``window`` model tokens after the version changed inside the sequence."""
+    hybrid = np.zeros(len(versions), dtype=bool)
+    positions = np.flatnonzero(model)
+    last_change = None
+    for ordinal, position in enumerate(positions):
+        if ordinal and versions[position] != versions[positions[ordinal - 1]]:
+            last_change = ordinal
+        if last_change is not None and ordinal - last_change < window:
+            hybrid[position] = True
+    return hybrid
+
+
+def trainer_columns(rollout: Rollout, band: tuple[float, float]) -> dict[str, list] | None:
+    """log π − log μ and the token mask's verdict, when the rollout carries the trainer's logprobs."""
+    raw = rollout.info.get(TRAINER_LOGPROBS)
+    if not isinstance(raw, list) or len(raw) != len(rollout.tokens):
+        return None
+    model = rollout.tokens.source == Source.MODEL
+    ratio: list[float | None] = []
+    keep: list[bool | None] = []
+    low, high = math.log(band[0]) if band[0] > 0 else -math.inf, math.log(band[1])
+    for position, pi in enumerate(raw):
+        mu = float(rollout.tokens.logprob[position])
+        if not model[position] or not isinstance(pi, (int, float)) or not math.isfinite(mu):
+            ratio.append(None)
+            keep.append(None)
+            continue
+        value = float(pi) - mu
+        ratio.append(_finite(value))
+        keep.append(bool(low <= value <= high))
+    return {"log_ratio": ratio, "keep": keep}
+
+
+def pin(problem: Problem, rollout: Rollout) -> int | None:
+    """The token a problem concerns: where a missed turn's prefill began, or where its completion starts."""
+    if problem.turn is None:
+        return None
+    turn = next((t for t in rollout.turns if t.index == problem.turn), None)
+    if turn is None:
+        return None
+    position = turn.cached_tokens if problem.kind == CACHE_MISS else turn.prompt_end
+    return min(position, max(len(rollout.tokens) - 1, 0))
+
+
+def rollout_detail(rollout: Rollout, problems: Sequence[Problem], texts: list[str], specials: list[bool], *,
+                   block_size: int | None, hybrid_window: int = DEFAULT_HYBRID_WINDOW,
+                   band: tuple[float, float] = DEFAULT_MASK_BAND) -> dict[str, Any]:
+    """Everything the token view of one rollout needs."""
+    tokens = rollout.tokens
+    model = tokens.source == Source.MODEL
+    missed = {p.turn for p in problems if p.kind == CACHE_MISS}
+    return {
+        "row": rollout_row(rollout, problems),
+        "task": rollout.task, "block_size": block_size,
+        "columns": {
+            "text": texts, "special": specials, "id": tokens.token_id.tolist(),
+            "source": tokens.source.tolist(), "turn": tokens.turn.tolist(),
+            "logprob": [_finite(v) for v in tokens.logprob.tolist()],
+            "version": tokens.policy_version.tolist(),
+            "hybrid": hybrid_mask(tokens.policy_version, model, hybrid_window).tolist(),
+            "prefills": prefill_counts(rollout).tolist(),
+        },
+        "trainer": trainer_columns(rollout, band),
+        "turns": [{"index": t.index, "prompt_end": t.prompt_end, "completion_end": t.completion_end,
+                   "cached": t.cached_tokens, "prefilled": t.prompt_end - t.cached_tokens,
+                   "finish_reason": t.finish_reason, "replica": t.replica, "reward": t.reward,
+                   "miss": t.index in missed} for t in rollout.turns],
+        "problems": [{**p.as_json(), "position": pin(p, rollout)} for p in problems],
+    }
+
+
+def prefill_counts(rollout: Rollout) -> np.ndarray:
+    """How many requests computed each token (prefill or sampling): 1 is ideal, more is a cache miss."""
+    counts = np.zeros(len(rollout.tokens), dtype=np.int32)
+    for turn in rollout.turns:
+        counts[turn.cached_tokens:turn.completion_end] += 1
+    return counts
+
+
+def shared_prefix(sequences: Sequence[np.ndarray]) -> int:
+    """Length of the prefix every sequence shares."""
+    if not sequences:
+        return 0
+    length = min(len(s) for s in sequences)
+    first = sequences[0][:length]
+    for other in sequences[1:]:
+        differ = np.flatnonzero(first != other[:length])
+        if differ.size:
+            length = int(differ[0])
+            first = first[:length]
+    return length
+
+
+def group_detail(group_id: str, members: Sequence[Rollout], texts: list[tuple[list[str], list[bool]]],
+                 rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A group's members side by side from their shared prefix on, and how their first requests shared cache."""
+    shared = shared_prefix([m.tokens.token_id for m in members])
+    out = []
+    for member, (text, special), row in zip(members, texts, rows):
+        first = member.turns[0] if member.turns else None
+        out.append({
+            "row": row, "text": text[shared:], "special": special[shared:],
+            "source": member.tokens.source[shared:].tolist(),
+            "first_prompt": first.prompt_end if first else 0, "first_cached": first.cached_tokens if first else 0,
+        })
+    prefix_text, prefix_special = (texts[0][0][:shared], texts[0][1][:shared]) if texts else ([], [])
+    return {"group": group_id, "shared": shared, "prefix_text": prefix_text, "prefix_special": prefix_special,
+            "members": out}

@@ -1,0 +1,84 @@
+"""Run directories for tests/test_view.py and scripts/view_screenshots.py: real SmolLM2 tokens, no engine.
+
+Each rollout is rendered with the smollm2 renderer and grown by the Ledger as the harness
+grows it (prompt, completion, observation bridged onto the history, completion…).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from verbatim.datamodel import Completion, Message, Rollout
+from verbatim.harness.ledger import Ledger
+from verbatim.harness.metrics_log import append_metrics
+from verbatim.harness.store import RunManifest, TraceWriter
+
+BLOCK = 16
+HOSTILE = '<img src=x onerror="window.__pwned=1">'
+CLOSER = "</script><script>window.__pwned=2</script>"
+QUESTION = "Guess my number between 1 and 100. Reply with one number."
+
+
+def _completion(renderer, text: str, prompt_len: int, cached: int, versions: list[int] | None = None,
+                rng: np.random.Generator | None = None) -> Completion:
+    ids = renderer.encode(text) + [renderer.stop_token_ids[0]]
+    rng = rng or np.random.default_rng(len(text))
+    vers = versions if versions is not None else [0] * len(ids)
+    vers = (vers + [vers[-1]] * len(ids))[:len(ids)]
+    return Completion(token_ids=ids, logprobs=-rng.exponential(0.8, len(ids)), versions=vers, finish_reason="stop",
+                      prompt_tokens=prompt_len, cached_tokens=cached)
+
+
+def _reusable(n: int) -> int:
+    """What a block cache can serve of an n-token prompt: whole blocks, never the last token."""
+    return (n - 1) // BLOCK * BLOCK
+
+
+def play(renderer, rid: str, group: str, answers: list[str], replies: list[str], *, miss_at: int | None = None,
+         versions: dict[int, list[int]] | None = None, first_cached: int = 0, reward: float = 0.0,
+         info: dict | None = None, **fields) -> Rollout:
+    """A rollout of len(answers) turns; turn ``miss_at`` finds nothing in the cache (a miss)."""
+    ledger = Ledger()
+    ledger.append_prompt(renderer.render([Message(role="user", content=QUESTION)],
+                                         add_generation_prompt=True).token_ids)
+    for k, answer in enumerate(answers):
+        n = len(ledger)
+        cached = first_cached if k == 0 else (0 if k == miss_at else _reusable(n))
+        ledger.append_completion(_completion(renderer, answer, n, cached, (versions or {}).get(k)))
+        if k < len(answers) - 1:
+            ledger.append_observation(renderer.bridge(ledger.columns().token_id.tolist(),
+                                                      [Message(role="user", content=replies[k])]))
+    return ledger.to_rollout(run_id="run", group_id=group, rollout_id=rid, reward=reward, info=info or {}, **fields)
+
+
+def rollouts(renderer) -> list[Rollout]:
+    r0 = play(renderer, "g0-r0", "g0", ["50", "25", "37"], ["Lower.", "Higher."], miss_at=2, reward=1.0)
+    trainer = [None if np.isnan(mu) else float(mu) + (2.0 if k % 3 == 0 else 0.001)
+               for k, mu in enumerate(r0.tokens.logprob.tolist())]
+    r0 = r0.model_copy(update={"info": {"trainer_logprobs": trainer, "step": 0}})
+    r1 = play(renderer, "g0-r1", "g0", ["75 is my guess", "60"], ["Lower."], reward=0.0,
+              versions={1: [0, 1, 1]}, first_cached=_reusable(30), info={"step": 0})
+    evil = play(renderer, "g1-evil", "g1", [HOSTILE, CLOSER], [f"{HOSTILE} {CLOSER}"], reward=0.5,
+                info={"step": 1}, status="error", error=f"env said {HOSTILE}", task={"q": CLOSER})
+    return [r0, r1, evil]
+
+
+def write_run(path: Path, renderer, model_dir: str, batches: list[list[Rollout]], *, status: str = "completed",
+              metrics: list[dict] | None = None) -> Path:
+    manifest = RunManifest(run_id="view-test", model=model_dir, renderer="smollm2",
+                           engine={"block_size": BLOCK, "cache_policy": "keep"})
+    writer = TraceWriter(path, manifest)
+    for batch in batches:
+        writer.write_batch(batch)
+    for record in metrics or []:
+        append_metrics(path, record)
+    writer.write_manifest(manifest.model_copy(update={"status": status}))
+    return path
+
+
+def step_metrics(steps: int = 4) -> list[dict]:
+    return [{"step": k, "version": k + 1, "reward_mean": 0.2 + 0.15 * k, "mismatch_mean_abs": 0.01 / (k + 1),
+             "cache_hit_rate": 0.5 + 0.1 * k, "rollout_s": 3.0 + k, "train_s": 2.0, "weight_sync_s": 0.4,
+             "checkpoint_s": 0.2} for k in range(steps)]
