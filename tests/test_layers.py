@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "verbatim"
 
-DATA = {"datamodel", "errors", "paths", "prefix_cache"}
+DATA = {"datamodel", "errors", "paths", "prefix_cache", "durable"}
 ALLOWED: dict[str, set[str]] = {
     # the data model: plain types, errors and where files are; imports nothing above it
     **{room: DATA for room in DATA},
@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "sim": DATA | {"engine", "harness"},
     "lint": DATA | {"engine", "harness"},
     "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint"},
-    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint", "bench"},
+    "view": DATA | {"renderers", "engine", "envs", "trainer", "harness", "lint"},
+    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint", "bench", "view"},
 }
 THIRD_PARTY = {"vllm": {"engine"}, "torch": {"engine", "trainer", "bench"}}
 
