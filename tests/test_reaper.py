@@ -23,8 +23,9 @@ PARENT = textwrap.dedent("""
     import subprocess, sys, time
     from verbatim.engine.reaper import Reaper
     before = subprocess.Popen(["sleep", "600"])  # started before the reaper: never its business
-    with Reaper():
+    with Reaper() as reaper:
         child = subprocess.Popen(["sleep", "600"])  # stands in for vLLM's engine core
+        reaper.note()
         print(before.pid, child.pid, flush=True)
         if sys.argv[1] == "exit":
             child.kill(); child.wait()  # a normal exit closes its engine first
@@ -51,9 +52,8 @@ def gone_within(pid: int, seconds: float) -> bool:
 
 
 def test_the_engine_dies_with_a_sigkilled_parent_and_older_children_are_left_alone():
-    proc, before, child = start_parent("kill")
+    proc, before, child = start_parent("kill")  # the parent notes its engine (Reaper.note), as the CLI does
     try:
-        time.sleep(1.5)  # the watcher has noted the child
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert gone_within(child, 10), "the child outlived its SIGKILLed parent"
@@ -81,12 +81,14 @@ def test_a_normal_exit_reaps_nothing_and_the_watcher_ends():
 
 def test_a_resume_is_refused_while_a_recorded_engine_process_lives(tmp_path):
     sleeper = subprocess.Popen(["sleep", "600"])
+    while Path(f"/proc/{sleeper.pid}/cmdline").read_bytes() == b"":  # until it has exec'd
+        time.sleep(0.01)
     try:
         started = int(Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
         (tmp_path / RECORD).write_text(json.dumps({"parent": 1, "processes": [[sleeper.pid, started]]}))
         assert leftover_engine(tmp_path) == [(sleeper.pid, "sleep")]
         with pytest.raises(InputError, match=f"still held by the engine of a killed run: {sleeper.pid} "):
-            check_no_leftover_engine(tmp_path)
+            check_no_leftover_engine(tmp_path, wait_s=0.5)
         (tmp_path / RECORD).write_text(json.dumps({"parent": 1, "processes": [[sleeper.pid, started + 1]]}))
         check_no_leftover_engine(tmp_path)  # the same pid, another process: not the run's engine
     finally:

@@ -230,11 +230,12 @@ async def started(engine: Any, console: Console, run_dir: Path | None = None) ->
     bundled engine prints goes to ``run_dir/engine.log``."""
     log = run_dir / ENGINE_LOG if run_dir is not None and _local(engine) else None
     began = time.perf_counter()
-    with Reaper():
+    with Reaper() as reaper:
         try:
             await _start_showing_progress(engine, console, log)
-            if run_dir is not None:
-                record_engine(run_dir)
+            reaper.note()
+            if run_dir is not None and log is not None:  # a local engine: its processes are ours
+                record_engine(run_dir, skip=reaper.pids())
             yield time.perf_counter() - began
         finally:
             close = getattr(engine, "aclose", None)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.5
+BYE = b"bye"
 GRACE_S = 5.0
 RECORD = ".engine-processes.json"
 
@@ -107,25 +108,36 @@ def reap(processes: set[Process], grace_s: float = GRACE_S) -> None:
 
 
 def watch(parent: int, pipe: int, poll_s: float = POLL_S) -> None:
-    """Note ``parent``'s new descendants until ``pipe`` closes; if the parent died, reap them.
+    """Note ``parent``'s new descendants until ``pipe`` closes; reap them unless the parent said
+    goodbye first.
 
     Only processes started after the watcher are noted (a command run inside a longer-lived
-    process, such as a test, leaves that process's other children alone), and a parent that
-    closed the pipe itself (a normal exit: it closed its engine) gets nothing reaped."""
-    stat = _stat(parent)
-    if stat is None:
+    process, such as a test, leaves that process's other children alone). A parent that ends
+    normally (its engine closed) writes ``bye`` before closing the pipe; a pipe that closes
+    without it means the parent was killed (the kernel closes a dying process's files before
+    /proc shows it dead, so the pipe, not /proc, is the signal)."""
+    if _stat(parent) is None:
         return
-    me, started = os.getpid(), stat[1]
+    me = os.getpid()
     before = descendants(parent)
     print("watching", flush=True)  # the parent waits for this before it starts its engine
     known: set[Process] = set()
+    pending, said_bye = b"", False
     while True:
         known |= {p for p in descendants(parent) - before if p[0] != me}
         known = {p for p in known if alive(p)}
         ready, _, _ = select.select([pipe], [], [], poll_s)
-        if ready and not os.read(pipe, 4096):
+        if not ready:
+            continue
+        data = os.read(pipe, 65536)
+        if not data:
             break
-    if not alive((parent, started)):
+        pending += data  # "pid start" lines the parent sends (Reaper.note): noted at once, not at the next poll
+        *lines, pending = pending.split(b"\n")
+        said_bye = said_bye or BYE in lines
+        known |= {(int(pid), int(started)) for pid, started in (line.split() for line in lines
+                                                                 if line.strip() and line != BYE)}
+    if not said_bye:
         reap(known)
 
 
@@ -134,9 +146,11 @@ class Reaper:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.before: set[Process] = set()
 
     def __enter__(self) -> Reaper:
         if sys.platform.startswith("linux"):
+            self.before = descendants(os.getpid())
             self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.engine.reaper", str(os.getpid())],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
@@ -146,9 +160,27 @@ class Reaper:
                 self.proc.stdout.readline()
         return self
 
+    def note(self) -> None:
+        """Tell the watcher this process's children now (the engine just started): no poll can miss them."""
+        if self.proc is None or self.proc.stdin is None:
+            return
+        new = descendants(os.getpid()) - self.before
+        lines = "".join(f"{pid} {started}\n" for pid, started in new if pid != self.proc.pid)
+        self.proc.stdin.write(lines.encode())
+        self.proc.stdin.flush()
+
+    def pids(self) -> set[int]:
+        """The watcher's own pid (not an engine process)."""
+        return {self.proc.pid} if self.proc is not None else set()
+
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.stdin is not None:
-            self.proc.stdin.close()  # the engine is closed by now: the watcher finds nothing left and ends
+            try:  # a normal end (the engine is closed by now): the watcher reaps nothing and ends
+                self.proc.stdin.write(BYE + b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+            self.proc.stdin.close()
             try:
                 self.proc.wait(GRACE_S + 5)
             except subprocess.TimeoutExpired:
@@ -158,11 +190,14 @@ class Reaper:
 # -- a run directory's record of its engine ------------------------------------------------------------
 
 
-def record_engine(run_dir: Path) -> None:
-    """Write this process's descendants (the engine's processes) into the run directory."""
+def record_engine(run_dir: Path, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Write this process's descendants (the engine's processes, not the pids in ``skip``) into the run
+    directory."""
     if not run_dir.is_dir():
         return
-    found = sorted(descendants(os.getpid()))
+    found = sorted(p for p in descendants(os.getpid()) if p[0] not in skip)
+    if not found:
+        return
     (run_dir / RECORD).write_text(json.dumps({"parent": os.getpid(), "processes": found}) + "\n")
 
 
@@ -180,11 +215,16 @@ def leftover_engine(run_dir: Path) -> list[tuple[int, str]]:
     return [(pid, _name(pid)) for pid, started in processes if alive((pid, started))]
 
 
-def check_no_leftover_engine(run_dir: Path) -> None:
-    """Refuse to start beside engine processes a killed command left running for ``run_dir``."""
+def check_no_leftover_engine(run_dir: Path, wait_s: float = 2 * GRACE_S) -> None:
+    """Refuse to start beside engine processes a killed command left running for ``run_dir`` (after
+    ``wait_s`` for them to go: the killed command's watcher may be reaping them right now)."""
     from verbatim.errors import InputError
 
+    deadline = time.monotonic() + wait_s
     left = leftover_engine(Path(run_dir))
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = leftover_engine(Path(run_dir))
     if left:
         named = ", ".join(f"{pid} ({name})" for pid, name in left[:4])
         raise InputError(f"{run_dir} is still held by the engine of a killed run: {named}",
