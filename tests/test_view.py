@@ -37,11 +37,14 @@ def renderer(default_model_dir):
 def train_run(tmp_path_factory, renderer, default_model_dir) -> Path:
     rollouts = view_runs.rollouts(renderer)
     return view_runs.write_run(tmp_path_factory.mktemp("view") / "run", renderer, str(default_model_dir),
-                               [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(4))
+                               [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(4),
+                               trainer=rollouts[:1])
 
 
 def serving(run_dir: Path):
+    """A server on any free port, its background lint done (so the list's counts are there)."""
     server = make_server(run_dir, 0)
+    assert server.RequestHandlerClass.data.wait_for_lint(120)
     serve_in_thread(server)
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
