@@ -110,7 +110,8 @@ def time_view(run_dir: Path, *, lint_timeout_s: float = 600.0) -> dict[str, Any]
     data.wait_for_lint(lint_timeout_s)
     linted = time.perf_counter() - began + opened + tokenizer
     return {"rollouts": data.summary()["rollouts"], "open_s": opened, "first_page_bytes": first_page,
-            "rollout_s": loaded, "tokenizer_s": tokenizer, "rollout_tokens": len(detail["columns"]["id"]), "rollout_bytes": long_bytes,
+            "rollout_s": loaded, "tokenizer_s": tokenizer,
+            "rollout_tokens": len(detail["columns"]["id"]), "rollout_bytes": long_bytes,
             "lint_s": linted, "tokenizer": data.summary()["problems"] == []}
 
 
@@ -129,12 +130,14 @@ def run_bench(rollouts: int, *, turns: int = 3, long_tokens: int = 30_000, model
 def markdown(result: dict[str, Any], command: str) -> str:
     """The doc section: what was measured, and one table."""
     rows = [
-        ("open: summary + rollout list (first page)", result["open_s"], f"{result['first_page_bytes'] / 1e6:.1f} MB JSON"),
+        ("open: summary + rollout list (first page)", result["open_s"],
+         f"{result['first_page_bytes'] / 1e6:.1f} MB JSON"),
         ("the tokenizer, loaded in the background after the first page", result["tokenizer_s"],
          "a rollout opened sooner waits for it"),
         (f"one rollout of {result['rollout_tokens']:,} tokens (token view)", result["rollout_s"],
          f"{result['rollout_bytes'] / 1e6:.1f} MB JSON"),
-        ("background lint of every rollout (counts in the list)", result["lint_s"], "from opening; the page updates when done"),
+        ("background lint of every rollout (counts in the list)", result["lint_s"],
+         "from opening; the page updates when done"),
     ]
     table = "| what the page waits for | seconds | |\n|---|---:|---|\n" + "\n".join(
         f"| {what} | {seconds:.2f} | {note} |" for what, seconds, note in rows)
