@@ -123,6 +123,35 @@ def test_unknown_ids_and_writes_are_refused(site):
     assert refused.value.code == 405
 
 
+def test_opening_reads_columns_and_lints_later_in_the_background(tmp_path, renderer, default_model_dir):
+    from verbatim.harness.store import read_run
+    from verbatim.harness.summary import summarize
+    from verbatim.view.run_data import RunData
+
+    rollouts = view_runs.rollouts(renderer)
+    run = view_runs.write_run(tmp_path / "run", renderer, str(default_model_dir), [rollouts[:2]], status="running")
+    data = RunData(run)
+    summary, listing = data.summary(), data.rollout_list()  # the background pass starts after the first list
+    assert summary["lint_pending"] and summary["lint_problems"] is None
+    assert summary["totals"]["min_prefill_tokens"] is None
+    assert [(r["id"], r["misses"], r["problems"]) for r in listing["rows"]] == [("g0-r0", None, None),
+                                                                                ("g0-r1", None, None)]
+    assert data.wait_for_lint(60)
+    summary = data.summary()
+    expected = summarize(read_run(run).rollouts, block_size=view_runs.BLOCK)
+    for key in ("rollouts", "turns", "prompt_tokens", "cached_tokens", "prefill_tokens", "min_prefill_tokens",
+                "generated_tokens", "statuses", "mean_reward"):
+        assert summary["totals"][key] == getattr(expected, key), key
+    assert not summary["lint_pending"] and summary["lint_problems"] == 1
+    assert {r["id"]: r["misses"] for r in data.rollout_list()["rows"]} == {"g0-r0": 1, "g0-r1": 0}
+    first = data._batches["rollouts-000001.parquet"]
+    TraceWriter(run, RunManifest.model_validate_json((run / "manifest.json").read_text())).write_batch(rollouts[2:])
+    rows = data.rollout_list()["rows"]
+    assert data._batches["rollouts-000001.parquet"] is first  # an unchanged file is not read again
+    assert [r["id"] for r in rows] == ["g0-r0", "g0-r1", "g1-evil"]
+    assert data.rollout("g1-evil")["row"]["problems"] == data.rollout_list()["rows"][2]["problems"] is not None
+
+
 def test_a_directory_that_is_not_a_run_is_one_line_exit_2(tmp_path):
     result = runner.invoke(app, ["view", str(tmp_path)])
     lines = [line for line in result.stderr.splitlines() if line.strip()]

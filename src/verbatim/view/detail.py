@@ -31,7 +31,6 @@ def rollout_row(rollout: Rollout, problems: Sequence[Problem]) -> dict[str, Any]
         "id": rollout.rollout_id, "group": rollout.group_id, "status": rollout.status,
         "reward": rollout.reward, "turns": len(rollout.turns), "tokens": len(rollout.tokens),
         "misses": sum(p.kind == CACHE_MISS for p in problems), "problems": len(problems),
-        "step": rollout.info.get("step") if isinstance(rollout.info.get("step"), int) else None,
         "error": rollout.error,
     }
 

@@ -1,16 +1,16 @@
 """The rollout list of a run from a few columns of each batch file, and one rollout read on demand.
 
 Opening a run must not decode every token: :func:`index_batch` reads only the columns the
-list shows (ids, group, status, error, reward, turns and the token count from the
-``token_id`` list offsets) with pyarrow, without building :class:`~verbatim.datamodel.Rollout`
-objects, a few files at a time. A batch is indexed once per (size, mtime); :func:`read_batch` reads a whole batch
-when a rollout of it is opened or linted. JSON-lines runs have no columns to pick: their
-batches are read whole once and kept.
+list shows (ids, group, status, error, reward, turns, and the token count from the
+``token_id`` list offsets; never ``info``, which may hold a whole conversation) with
+pyarrow, without building :class:`~verbatim.datamodel.Rollout` objects, a few files at a
+time. A batch is indexed once per (size, mtime); :func:`read_batch` reads a whole batch when
+a rollout of it is opened or linted. JSON-lines runs have no columns to pick: their batches
+are read whole once and kept.
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +29,7 @@ from verbatim.lint.findings import Problem
 
 READERS = 4
 """Batch files indexed at once: small files are dominated by per-file overhead, which threads overlap."""
-LIST_COLUMNS = ["group_id", "rollout_id", "status", "error", "reward", "info", "turns", "token_id"]
+LIST_COLUMNS = ["group_id", "rollout_id", "status", "error", "reward", "turns", "token_id"]
 
 
 @dataclass
@@ -94,22 +94,13 @@ def _rows_of(table: pa.Table) -> tuple[list[dict[str, Any]], dict[str, int]]:
     bounds = {name: pc.struct_field(flat, name).to_numpy(zero_copy_only=False).astype(np.int64)
               for name in ("prompt_end", "cached_tokens", "completion_end")}
     lengths = pc.list_value_length(table.column("token_id").combine_chunks()).to_numpy(zero_copy_only=False)
-    infos = table.column("info").to_pylist()
     rows = [{"id": meta["rollout_id"][i], "group": meta["group_id"][i], "status": meta["status"][i],
              "reward": meta["reward"][i], "turns": int(counts[i]), "tokens": int(lengths[i]),
-             "step": _step(infos[i]), "error": meta["error"][i]} for i in range(table.num_rows)]
+             "error": meta["error"][i]} for i in range(table.num_rows)]
     prompt, cached, end = bounds["prompt_end"], bounds["cached_tokens"], bounds["completion_end"]
     totals = {"turns": int(len(prompt)), "prompt_tokens": int(prompt.sum()), "cached_tokens": int(cached.sum()),
               "generated_tokens": int((end - prompt).sum())}
     return rows, totals
-
-
-def _step(info: str | None) -> int | None:
-    """``info["step"]`` when it is an int; the JSON is parsed only when it names a step."""
-    if not info or '"step"' not in info:
-        return None
-    step = json.loads(info).get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _totals(turns: list[list[tuple[int, int, int]]]) -> dict[str, int]:
@@ -120,10 +111,8 @@ def _totals(turns: list[list[tuple[int, int, int]]]) -> dict[str, int]:
 
 def rollout_row_of(rollout: Rollout) -> dict[str, Any]:
     """A list row from a whole rollout (JSON-lines batches); the same keys as :func:`index_batch`'s."""
-    step = rollout.info.get("step")
     return {"id": rollout.rollout_id, "group": rollout.group_id, "status": rollout.status, "reward": rollout.reward,
-            "turns": len(rollout.turns), "tokens": len(rollout.tokens),
-            "step": step if isinstance(step, int) and not isinstance(step, bool) else None, "error": rollout.error}
+            "turns": len(rollout.turns), "tokens": len(rollout.tokens), "error": rollout.error}
 
 
 def read_batch(batch: BatchIndex, positions: list[int] | None = None) -> list[Rollout]:

@@ -3,11 +3,14 @@
 A synthetic run is written to a temporary folder with :class:`~verbatim.harness.store.TraceWriter`
 in batches of 8 (``verbatim run``'s default): ``rollouts`` rollouts in groups of 8, each a prompt
 shared by its group, then ``turns`` model completions with environment observations between
-them (sizes drawn around :data:`SIZES`), and one rollout of 30,000 tokens. The timings are what
+them (sizes drawn around :data:`SIZES`), the last of them 30,000 tokens long. The timings are what
 the page waits for: *open*, a fresh server's first page (the summary and the rollout list, as
 the JSON bytes it sends); *tokenizer*, the rest of its background load after that; *rollout*, the
 long rollout's token view (its JSON); *lint*, from opening until the background lint of every
 rollout has filled in the list's problem counts and the run's minimum prefill.
+
+It lives beside the page it times (``bench/`` sits below ``view/``); ``verbatim bench view``
+(:mod:`verbatim.cli.bench`) writes its section with :mod:`verbatim.bench.docsection`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.bench import docsection
 from verbatim.datamodel import Rollout, Source, TokenColumns, Turn
 
 SECTION = "bench-view"
@@ -65,7 +67,7 @@ def _size(rng: np.random.Generator, mean: int) -> int:
 
 def write_synthetic_run(path: Path, rollouts: int, *, turns: int = 3, long_tokens: int = 30_000,
                         model: str = "", seed: int = 0, block: int = 16) -> Path:
-    """A run directory of ``rollouts`` rollouts plus one of about ``long_tokens`` tokens (id :data:`LONG_ID`)."""
+    """A run directory of ``rollouts`` rollouts, the last of them ``long_tokens`` long (id :data:`LONG_ID`)."""
     from verbatim.harness.store import RunManifest, TraceWriter
 
     rng = np.random.default_rng(seed)
@@ -74,7 +76,7 @@ def write_synthetic_run(path: Path, rollouts: int, *, turns: int = 3, long_token
     writer = TraceWriter(path, manifest)
     batch: list[Rollout] = []
     prompt = rng.integers(0, VOCAB, SIZES["prompt"])
-    for i in range(rollouts):
+    for i in range(rollouts - 1):
         if i % GROUP == 0:
             prompt = rng.integers(0, VOCAB, _size(rng, SIZES["prompt"]))
         pieces = [(_size(rng, SIZES["completion"]), _size(rng, SIZES["observation"])) for _ in range(turns)]
@@ -82,9 +84,9 @@ def write_synthetic_run(path: Path, rollouts: int, *, turns: int = 3, long_token
         if len(batch) == BATCH:
             writer.write_batch(batch)
             batch = []
-    long_turns = max(1, long_tokens // 1_000)
+    long_turns = max(1, long_tokens // 1_000)  # 800 sampled and 200 observed per turn, none before the first
     pieces = [(800, 200)] * long_turns
-    batch.append(_rollout(LONG_ID, "long", rng.integers(0, VOCAB, max(1, long_tokens - 1_000 * long_turns)),
+    batch.append(_rollout(LONG_ID, "long", rng.integers(0, VOCAB, max(1, long_tokens - 1_000 * long_turns + 200)),
                           pieces, rng, block))
     writer.write_batch(batch)
     writer.write_manifest(manifest.model_copy(update={"status": "completed"}))
@@ -142,11 +144,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
     table = "| what the page waits for | seconds | |\n|---|---:|---|\n" + "\n".join(
         f"| {what} | {seconds:.2f} | {note} |" for what, seconds, note in rows)
     words = "token texts from the SmolLM2 tokenizer" if result["tokenizer"] else "token ids (no tokenizer found)"
-    return (f"`verbatim view` on a synthetic run of {result['rollouts']:,} rollouts ({result['turns']} turns each, "
-            f"{result['batch_files']:,} batch files of {BATCH}, groups of {GROUP}) plus one rollout of "
-            f"{result['rollout_tokens']:,} tokens; {words}. Each time is one fresh server's answer as the JSON "
+    return (f"`verbatim view` on a synthetic run of {result['rollouts']:,} rollouts ({result['turns']} turns each "
+            "but the long one, "
+            f"{result['batch_files']:,} batch files of {BATCH}, groups of {GROUP}), one of them "
+            f"{result['rollout_tokens']:,} tokens long; {words}. Each time is one fresh server's answer as the JSON "
             f"it sends. Measured {dt.date.today().isoformat()} with `{command}`.\n\n{table}")
 
-
-def write_section(doc: str | Path, result: dict[str, Any], command: str) -> None:
-    docsection.write_section(doc, SECTION, markdown(result, command), libraries=LIBRARIES)
