@@ -298,3 +298,14 @@ def test_chromium_is_debians(browser):
     """The browser the tests drive is the system's, never one Playwright downloaded."""
     assert Path(CHROMIUM).resolve().is_file() and shutil.which("chromium")
     assert browser.version
+
+
+def test_bench_view_times_a_synthetic_run_into_its_doc_section(tmp_path):
+    doc = tmp_path / "bench.md"
+    doc.write_text("# prose\n<!-- bench-view:begin -->\nold\n<!-- bench-view:end -->\nafter\n")
+    result = runner.invoke(app, ["bench", "view", "--rollouts", "17", "--long-tokens", "2000", "--write", str(doc)])
+    assert result.exit_code == 0, result.stderr
+    text = doc.read_text()
+    assert text.startswith("# prose\n") and text.endswith("after\n") and "old" not in text
+    assert "synthetic run of 17 rollouts" in text and "one of them 2,000 tokens long" in text
+    assert "| open: summary + rollout list (first page) |" in text and "Machine (detected):" in text

@@ -16,6 +16,7 @@ It lives beside the page it times (``bench/`` sits below ``view/``); ``verbatim 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -98,10 +99,11 @@ def time_view(run_dir: Path, *, lint_timeout_s: float = 600.0) -> dict[str, Any]
     from verbatim.view.run_data import RunData
     from verbatim.view.server import json_bytes
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     data = RunData(run_dir)
     first_page = len(json_bytes(data.summary())) + len(json_bytes(data.rollout_list()))
-    opened = time.perf_counter() - began
+    opened, open_cpu = time.perf_counter() - began, time.process_time() - cpu
+    load = os.getloadavg()[0]
     began = time.perf_counter()
     data.token_text()  # loaded in the background from the first page on; the page waits for it only if sooner
     tokenizer = time.perf_counter() - began
@@ -111,7 +113,8 @@ def time_view(run_dir: Path, *, lint_timeout_s: float = 600.0) -> dict[str, Any]
     loaded = time.perf_counter() - began
     data.wait_for_lint(lint_timeout_s)
     linted = time.perf_counter() - began + opened + tokenizer
-    return {"rollouts": data.summary()["rollouts"], "open_s": opened, "first_page_bytes": first_page,
+    return {"rollouts": data.summary()["rollouts"], "open_s": opened, "open_cpu_s": open_cpu,
+            "load": load, "first_page_bytes": first_page,
             "rollout_s": loaded, "tokenizer_s": tokenizer,
             "rollout_tokens": len(detail["columns"]["id"]), "rollout_bytes": long_bytes,
             "lint_s": linted, "tokenizer": data.summary()["problems"] == []}
@@ -133,7 +136,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
     """The doc section: what was measured, and one table."""
     rows = [
         ("open: summary + rollout list (first page)", result["open_s"],
-         f"{result['first_page_bytes'] / 1e6:.1f} MB JSON"),
+         f"{result['first_page_bytes'] / 1e6:.1f} MB JSON; {result['open_cpu_s']:.2f} s of CPU (all threads)"),
         ("the tokenizer, loaded in the background after the first page", result["tokenizer_s"],
          "a rollout opened sooner waits for it"),
         (f"one rollout of {result['rollout_tokens']:,} tokens (token view)", result["rollout_s"],
@@ -148,5 +151,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
             "but the long one, "
             f"{result['batch_files']:,} batch files of {BATCH}, groups of {GROUP}), one of them "
             f"{result['rollout_tokens']:,} tokens long; {words}. Each time is one fresh server's answer as the JSON "
-            f"it sends. Measured {dt.date.today().isoformat()} with `{command}`.\n\n{table}")
+            f"it sends; wall-clock seconds, on a machine whose load average was {result['load']:.1f} when the "
+            f"run opened (CPU seconds say what the page costs without the others). Measured "
+            f"{dt.date.today().isoformat()} with `{command}`.\n\n{table}")
 
