@@ -21,6 +21,7 @@ from verbatim.datamodel import Rollout
 from verbatim.errors import InputError, TraceError, TraceFormatError
 from verbatim.harness.metrics_log import METRICS_FILE, read_metrics
 from verbatim.harness.store import _TMP_PREFIX, batch_files, read_manifest
+from verbatim.harness.tracefile import brief
 from verbatim.lint.findings import CacheSettings, Problem
 from verbatim.lint.trace import check_extension, check_sampling, check_spans, check_version_order, lint_rollout
 from verbatim.prefix_cache import min_prefill
@@ -147,10 +148,13 @@ class RunData:
     def _lint_batch(self, batch: BatchIndex) -> None:
         try:
             rollouts = read_batch(batch)
+            lint = {r.rollout_id: self._lint(r) for r in rollouts}
         except TraceFormatError as exc:
             batch.problem = batch.problem or exc.one_line()
             return
-        lint = {r.rollout_id: self._lint(r) for r in rollouts}
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the pass (the page would wait forever)
+            batch.problem = f"{batch.path.name}: not linted ({type(exc).__name__}: {brief(exc)})"
+            return
         requests = [(r.tokens.token_id[:t.prompt_end], r.tokens.token_id[t.prompt_end:t.completion_end])
                     for r in rollouts for t in r.turns]
         with self._lock:
@@ -205,15 +209,16 @@ class RunData:
             manifest, batches = self.manifest, list(self._batches.values())
             rows = self._rows()
             linted = all(b.lint is not None for b in batches if not b.problem)
-            problems = list(self.load_problems)
+            problems = self.load_problems + [b.problem for b in batches if b.problem not in (None, *self.load_problems)]
             min_pre = self._min_prefill[1] if self._min_prefill and linted else None
+        damaged = bool(problems)
         if self._tokens is not None and self._tokens.problem:
             problems.append(self._tokens.problem)
         problems += self.trainer.problems
         return {
             "run_id": manifest.run_id, "status": manifest.status, "created_at": manifest.created_at,
             "model": manifest.model, "renderer": manifest.renderer, "format": manifest.format,
-            "partial": manifest.status != COMPLETE or bool(self.load_problems),
+            "partial": manifest.status != COMPLETE or damaged,
             "training": self.metrics is not None, "metrics": self.metrics or [],
             "totals": self._totals(batches, rows, min_pre), "problems": problems, "generation": self.generation,
             "rollouts": len(rows), "groups": len(self.groups), "trainer_logprobs": self.trainer.sources(),
