@@ -32,8 +32,9 @@ def main() -> None:
     renderer = get_renderer("smollm2", model_dir=model_dir)
     rollouts = view_runs.rollouts(renderer)
     run = view_runs.write_run(Path(tempfile.mkdtemp()) / "run", renderer, str(model_dir),
-                              [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(6))
+                              [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(6), trainer=rollouts[:1])
     server = make_server(run, 0)
+    server.RequestHandlerClass.data.wait_for_lint(120)
     serve_in_thread(server)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     shots = [("run", "/#/", None), ("rollout", "/#/rollout/g0-r0", "source"),

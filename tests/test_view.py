@@ -37,11 +37,14 @@ def renderer(default_model_dir):
 def train_run(tmp_path_factory, renderer, default_model_dir) -> Path:
     rollouts = view_runs.rollouts(renderer)
     return view_runs.write_run(tmp_path_factory.mktemp("view") / "run", renderer, str(default_model_dir),
-                               [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(4))
+                               [rollouts[:2], rollouts[2:]], metrics=view_runs.step_metrics(4),
+                               trainer=rollouts[:1])
 
 
 def serving(run_dir: Path):
+    """A server on any free port, its background lint done (so the list's counts are there)."""
     server = make_server(run_dir, 0)
+    assert server.RequestHandlerClass.data.wait_for_lint(120)
     serve_in_thread(server)
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
@@ -118,6 +121,35 @@ def test_unknown_ids_and_writes_are_refused(site):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 405
+
+
+def test_opening_reads_columns_and_lints_later_in_the_background(tmp_path, renderer, default_model_dir):
+    from verbatim.harness.store import read_run
+    from verbatim.harness.summary import summarize
+    from verbatim.view.run_data import RunData
+
+    rollouts = view_runs.rollouts(renderer)
+    run = view_runs.write_run(tmp_path / "run", renderer, str(default_model_dir), [rollouts[:2]], status="running")
+    data = RunData(run)
+    summary, listing = data.summary(), data.rollout_list()  # the background pass starts after the first list
+    assert summary["lint_pending"] and summary["lint_problems"] is None
+    assert summary["totals"]["min_prefill_tokens"] is None
+    assert [(r["id"], r["misses"], r["problems"]) for r in listing["rows"]] == [("g0-r0", None, None),
+                                                                                ("g0-r1", None, None)]
+    assert data.wait_for_lint(60)
+    summary = data.summary()
+    expected = summarize(read_run(run).rollouts, block_size=view_runs.BLOCK)
+    for key in ("rollouts", "turns", "prompt_tokens", "cached_tokens", "prefill_tokens", "min_prefill_tokens",
+                "generated_tokens", "statuses", "mean_reward"):
+        assert summary["totals"][key] == getattr(expected, key), key
+    assert not summary["lint_pending"] and summary["lint_problems"] == 1
+    assert {r["id"]: r["misses"] for r in data.rollout_list()["rows"]} == {"g0-r0": 1, "g0-r1": 0}
+    first = data._batches["rollouts-000001.parquet"]
+    TraceWriter(run, RunManifest.model_validate_json((run / "manifest.json").read_text())).write_batch(rollouts[2:])
+    rows = data.rollout_list()["rows"]
+    assert data._batches["rollouts-000001.parquet"] is first  # an unchanged file is not read again
+    assert [r["id"] for r in rows] == ["g0-r0", "g0-r1", "g1-evil"]
+    assert data.rollout("g1-evil")["row"]["problems"] == data.rollout_list()["rows"][2]["problems"] is not None
 
 
 def test_a_directory_that_is_not_a_run_is_one_line_exit_2(tmp_path):
@@ -266,3 +298,14 @@ def test_chromium_is_debians(browser):
     """The browser the tests drive is the system's, never one Playwright downloaded."""
     assert Path(CHROMIUM).resolve().is_file() and shutil.which("chromium")
     assert browser.version
+
+
+def test_bench_view_times_a_synthetic_run_into_its_doc_section(tmp_path):
+    doc = tmp_path / "bench.md"
+    doc.write_text("# prose\n<!-- bench-view:begin -->\nold\n<!-- bench-view:end -->\nafter\n")
+    result = runner.invoke(app, ["bench", "view", "--rollouts", "17", "--long-tokens", "2000", "--write", str(doc)])
+    assert result.exit_code == 0, result.stderr
+    text = doc.read_text()
+    assert text.startswith("# prose\n") and text.endswith("after\n") and "old" not in text
+    assert "synthetic run of 17 rollouts" in text and "one of them 2,000 tokens long" in text
+    assert "| open: summary + rollout list (first page) |" in text and "Machine (detected):" in text

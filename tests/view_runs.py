@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from verbatim.datamodel import Completion, Message, Rollout
+from verbatim.datamodel import Completion, Message, Rollout, Source
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.metrics_log import append_metrics
 from verbatim.harness.store import RunManifest, TraceWriter
+from verbatim.trainer.logprob_files import RolloutLogprobs, step_file, write_logprobs
 
 BLOCK = 16
 HOSTILE = '<img src=x onerror="window.__pwned=1">'
@@ -54,10 +55,8 @@ def play(renderer, rid: str, group: str, answers: list[str], replies: list[str],
 
 
 def rollouts(renderer) -> list[Rollout]:
-    r0 = play(renderer, "g0-r0", "g0", ["50", "25", "37"], ["Lower.", "Higher."], miss_at=2, reward=1.0)
-    trainer = [None if np.isnan(mu) else float(mu) + (2.0 if k % 3 == 0 else 0.001)
-               for k, mu in enumerate(r0.tokens.logprob.tolist())]
-    r0 = r0.model_copy(update={"info": {"trainer_logprobs": trainer, "step": 0}})
+    r0 = play(renderer, "g0-r0", "g0", ["50", "25", "37"], ["Lower.", "Higher."], miss_at=2, reward=1.0,
+              info={"step": 0})
     r1 = play(renderer, "g0-r1", "g0", ["75 is my guess", "60"], ["Lower."], reward=0.0,
               versions={1: [0, 1, 1]}, first_cached=_reusable(30), info={"step": 0})
     evil = play(renderer, "g1-evil", "g1", [HOSTILE, CLOSER], [f"{HOSTILE} {CLOSER}"], reward=0.5,
@@ -65,13 +64,25 @@ def rollouts(renderer) -> list[Rollout]:
     return [r0, r1, evil]
 
 
+def trainer_logprobs(rollout: Rollout) -> RolloutLogprobs:
+    """log π off from μ by +2 on every third token (the correction masks those: e² > 5), by 0.001 elsewhere."""
+    mu = rollout.tokens.logprob.astype(np.float64)
+    shift = np.where(np.arange(len(mu)) % 3 == 0, 2.0, 0.001)
+    model = rollout.tokens.source == Source.MODEL
+    return RolloutLogprobs(rollout.rollout_id, np.where(model, mu + shift, np.nan).astype(np.float32),
+                           model & (shift < 1.0))
+
+
 def write_run(path: Path, renderer, model_dir: str, batches: list[list[Rollout]], *, status: str = "completed",
-              metrics: list[dict] | None = None) -> Path:
+              metrics: list[dict] | None = None, trainer: list[Rollout] = ()) -> Path:
     manifest = RunManifest(run_id="view-test", model=model_dir, renderer="smollm2",
                            engine={"block_size": BLOCK, "cache_policy": "keep"})
     writer = TraceWriter(path, manifest)
     for batch in batches:
         writer.write_batch(batch)
+    if trainer:
+        write_logprobs(step_file(path, 0), [trainer_logprobs(r) for r in trainer],
+                       {"writer": "train", "step": 0, "trainer_version": 0, "model": model_dir})
     for record in metrics or []:
         append_metrics(path, record)
     writer.write_manifest(manifest.model_copy(update={"status": status}))

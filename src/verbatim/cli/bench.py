@@ -301,6 +301,37 @@ def _prefixflow_exactness(model: str, write: Path | None) -> None:
         docsection.write_section(write, SECTION, table, libraries=("torch", "transformers"))
 
 
+# ---------------------------------------------------------------------------
+# bench view: how fast `verbatim view` opens a large run
+# ---------------------------------------------------------------------------
+
+
+@bench_app.command("view")
+def bench_view(
+    rollouts: int = typer.Option(10_000, "--rollouts", min=1, help="Rollouts in the synthetic run."),
+    turns: int = typer.Option(3, "--turns", min=1, help="Turns per rollout."),
+    long_tokens: int = typer.Option(30_000, "--long-tokens", min=1_000, help="Tokens of the one long rollout."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's bench-view "
+                               "section (docs/benchmarks.md)."),
+) -> None:
+    """Time verbatim view on a synthetic run written to a temporary folder: the first page, one long rollout,
+    the background lint."""
+    from verbatim.engine import models
+    from verbatim.view.bench import LIBRARIES, SECTION, markdown, run_bench
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    model = str(models.prepared_path(models.DEFAULT_MODEL)) if models.is_prepared(models.DEFAULT_MODEL) else ""
+    result = run_bench(rollouts, turns=turns, long_tokens=long_tokens, model=model)
+    command = _command("view", rollouts=None if rollouts == 10_000 else rollouts, turns=None if turns == 3 else turns,
+                       long_tokens=None if long_tokens == 30_000 else long_tokens, write=write)
+    text = markdown(result, command)
+    console.print(text, markup=False, highlight=False)
+    if write is not None:
+        docsection.write_section(write, SECTION, text, libraries=LIBRARIES)
+        console.print(f"wrote {write}")
+
+
 def _command(name: str, **options: object) -> str:
     """The command line as a reader would type it: options left at None (or a default model) are left out."""
     parts = [f"verbatim bench {name}"]

@@ -174,6 +174,8 @@ def mismatch_report(
     trainer_version: int = typer.Option(None, "--trainer-version", help="Default: the newest version in the trace."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
+    save: bool = typer.Option(False, "--save", help="Also write each rollout's log π and the correction's keep mask "
+                              "to RUN_DIR/trainer_logprobs.parquet (verbatim view colours tokens by them)."),
 ) -> None:
     """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
     import json
@@ -182,7 +184,8 @@ def mismatch_report(
     from verbatim.engine.models import resolve
     from verbatim.harness.store import read_run
     from verbatim.paths import check_output_file
-    from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, usable_rollouts
+    from verbatim.trainer.logprob_files import mismatch_file
+    from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, save_logprobs, usable_rollouts
     from verbatim.trainer.reference import load_model
 
     if plot:
@@ -197,6 +200,9 @@ def mismatch_report(
     report = mismatch(rollouts, network, trainer_version=trainer_version)
     if plot:
         plot_histogram(report, Path(plot))
+    if save:
+        saved = save_logprobs(report, mismatch_file(run_dir), str(model_dir))
+        err_console.print(f"wrote {saved}", markup=False, highlight=False)
     if as_json:
         console.print_json(json.dumps(report.as_dict()))
         return

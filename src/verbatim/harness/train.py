@@ -4,7 +4,9 @@ One step ``k``:
 
 1. play ``groups × group_size`` rollouts (:class:`~verbatim.harness.run.Run` with ``step=k``: the
    ordinary trace, ids prefixed ``sNNNN-``, each rollout's ``info["step"]``);
-2. group-relative advantages, the learner's step on the traced tokens (in a worker thread);
+2. group-relative advantages, the learner's step on the traced tokens (in a worker thread), and
+   its log π of each trained rollout before the update (π_old) with the correction's keep mask into
+   ``RUN_DIR/trainer_logprobs/step-{k:06d}.parquet`` (atomic; ``verbatim view`` colours tokens by it);
 3. the new weights into the engine under the cache policy, as version ``k + 1`` (served replicas
    reload a folder published atomically under ``RUN_DIR/weights/``; the router updates every
    replica before the version is used);
@@ -43,10 +45,11 @@ from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes
-from verbatim.harness.train_step import step_input, step_record
+from verbatim.harness.train_step import step_input, step_logprobs, step_record
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from verbatim.trainer.learner import Learner
+from verbatim.trainer.logprob_files import step_file, write_logprobs
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
@@ -177,7 +180,12 @@ class TrainLoop:
 
     async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
         rows, row_info = step_input(rollouts, self.plan.advantage)
+        version = self.learner.version
         learned = await asyncio.to_thread(self.learner.train_step, rows, (k, self.plan.steps))
+        found, meta = step_logprobs(k, version, rows, learned, self.manifest.model,
+                                    self.learner.config.correction.model_dump(mode="json"))
+        await asyncio.to_thread(write_logprobs, step_file(self.out, k), found, meta)  # before the commit: a
+        # step trained again after a crash writes it again
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began

@@ -26,6 +26,7 @@ from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.learner import StepInput
+from verbatim.trainer.logprob_files import RolloutLogprobs
 
 TRAINED_STATUSES = ("ok", "truncated")
 
@@ -35,7 +36,7 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, 
     by_group: dict[str, list[Rollout]] = {}
     for rollout in sorted(rollouts, key=lambda r: r.rollout_id):
         by_group.setdefault(rollout.group_id, []).append(rollout)
-    columns, advantages, groups, skipped = [], [], [], 0
+    columns, ids, advantages, groups, skipped = [], [], [], [], 0
     for members in by_group.values():
         trained = [r for r in members if r.status in TRAINED_STATUSES and r.reward is not None and len(r.turns)]
         if len(trained) < 2:
@@ -43,6 +44,7 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, 
             continue
         start = len(columns)
         columns.extend(r.tokens for r in trained)
+        ids.extend(r.rollout_id for r in trained)
         advantages.extend(group_advantages([float(r.reward) for r in trained], how).tolist())
         groups.append(list(range(start, len(columns))))
     if not groups:
@@ -52,7 +54,18 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, 
     info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
             "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
             "zero_advantage_groups": sum(1 for g in groups if not np.any(values[g]))}
-    return StepInput(columns=columns, advantages=values, groups=groups), info
+    return StepInput(columns=columns, advantages=values, groups=groups, rollout_ids=ids), info
+
+
+def step_logprobs(step: int, version: int, rows: StepInput, learned: dict[str, Any], model: str,
+                  correction: dict[str, Any]) -> tuple[list[RolloutLogprobs], dict[str, Any]]:
+    """The step's trainer logprob file: each trained rollout's π_old and keep mask, and the file's metadata.
+
+    ``version`` is the one π_old was computed with (the learner's before its update)."""
+    per_row = learned.get("row_logprobs") or []
+    found = [RolloutLogprobs(rid, logprob, keep) for rid, (logprob, keep) in zip(rows.rollout_ids, per_row)]
+    return found, {"writer": "train", "step": step, "trainer_version": version, "model": model,
+                   "correction": correction}
 
 
 def _nothing_to_train(rollouts: Sequence[Rollout]) -> str:

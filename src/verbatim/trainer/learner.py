@@ -82,6 +82,20 @@ class StepInput:
     columns: Sequence[TokenColumns]
     advantages: np.ndarray
     groups: Sequence[Sequence[int]]
+    rollout_ids: Sequence[str] = ()
+    """The rollout of each row, when known (the trainer logprob file of the step names them)."""
+
+
+def row_logprobs(logp: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                 keep: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Padded (B, T) log π and the correction's keep mask → per row, float32 log π (NaN off the row's model
+    tokens) and the keep mask, each as long as the row: what the trainer logprob files hold."""
+    logp, loss_mask, keep = logp.detach().float().cpu().numpy(), loss_mask.cpu().numpy(), keep.cpu().numpy()
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        model = loss_mask[i, :n].astype(bool)
+        rows.append((np.where(model, logp[i, :n], np.nan).astype(np.float32), keep[i, :n].astype(bool) & model))
+    return rows
 
 
 class Learner:
@@ -100,7 +114,8 @@ class Learner:
 
     def train_step(self, step: StepInput, at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
         """One step (see the module docstring); ``at`` is (this step, the run's steps) for the learning-rate
-        schedule. Returns the step's metrics; the version moves by one."""
+        schedule. Returns the step's metrics, and under ``row_logprobs`` each row's π_old and keep mask
+        (:func:`row_logprobs`); the version moves by one."""
         started = time.perf_counter()
         lr = scheduled_lr(self.config, *at)
         for group in self.optimizer.param_groups:
@@ -120,6 +135,7 @@ class Learner:
                       self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
                                      device=device)
+        per_row = row_logprobs(logp_old, mask, batch.lengths, fix.keep)
         loss = 0.0
         norms = []
         for update_rows in self.update_splits(rows):
@@ -131,7 +147,8 @@ class Learner:
         return {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
                 "grad_norm_max": float(max(norms)),
                 "updates": len(norms), "kept_tokens": int(fix.keep.sum()), "model_tokens": int(batch.loss_mask.sum()),
-                "train_s": time.perf_counter() - started, "correction": fix.metrics.as_dict()}
+                "train_s": time.perf_counter() - started, "correction": fix.metrics.as_dict(),
+                "row_logprobs": per_row}
 
     def update_splits(self, rows: int) -> list[list[int]]:
         """The rows of each optimizer update: consecutive (a group stays together where it can)."""

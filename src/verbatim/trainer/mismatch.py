@@ -21,6 +21,8 @@ from verbatim.datamodel import Rollout, Source
 from verbatim.errors import InputError, TraceError
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.learner import row_logprobs
+from verbatim.trainer.logprob_files import RolloutLogprobs, write_logprobs
 from verbatim.trainer.reference import reference_logprobs
 
 
@@ -32,6 +34,8 @@ class MismatchReport:
     mean_abs_log_ratio: float
     log_ratios: np.ndarray
     metrics: dict[str, Any]
+    per_rollout: tuple[RolloutLogprobs, ...] = ()
+    """Each rollout's log π (NaN off its model tokens) and the correction's keep mask, for ``--save``."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"rollouts": self.rollouts, "model_tokens": self.model_tokens,
@@ -74,7 +78,23 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
     ratios = result.log_ratio[batch.loss_mask].numpy()
     return MismatchReport(rollouts=len(rollouts), model_tokens=int(batch.loss_mask.sum()), trainer_version=version,
                           mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
-                          metrics=result.metrics.as_dict())
+                          metrics=result.metrics.as_dict(),
+                          per_rollout=per_rollout([r.rollout_id for r in rollouts], logp_pi, batch.loss_mask,
+                                                  batch.lengths, result.keep))
+
+
+def per_rollout(ids: list[str], logp_pi: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                keep: torch.Tensor) -> tuple[RolloutLogprobs, ...]:
+    """Padded (B, T) log π and keep mask → one row per rollout, NaN off its model tokens."""
+    rows = row_logprobs(logp_pi, loss_mask, lengths, keep)
+    return tuple(RolloutLogprobs(rid, logprob, kept) for rid, (logprob, kept) in zip(ids, rows))
+
+
+def save_logprobs(report: MismatchReport, path: Path, model: str, config: CorrectionConfig | None = None) -> Path:
+    """``verbatim mismatch --save``: the report's per-rollout log π and keep mask, written atomically."""
+    meta = {"writer": "mismatch", "model": model, "trainer_version": report.trainer_version,
+            "correction": (config or CorrectionConfig()).model_dump(mode="json")}
+    return write_logprobs(path, report.per_rollout, meta)
 
 
 def plot_histogram(report: MismatchReport, path: Path) -> Path:

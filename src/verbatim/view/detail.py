@@ -18,10 +18,7 @@ from verbatim.datamodel import Rollout, Source
 from verbatim.lint.findings import Problem
 
 DEFAULT_HYBRID_WINDOW = 32
-DEFAULT_MASK_BAND = (0.5, 5.0)
 CACHE_MISS = "cache_shortfall"
-TRAINER_LOGPROBS = "trainer_logprobs"
-"""``rollout.info`` key of the trainer's logprobs (log π), one per token, null where not a model token."""
 
 
 def _finite(value: float) -> float | None:
@@ -34,7 +31,6 @@ def rollout_row(rollout: Rollout, problems: Sequence[Problem]) -> dict[str, Any]
         "id": rollout.rollout_id, "group": rollout.group_id, "status": rollout.status,
         "reward": rollout.reward, "turns": len(rollout.turns), "tokens": len(rollout.tokens),
         "misses": sum(p.kind == CACHE_MISS for p in problems), "problems": len(problems),
-        "step": rollout.info.get("step") if isinstance(rollout.info.get("step"), int) else None,
         "error": rollout.error,
     }
 
@@ -52,25 +48,22 @@ def hybrid_mask(versions: np.ndarray, model: np.ndarray, window: int) -> np.ndar
     return hybrid
 
 
-def trainer_columns(rollout: Rollout, band: tuple[float, float]) -> dict[str, list] | None:
-    """log π − log μ and the token mask's verdict, when the rollout carries the trainer's logprobs."""
-    raw = rollout.info.get(TRAINER_LOGPROBS)
-    if not isinstance(raw, list) or len(raw) != len(rollout.tokens):
+def trainer_columns(rollout: Rollout, trainer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """log π − log μ and the correction's keep mask per model token, from the trainer's logprob file
+    (:meth:`verbatim.view.sidecar.TrainerLogprobs.find`); None without one."""
+    if trainer is None:
         return None
     model = rollout.tokens.source == Source.MODEL
-    ratio: list[float | None] = []
-    keep: list[bool | None] = []
-    low, high = math.log(band[0]) if band[0] > 0 else -math.inf, math.log(band[1])
-    for position, pi in enumerate(raw):
-        mu = float(rollout.tokens.logprob[position])
-        if not model[position] or not isinstance(pi, (int, float)) or not math.isfinite(mu):
-            ratio.append(None)
-            keep.append(None)
-            continue
-        value = float(pi) - mu
-        ratio.append(_finite(value))
-        keep.append(bool(low <= value <= high))
-    return {"log_ratio": ratio, "keep": keep}
+    mu = rollout.tokens.logprob.astype(np.float64)
+    pi = np.asarray(trainer["logprob"], dtype=np.float64)
+    known = model & np.isfinite(pi) & np.isfinite(mu)
+    ratio = np.where(known, pi - mu, np.nan)
+    keep = np.asarray(trainer["keep"], dtype=bool)
+    meta = trainer.get("meta") or {}
+    return {"log_ratio": [_finite(v) if k else None for v, k in zip(ratio.tolist(), known.tolist())],
+            "keep": [bool(v) if k else None for v, k in zip(keep.tolist(), known.tolist())],
+            "source": trainer.get("source"), "writer": meta.get("writer"), "model": meta.get("model"),
+            "trainer_version": meta.get("trainer_version"), "step": meta.get("step")}
 
 
 def pin(problem: Problem, rollout: Rollout) -> int | None:
@@ -86,7 +79,7 @@ def pin(problem: Problem, rollout: Rollout) -> int | None:
 
 def rollout_detail(rollout: Rollout, problems: Sequence[Problem], texts: list[str], specials: list[bool], *,
                    block_size: int | None, hybrid_window: int = DEFAULT_HYBRID_WINDOW,
-                   band: tuple[float, float] = DEFAULT_MASK_BAND) -> dict[str, Any]:
+                   trainer: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the token view of one rollout needs."""
     tokens = rollout.tokens
     model = tokens.source == Source.MODEL
@@ -102,7 +95,7 @@ def rollout_detail(rollout: Rollout, problems: Sequence[Problem], texts: list[st
             "hybrid": hybrid_mask(tokens.policy_version, model, hybrid_window).tolist(),
             "prefills": prefill_counts(rollout).tolist(),
         },
-        "trainer": trainer_columns(rollout, band),
+        "trainer": trainer_columns(rollout, trainer),
         "turns": [{"index": t.index, "prompt_end": t.prompt_end, "completion_end": t.completion_end,
                    "cached": t.cached_tokens, "prefilled": t.prompt_end - t.cached_tokens,
                    "finish_reason": t.finish_reason, "replica": t.replica, "reward": t.reward,

@@ -60,7 +60,8 @@
       ["statuses", statuses], ["mean reward", num(t.mean_reward)], ["turns", num(t.turns)],
       ["prompt tokens", num(t.prompt_tokens)], ["cached / prefill", `${num(t.cached_tokens)} / ${num(t.prefill_tokens)}`],
       ["minimum prefill", num(t.min_prefill_tokens)], ["cache hit rate", t.cache_hit_rate === undefined ? "–" : `${(100 * t.cache_hit_rate).toFixed(1)}%`],
-      ["generated tokens", num(t.generated_tokens)], ["lint problems", s.lint_problems]]);
+      ["generated tokens", num(t.generated_tokens)], ["lint problems", s.lint_problems ?? "checking…"],
+      ["trainer logprobs", s.trainer_logprobs.length ? s.trainer_logprobs.join(", ") : "–"]]);
   }
 
   function charts(metrics) {
@@ -87,7 +88,7 @@
     const min = f.minReward === "" ? null : Number(f.minReward);
     const rows = state.rows.filter((r) => (!f.group || r.group === f.group) && (!f.status || r.status === f.status) &&
       (min === null || (r.reward !== null && r.reward >= min)) &&
-      (!f.lint || (f.lint === "problems" ? r.problems > 0 : f.lint === "misses" ? r.misses > 0 : r.problems === 0)));
+      (!f.lint || (r.problems !== null && (f.lint === "problems" ? r.problems > 0 : f.lint === "misses" ? r.misses > 0 : r.problems === 0))));
     const { key, desc } = state.sort;
     const value = (r) => (r[key] === null ? -Infinity : r[key]);
     rows.sort((a, b) => (value(a) < value(b) ? -1 : value(a) > value(b) ? 1 : 0) * (desc ? -1 : 1));
@@ -101,8 +102,8 @@
         on: { click: (e) => { e.stopPropagation(); location.hash = `#/group/${q(r.group)}`; } } })),
       h("span", { class: `c-status status-${r.status}`, text: r.status }),
       h("span", { class: "c-num", text: String(num(r.reward)) }), h("span", { class: "c-num", text: String(r.turns) }),
-      h("span", { class: "c-num", text: String(r.tokens) }), h("span", { class: "c-num", text: String(r.misses) }),
-      h("span", { class: "c-num", text: String(r.problems) }), h("span", { class: "c-error", text: r.error || "" }));
+      h("span", { class: "c-num", text: String(r.tokens) }), h("span", { class: "c-num", text: String(r.misses ?? "…") }),
+      h("span", { class: "c-num", text: String(r.problems ?? "…") }), h("span", { class: "c-error", text: r.error || "" }));
   }
 
   function rolloutList(box) {
@@ -110,7 +111,8 @@
     const head = h("div", { class: "row head" }, ...["id", "group", "status", "reward", "turns", "tokens", "misses", "lint"]
       .map((label, k) => h("span", { class: ["c-id", "c-group", "c-status"][k] || "c-num", text: label })), h("span", { class: "c-error", text: "error" }));
     const list = h("div", { class: "list", id: "rollout-list" });
-    box.replaceChildren(h("p", { class: "muted", id: "list-count", text: `${rows.length} of ${state.rows.length} rollouts` }), head, list);
+    const pending = state.summary.lint_pending ? " (lint trace is still checking: problem counts follow)" : "";
+    box.replaceChildren(h("p", { class: "muted", id: "list-count", text: `${rows.length} of ${state.rows.length} rollouts${pending}` }), head, list);
     VerbatimTokens.virtualList(list, rows.length, (i) => rowNode(rows[i]));
   }
 
@@ -150,6 +152,11 @@
     mask: [["keep", "kept by the correction"], ["masked", "masked"]],
   };
 
+  function trainerSource(t) {
+    const by = t.writer === "train" ? `training step ${t.step}` : "verbatim mismatch --save";
+    return `log π from ${t.source} (${by}, trainer version ${t.trainer_version ?? "–"}${t.model ? `, ${t.model}` : ""})`;
+  }
+
   async function showRollout(id) {
     const d = await api(`rollout?id=${q(id)}`);
     const r = d.row;
@@ -173,7 +180,8 @@
         ["tokens", r.tokens], ["error", r.error || "–"], ["task", JSON.stringify(d.task)]]),
       h("div", { class: "controls" }, h("label", { text: "colour" }),
         select("mode", modes, state.mode, (v) => { state.mode = v; draw(); }), legend,
-        hasTrainer ? null : h("span", { class: "muted", text: "no trainer logprobs in this rollout" })),
+        h("span", { class: "muted", id: "trainer-source", text: hasTrainer ? trainerSource(d.trainer)
+          : "no trainer logprobs for this rollout (verbatim mismatch RUN_DIR --save, or a training step, writes them)" })),
       pins, tokens);
     draw();
   }
@@ -225,7 +233,7 @@
         showHeader(s);
         if (!location.hash || location.hash === "#/") await showRun();
       }
-      if (s.status === "completed" && !s.partial) return;
+      if (s.status === "completed" && !s.partial && !s.lint_pending) return;
     } catch (err) { /* the server went away: keep the page as it is */ return; }
     setTimeout(poll, 1000);
   }
