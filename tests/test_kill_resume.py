@@ -45,7 +45,7 @@ get_renderer("smollm2", model_dir=resolve("default"))  # the tokenizer's imports
 go = pathlib.Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
-sys.argv = ["verbatim", *sys.argv[2:]]
+sys.argv = ["verbatim", *sys.argv[2:], *go.read_text().split()]
 verbatim.cli.app.main()
 """
 """A process that imports what ``verbatim run`` needs, waits for its turn, then runs the CLI's entry
@@ -64,9 +64,12 @@ class CliProcess:
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
             self.proc = subprocess.Popen([*command, "run", *args], stdout=out, stderr=err, start_new_session=True)
 
-    def go(self) -> CliProcess:
+    def go(self, *extra: str) -> CliProcess:
+        """Let a warm process run, with ``extra`` arguments decided only now."""
         if self.go_file is not None:
-            self.go_file.touch()
+            ready = self.go_file.with_suffix(".ready")
+            ready.write_text(" ".join(extra))
+            ready.rename(self.go_file)
         return self
 
     def alive(self) -> bool:
@@ -141,14 +144,18 @@ def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(vllm_
     batches = GROUPS * GROUP_SIZE // BATCH
     targets = sorted(rng.randrange(batches - 2) for _ in range(18))  # kill once this many files exist…
     kills = [("startup", rng.uniform(0.2, 2.0)) for _ in range(3)] + [("files", t) for t in targets]
-    resume = run_args(vllm_server, out, extra=("--resume",))
+    resume = run_args(vllm_server, out)  # --resume is added at go time, once a manifest exists to resume
+
+    def resuming() -> tuple[str, ...]:
+        return ("--resume",) if (out / "manifest.json").exists() else ()
+
     waiting = [CliProcess(tmp_path, resume, f"kill{n}", warm=True) for n in range(2)]
     seen: dict[str, object] = {}
     mid_run = 0
     try:
         for number, (kind, value) in enumerate(kills):
             before = manifest_stamp(out)
-            proc = waiting.pop(0).go()
+            proc = waiting.pop(0).go(*resuming())
             if number + 2 <= len(kills):  # the final --resume included
                 waiting.append(CliProcess(tmp_path, resume, f"kill{number + 2}", warm=True))
             if kind == "startup":
@@ -161,7 +168,7 @@ def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(vllm_
             mid_run += check_after_kill(out, seen)
         assert mid_run >= 15, f"only {mid_run} of {len(kills)} kills landed mid-run"
 
-        final = waiting.pop(0).go()
+        final = waiting.pop(0).go(*resuming())
         assert final.wait(600) == 0, final.err()[-3000:]
     finally:
         for proc in waiting:
@@ -226,8 +233,10 @@ def test_a_second_sigint_cuts_the_playing_rollouts_keeps_their_tokens_and_exits_
     for rollout in cut:
         assert rollout.error == "interrupted by SIGINT" and len(rollout.tokens) > 0
     assert f"({len(cut)} of them interrupted)" in proc.err()
-    lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
-    assert lint.exit_code == 0, lint.output[-3000:]
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out), "--tokens-only"])
+    assert lint.exit_code == 0, lint.output[-3000:]  # what was written is clean…
+    whole = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert whole.exit_code == 1 and "incomplete: the run ended interrupted" in " ".join(whole.output.split())
 
 
 def test_credentials_in_the_url_reach_no_file_and_no_output(vllm_server, tmp_path):
@@ -270,6 +279,8 @@ def test_an_engine_killed_mid_run_stops_the_run_with_one_line(vllm_server, tmp_p
     assert 0 < len(trace.rollouts) < 24
     failed = [r for r in trace.rollouts if r.status == "error"]
     assert failed and all("cannot connect" in r.error or "broke off" in r.error for r in failed)
-    lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
-    assert lint.exit_code == 0, lint.output[-3000:]
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out), "--tokens-only"])
+    assert lint.exit_code == 0, lint.output[-3000:]  # what was written is clean…
+    whole = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert whole.exit_code == 1 and "incomplete: the run ended failed" in " ".join(whole.output.split())
     vllm_server.proc.wait(30)

@@ -222,13 +222,15 @@ def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_toge
 
     out = tmp_path / "train"
     urls = [arg for url in fleet.urls for arg in ("--url", url)]
-    done = cli("train", "--env", "guess", "--env-arg", "high=5", "--engine", "http", *urls, "--route",
-               "sticky_least_loaded+group", "--steps", "2", "--groups", "2", "--group-size", "4", "--max-turns", "2",
-               "--max-tokens", "8", "--lr", "1e-3", "--seed", "3", "--max-model-len", str(MAX_MODEL_LEN),
-               "--out", str(out))
+    # a small game (1..3, 2 guesses) and 3 groups a step, so that some group's rewards differ and the
+    # weights surely move (a step whose groups all have equal rewards trains nothing: no proof)
+    done = cli("train", "--env", "guess", "--env-arg", "high=3", "--env-arg", "max_guesses=2", "--engine", "http",
+               *urls, "--route", "sticky_least_loaded+group", "--steps", "2", "--groups", "3", "--group-size", "4",
+               "--max-turns", "2", "--max-tokens", "8", "--lr", "1e-3", "--seed", "3",
+               "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out))
     assert done.returncode == 0, done.stderr
     rollouts = read_run(out).rollouts
-    assert len(rollouts) == 2 * 2 * 4
+    assert len(rollouts) == 2 * 3 * 4
     for rollout in rollouts:
         assert len({t.replica for t in rollout.turns}) == 1, rollout.rollout_id  # pinned
         model = rollout.tokens.policy_version[rollout.tokens.source == Source.MODEL]
