@@ -24,6 +24,9 @@ none. The verdict compares the mean reward of the last five steps with the first
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +34,7 @@ from typing import Any
 
 from verbatim.datamodel import Frozen
 from verbatim.engine.protocol import CachePolicy, Sampling
-from verbatim.errors import InputError
+from verbatim.errors import InputError, TrainerError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest
 from verbatim.harness.train import TrainLoop, TrainPlan
@@ -205,12 +208,58 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress: Any = None) -> list[dict]:
+def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress: Any = None,
+            record: Path | None = None) -> list[dict]:
+    """Train every run, each in a fresh process (an engine and a model per run, all memory given back
+    when it ends). With ``record``, runs already in that JSON-lines file (same label and settings) are
+    taken from it, not trained again, and each new result is appended as it finishes: a benchmark
+    killed mid-way (out of memory, a reboot) goes on where it stopped."""
+    done = {r["run"]["label"]: r for r in _recorded(record, settings)}
+    results = []
     with tempfile.TemporaryDirectory(prefix="verbatim-bench-learn-") as root:
-        results = []
         for run in runs:
-            result = train_run(run, settings, model, Path(root))
+            result = done.get(run.label) or _train_in_child(run, settings, model, Path(root))
+            if run.label not in done and record is not None:
+                with record.open("a") as handle:
+                    handle.write(json.dumps(result) + "\n")
             results.append(result)
             if progress:
                 progress(result)
-        return results
+    return results
+
+
+def _recorded(record: Path | None, settings: LearnSettings) -> list[dict]:
+    if record is None or not record.exists():
+        return []
+    results = []
+    for number, line in enumerate(record.read_text().splitlines(), start=1):
+        try:
+            result = json.loads(line)
+        except ValueError:
+            raise InputError(f"{record} line {number} is not JSON", hint="remove the line or pass another file") \
+                from None
+        if result.get("settings", settings.model_dump(mode="json")) == settings.model_dump(mode="json"):
+            results.append(result)
+    return results
+
+
+def _train_in_child(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict:
+    answer = root / f"{run.label.replace(' ', '')}.json"
+    job = json.dumps({"run": run.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
+                      "model": model, "root": str(root), "answer": str(answer)})
+    done = subprocess.run([sys.executable, "-m", "verbatim.bench.learn", job], check=False)
+    if done.returncode != 0 or not answer.exists():
+        raise TrainerError(f"the training run {run.label!r} failed (exit code {done.returncode})",
+                         hint="its output is above; rerun with the same --record to go on from the runs done")
+    return json.loads(answer.read_text())
+
+
+def _child(job: dict) -> None:
+    run, settings = LearnRun(**job["run"]), LearnSettings(**job["settings"])
+    result = train_run(run, settings, job["model"], Path(job["root"]))
+    result["settings"] = settings.model_dump(mode="json")
+    Path(job["answer"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

@@ -240,6 +240,9 @@ def bench_learn(
                                "this markdown file's bench-learn section (docs/benchmarks.md)."),
     write_example: Path = typer.Option(None, "--write-example", help="Also write the first run's metrics into this "
                                        "markdown file's train-example section (docs/trainer.md)."),
+    record: Path = typer.Option(None, "--record", help="A JSON-lines file of finished runs: runs already in it "
+                                "are not trained again, new ones are appended as they finish (go on after a "
+                                "kill)."),
 ) -> None:
     """Train the default model on a small guessing game: two seeds must gain 0.2 mean reward; ablate the correction."""
     import json
@@ -271,7 +274,11 @@ def bench_learn(
             err_console.print(f"{r['run']}: reward {r['first']:.3f} -> {r['last']:.3f} ({r['gain']:+.3f}) "
                               f"in {r['wall_min']:.1f} min")
 
-    results = run_all(runs, settings, model, progress=show)
+    if record is not None:
+        from verbatim.paths import check_output_file
+
+        check_output_file(record, "--record")
+    results = run_all(runs, settings, model, progress=show, record=record)
     command = _command("learn", steps=None if steps == 40 else steps, seed=seed or None,
                        lr=None if lr == 3e-5 else lr, ablation=None if ablation else False, model=model,
                        write=write, write_example=write_example)
