@@ -96,3 +96,23 @@ def test_a_resume_is_refused_while_a_recorded_engine_process_lives(tmp_path):
         sleeper.wait()
     (tmp_path / RECORD).write_text(json.dumps({"parent": 1, "processes": [[sleeper.pid, started]]}))
     check_no_leftover_engine(tmp_path)  # dead: nothing holds the run
+
+
+def test_stopping_a_server_group_leaves_no_member_behind():
+    """A leader that exits on SIGTERM while its child ignores it (an engine core stuck in shutdown)."""
+    from verbatim.engine.reaper import group_members, stop_group
+
+    leader = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(leader.stdout.readline())
+    assert set(group_members(leader.pid)) == {leader.pid, child}
+    stop_group(leader.pid, grace_s=1.0)
+    leader.wait(10)
+    assert group_members(leader.pid) == []

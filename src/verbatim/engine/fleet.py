@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from verbatim.datamodel import Frozen
+from verbatim.engine.reaper import stop_group
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import LOOPBACK, ServerProcess, is_loopback
 from verbatim.errors import EngineError, InputError
@@ -118,12 +119,9 @@ def fleet_down(fleet_file: Path, *, grace_s: float = 30.0) -> list[str]:
     running = [r for r in record.replicas if _is_server(r.pid)]
     for replica in running:
         _signal_group(replica.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(not _gone(r.pid) for r in running):
-        time.sleep(0.2)
-    for replica in running:
-        if not _gone(replica.pid):
-            _signal_group(replica.pid, signal.SIGKILL)
+    for replica in running:  # each server's whole group: its engine core and workers too
+        stop_group(replica.pid, grace_s)
+        _gone(replica.pid)  # reap it if this process started it
     fleet_file.unlink(missing_ok=True)
     return [r.name for r in running]
 

@@ -87,6 +87,36 @@ def _name(pid: int) -> str:
         return "?"
 
 
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = text[text.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                members.append(int(entry))
+    return members
+
+
+def stop_group(pgid: int, grace_s: float = 30.0) -> None:
+    """SIGTERM a process group (a server and its engine core and workers), wait for every member to
+    go, then SIGKILL whatever is left: a server that exits first must not leave its engine behind."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and group_members(pgid):
+            time.sleep(0.2)
+        if not group_members(pgid):
+            return
+
+
 # -- the watcher ------------------------------------------------------------------------------------
 
 

@@ -9,9 +9,9 @@ It binds to 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from verbatim.engine.models import resolve
+from verbatim.engine.reaper import stop_group
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
 from verbatim.engine.untied import serving_copy
 from verbatim.errors import EngineError, InputError
@@ -118,11 +119,8 @@ class ServerProcess:
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc.pid, timeout_s)  # the server, its engine core and workers
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
     def __enter__(self) -> ServerProcess:
