@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,10 @@ BLOCK = 32
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True, timeout=1200)
+    tests = str(Path(__file__).resolve().parent)  # graded_env.py, a test env for `verbatim train`
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True, timeout=1200,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
@@ -222,15 +226,15 @@ def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_toge
 
     out = tmp_path / "train"
     urls = [arg for url in fleet.urls for arg in ("--url", url)]
-    # a small game (1..3, 2 guesses) and 3 groups a step, so that some group's rewards differ and the
-    # weights surely move (a step whose groups all have equal rewards trains nothing: no proof)
-    done = cli("train", "--env", "guess", "--env-arg", "high=3", "--env-arg", "max_guesses=2", "--engine", "http",
-               *urls, "--route", "sticky_least_loaded+group", "--steps", "2", "--groups", "3", "--group-size", "4",
-               "--max-turns", "2", "--max-tokens", "8", "--lr", "1e-3", "--seed", "3",
+    # an env whose rewards are graded by length: a group's rewards differ, so the weights surely move
+    # (a step whose groups all have equal rewards trains nothing, and would prove nothing)
+    done = cli("train", "--env", "graded_env:GradedFactory", "--engine", "http", *urls, "--route",
+               "sticky_least_loaded+group", "--steps", "2", "--groups", "2", "--group-size", "4", "--max-turns", "1",
+               "--max-tokens", "8", "--lr", "1e-3", "--seed", "3",
                "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out))
     assert done.returncode == 0, done.stderr
     rollouts = read_run(out).rollouts
-    assert len(rollouts) == 2 * 3 * 4
+    assert len(rollouts) == 2 * 2 * 4
     for rollout in rollouts:
         assert len({t.replica for t in rollout.turns}) == 1, rollout.rollout_id  # pinned
         model = rollout.tokens.policy_version[rollout.tokens.source == Source.MODEL]

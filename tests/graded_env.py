@@ -1,0 +1,31 @@
+"""A one-turn env whose reward is graded by the reply's length: rewards of a group almost surely differ,
+so a training step on it always has advantages to learn from (tests that need the weights to move)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verbatim.datamodel import Message
+from verbatim.envs.base import Reset, StepResult
+
+
+class GradedEnv:
+    name = "graded"
+
+    def reset(self, task: dict[str, Any], seed: int) -> Reset:
+        return Reset(messages=(Message(role="user", content=f"Say something about the number {task['n']}."),))
+
+    def step(self, message: Message) -> StepResult:
+        return StepResult(reward=(len(message.content) % 11) / 10, done=True)
+
+
+class GradedFactory:
+    """``--env graded_env:GradedFactory`` (with this folder on PYTHONPATH)."""
+
+    name = "graded"
+
+    def make(self) -> GradedEnv:
+        return GradedEnv()
+
+    def tasks(self, count: int, seed: int) -> list[dict[str, Any]]:
+        return [{"id": f"graded-{seed}-{i}", "n": seed + i} for i in range(count)]
