@@ -256,16 +256,31 @@ class HttpEngine:
                                           f"{self.health_every_s:g}s apart)"),
                               hint="is the server alive? check its log, restart it, then --resume")
         finally:
+            # cancelled, not awaited: a probe cancelled inside httpx can wait on its connection pool
+            # indefinitely (seen: every answer in, the rollout still waiting here); nothing needs it
             for task in (request, probe):
                 task.cancel()
-            await asyncio.gather(request, probe, return_exceptions=True)
+                task.add_done_callback(_consume)
 
     async def _until_dead(self) -> None:
         """Return once ``/health`` has failed ``health_failures`` times in a row."""
         failures = 0
         while failures < self.health_failures:
             await asyncio.sleep(self.health_every_s)
-            failures = 0 if await self.healthy(timeout_s=self.health_every_s) else failures + 1
+            failures = 0 if await self._probe(self.health_every_s) else failures + 1
+
+    async def _probe(self, timeout_s: float) -> bool:
+        """One ``/health`` probe on a client of its own: a probe never shares (or, cancelled, wedges) the
+        connection pool the generations use."""
+        client = httpx.AsyncClient(timeout=timeout_s, headers=self._client.headers, params=self._client.params,
+                                   auth=self._client.auth)
+        try:
+            response = await asyncio.wait_for(client.get(self.url + "/health"), timeout_s + 1)
+            return response.status_code == 200
+        except (httpx.TransportError, httpx.TimeoutException, asyncio.TimeoutError):
+            return False
+        finally:
+            await asyncio.shield(client.aclose())
 
     def _where(self, path: str) -> str:
         """The redacted URL of a request to ``path``."""
@@ -395,6 +410,12 @@ def _split_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | 
     auth = (unquote(parts.username or ""), unquote(parts.password or "")) if parts.username or parts.password \
         else None
     return base, parse_qsl(parts.query, keep_blank_values=True), auth
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Read a finished background task's outcome, so that asyncio never reports it as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _short(exc: BaseException) -> str:
