@@ -270,3 +270,15 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
     assert time.perf_counter() - started < 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_summary_beside_the_run_directory_the_command_creates_is_accepted(tmp_path):
+    """`make demo`: --out runs/demo --summary-json runs/demo.summary.json on a clone with no runs/ yet."""
+    from verbatim.paths import check_output_file
+
+    runs = tmp_path / "runs"
+    assert check_output_file(runs / "demo.summary.json", "--summary-json", created=runs / "demo") \
+        == runs / "demo.summary.json"
+    assert not runs.exists()  # checked, nothing created
+    with pytest.raises(InputError, match="the folder .*elsewhere does not exist"):
+        check_output_file(tmp_path / "elsewhere" / "s.json", "--summary-json", created=runs / "demo")

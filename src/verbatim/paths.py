@@ -47,20 +47,28 @@ def tokenizer_file(*parts: str) -> Path:
     return path
 
 
-def check_output_file(value: str | os.PathLike[str], flag: str) -> Path:
+def check_output_file(value: str | os.PathLike[str], flag: str, created: Path | None = None) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only
-    parent folder, or a name the file system refuses. Creates nothing."""
+    parent folder, or a name the file system refuses. Creates nothing. ``created`` is a folder the
+    command itself will create (a run directory): a parent among its ancestors may be missing now."""
     path = Path(value).expanduser()
     if path.is_dir():
         raise InputError(f"{flag} {path} is a folder", hint="give a file name")
     parent = path.parent if str(path.parent) else Path(".")
     if any(len(part.encode()) > 255 for part in path.parts):
         raise InputError(f"{flag} {path}: a name in it is longer than the file system allows (255 bytes)")
+    if not parent.is_dir() and created is not None and _among_ancestors(parent, created):
+        parent = next(p for p in parent.resolve().parents if p.is_dir())
     if not parent.is_dir():
         raise InputError(f"{flag} {path}: the folder {parent} does not exist", hint="create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: the folder {parent} is not writable")
     return path
+
+
+def _among_ancestors(folder: Path, created: Path) -> bool:
+    target = folder.expanduser().resolve()
+    return any(target == p for p in (created.expanduser().resolve(), *created.expanduser().resolve().parents))
 
 
 def check_run_dir(value: str | os.PathLike[str], flag: str = "--out") -> Path:

@@ -312,7 +312,7 @@ async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSu
 def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
     check_run_dir(options.out)
     if summary_json:
-        check_output_file(summary_json, "--summary-json")  # before the run, not after it
+        check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before the run, not after it
     run, engine = prepare_run(options)
     try:
         summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s))
@@ -328,6 +328,7 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
 
 def _write_summary(summary: RunSummary, path: str | None) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
 
 

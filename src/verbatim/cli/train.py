@@ -188,7 +188,7 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
     started = time.perf_counter()
     check_run_dir(options.out)
     if summary_json:
-        check_output_file(summary_json, "--summary-json")  # before training, not after it
+        check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before training, not after it
     loop = prepare(options)
     loop.on_step = lambda record: console.print(step_line(record, options.plan.steps))
     try:
@@ -197,6 +197,7 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
         if loop.history:
             console.print(reward_table(loop.history, Path(options.out)))
         if summary_json and loop.history:
+            Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
             Path(summary_json).write_text(json.dumps(summary(loop.history, options, time.perf_counter() - started,
                                                              loop.engine_start_s), indent=2) + "\n")
     return history
