@@ -58,6 +58,7 @@ class MistralV3(ChatFormat):
     markup = ("[TOOL_CALLS]",)
     bridge_roles = ("user", "tool", "system")
     strip_content = True  # the template writes `" " + content.strip()`, so parsing trims too
+    gap = " "  # after [INST], [TOOL_RESULTS], [TOOL_CALLS] and before an assistant reply (Nemo: none)
 
     def pieces(self, messages: list[Message], tools: list[dict] | None,
                add_generation_prompt: bool) -> list[Piece]:
@@ -78,14 +79,16 @@ class MistralV3(ChatFormat):
         if message.role == "user":
             listing = self.tools_text(tools) if tools else ""
             prompt = f"{system}\n\n{message.content}" if system is not None else message.content
-            return f"{listing}[INST] {prompt}[/INST]"
+            return f"{listing}[INST]{self.gap}{prompt}[/INST]"
         if message.role == "tool":
             call_id = check_call_id(message.tool_call_id, self.name)
-            return f'[TOOL_RESULTS] {{"content": {message.content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
+            return (f'[TOOL_RESULTS]{self.gap}{{"content": {message.content}, "call_id": "{call_id}"}}'
+                    "[/TOOL_RESULTS]")
         if message.role == "assistant" and message.tool_calls:
-            return "[TOOL_CALLS] " + self.calls_json(message) + EOS
+            return "[TOOL_CALLS]" + self.gap + self.calls_json(message) + EOS
         if message.role == "assistant":
-            return " " + message.content.strip() + EOS
+            content = message.content.strip() if self.strip_content else message.content
+            return self.gap + content + EOS
         raise RenderError(f"{self.name}: only user, assistant and tool roles (and one leading system "
                           "message) are supported")
 
@@ -95,7 +98,7 @@ class MistralV3(ChatFormat):
         return "[" + ", ".join(calls) + "]"
 
     def tools_text(self, tools: list[dict]) -> str:
-        return "[AVAILABLE_TOOLS] [" + ", ".join(self.tool_text(t) for t in tools) + "][/AVAILABLE_TOOLS]"
+        return f"[AVAILABLE_TOOLS]{self.gap}[" + ", ".join(self.tool_text(t) for t in tools) + "][/AVAILABLE_TOOLS]"
 
     @staticmethod
     def tool_text(tool: dict) -> str:
@@ -149,23 +152,7 @@ class MistralNemo(MistralV3):
     templates = ("mistral_nemo_instruct_2407.jinja",)
     end_tokens = ((2, EOS),)  # mistralai/Mistral-Nemo-Instruct-2407 generation_config.json: eos_token_id 2
     strip_content = False  # the template writes `content + eos_token`, untrimmed
-
-    def message_text(self, message: Message, tools: list[dict] | None, system: str | None) -> str:
-        if message.role == "user":
-            listing = self.tools_text(tools) if tools else ""
-            prompt = f"{system}\n\n{message.content}" if system is not None else message.content
-            return f"{listing}[INST]{prompt}[/INST]"
-        if message.role == "tool":
-            call_id = check_call_id(message.tool_call_id, self.name)
-            return f'[TOOL_RESULTS]{{"content": {message.content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]'
-        if message.role == "assistant" and message.tool_calls:
-            return "[TOOL_CALLS]" + self.calls_json(message) + EOS
-        if message.role == "assistant":
-            return message.content + EOS
-        return super().message_text(message, tools, system)  # refuses the roles the template refuses
-
-    def tools_text(self, tools: list[dict]) -> str:
-        return "[AVAILABLE_TOOLS][" + ", ".join(self.tool_text(t) for t in tools) + "][/AVAILABLE_TOOLS]"
+    gap = ""
 
 
 TEKKEN_DEFAULT_SYSTEM = (
