@@ -159,10 +159,12 @@ def scripted():
         server.close()
 
 
-def generate(url: str, **client: float) -> tuple[object, float]:
+def generate(url: str, health_every_s: float | None = None, **client: float) -> tuple[object, float]:
     """One generate call through a fresh client; returns (completion or the exception, seconds)."""
     async def call():
         engine = HttpEngine(url, model="scripted", **client)
+        if health_every_s is not None:
+            engine.health_every_s = health_every_s
         try:
             return await engine.generate([5, 6, 7], Sampling(max_tokens=4))
         finally:
@@ -223,20 +225,7 @@ def test_the_budget_bounds_a_call_whatever_the_retries_and_timeouts(scripted):
 
 def watched(url: str) -> tuple[object, float]:
     """A generate with minutes of timeout but a quick /health watch (0.25 s apart, 3 failures)."""
-    async def call():
-        engine = HttpEngine(url, model="scripted", timeout_s=120, budget_s=240)
-        engine.health_every_s = 0.25
-        try:
-            return await engine.generate([5, 6, 7], Sampling(max_tokens=4))
-        finally:
-            await engine.aclose()
-
-    started = time.monotonic()
-    try:
-        result = asyncio.run(call())
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        result = exc
-    return result, time.monotonic() - started
+    return generate(url, health_every_s=0.25, timeout_s=120, budget_s=240)
 
 
 def test_a_hung_server_is_declared_dead_in_seconds_not_after_its_timeout(scripted):
