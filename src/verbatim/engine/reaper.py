@@ -39,24 +39,32 @@ Process = tuple[int, int]
 # -- /proc, pure reads ------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of ``pid``, or None if it is gone."""
+def _fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after "pid (comm) " (state, ppid, pgrp, …), or None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-    return int(fields[1]), int(fields[19])
+    return text[text.rindex(")") + 2:].split()
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of ``pid``, or None if it is gone."""
+    fields = _fields(pid)
+    return None if fields is None else (int(fields[1]), int(fields[19]))
+
+
+def _every_process() -> list[tuple[int, list[str]]]:
+    """(pid, stat fields) of every process now."""
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []
+    return [(pid, fields) for pid in pids if (fields := _fields(pid)) is not None]
 
 
 def descendants(root: int) -> set[Process]:
     """Every process below ``root`` (children, their children…), with its start time."""
     children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None:
-                children.setdefault(stat[0], []).append((int(entry), stat[1]))
+    for pid, fields in _every_process():
+        children.setdefault(int(fields[1]), []).append((pid, int(fields[19])))
     found: set[Process] = set()
     todo = [root]
     while todo:
@@ -68,16 +76,9 @@ def descendants(root: int) -> set[Process]:
 
 
 def alive(process: Process) -> bool:
-    stat = _stat(process[0])
-    return stat is not None and stat[1] == process[1] and not _zombie(process[0])
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return text[text.rindex(")") + 2:].split()[0] == "Z"
+    """The process still runs: same pid and start time, and not a zombie."""
+    fields = _fields(process[0])
+    return fields is not None and int(fields[19]) == process[1] and fields[0] not in ("Z", "X")
 
 
 def _name(pid: int) -> str:
@@ -89,17 +90,7 @@ def _name(pid: int) -> str:
 
 def group_members(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                text = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = text[text.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
+    return [pid for pid, fields in _every_process() if int(fields[2]) == pgid and fields[0] not in ("Z", "X")]
 
 
 def stop_group(pgid: int, grace_s: float = 30.0) -> None:
