@@ -16,6 +16,7 @@ from verbatim.datamodel import Message, ToolCall
 from verbatim.envs import registry
 from verbatim.envs.answers import final_number, numbers_match
 from verbatim.envs.base import Env, EnvFactory, StepResult
+from verbatim.envs.guess import in_words
 from verbatim.envs.longdoc import TOWNS, build_register
 from verbatim.envs.registry import BUILTIN_ENVS, EnvClassFactory, env_names, load_env
 from verbatim.envs.taskfile import load_tasks
@@ -228,6 +229,34 @@ def test_guess_wrong_and_malformed_replies_lose_without_raising():
     texts = [r.messages[0].content for r in results]
     assert texts[0].startswith("Reply with one whole number") and "99 is outside 1 to 50" in texts[2]
     assert texts[3] == "Out of guesses. The number was 17."
+
+
+@settings(max_examples=60, deadline=None)
+@given(target=st.integers(1, 12), guesses=st.integers(1, 100), replies=st.lists(st.integers(1, 12), max_size=8))
+def test_guess_text_names_no_number_but_the_range_so_an_echo_is_not_a_counter_guess(target, guesses, replies):
+    """A policy that echoes the prompt guesses the first number it echoes: only a bound may be one."""
+    env = load_env("guess").make()
+    task = {"target": target, "low": 1, "high": 12, "max_guesses": guesses}
+    opening = env.reset(task, seed=0).messages
+    texts = [m.content for m in opening]
+    for reply in replies:
+        result = env.step(assistant(f"{reply}"))
+        if result.done:
+            break
+        texts.append(result.messages[0].content)
+    named = {int(n) for text in texts for n in re.findall(r"\d+", text)}
+    assert named <= {1, 12}, texts
+    assert "guess" in texts[1] and ("guesses" in texts[1]) == (guesses != 1)
+
+
+def test_guess_counts_are_words():
+    env = load_env("guess").make()
+    opening = env.reset({"target": 2, "low": 1, "high": 5, "max_guesses": 3}, seed=0).messages[1].content
+    assert "You have three guesses." in opening
+    texts = [env.step(assistant(reply)).messages[0].content for reply in ("1", "4")]
+    assert texts == ["Higher. Two guesses left.", "Lower. One guess left."]
+    assert [in_words(n) for n in (0, 7, 19, 20, 42, 99, 100)] == [
+        "zero", "seven", "nineteen", "twenty", "forty-two", "ninety-nine", "one hundred"]
 
 
 # -- tools -----------------------------------------------------------------------------------------

@@ -4,7 +4,11 @@ The task is the built-in ``guess`` game made small: a number from 1 to 5, three 
 feedback, three turns at most. Why it suits a 135M model on two CPU cores:
 
 * the default model succeeds sometimes but rarely at step 0 (it mostly replies with prose that holds
-  no number, which costs a guess), so group-relative advantages have signal from the first step;
+  no number, which costs a guess): 8% of 128 games with these settings, so about half the groups of
+  eight hold a win and group-relative advantages have signal from the first step;
+* the game's text names no number but the range's bounds (counts are words), so echoing the prompt
+  is not a strategy. With counts in digits it was: one seed learned to echo "You have 3 guesses…",
+  which `guess` read as 3, 2, 1, and stalled near 0.5 (the run of 2026-12-01 in git history);
 * the reward can climb far: answering with a bare number in range already gives 3/5 by chance, and
   using the feedback gives 1.0, so "learned" is a large, unambiguous change, not noise;
 * turns are short (12 sampled tokens), so a step of 32 rollouts takes seconds and a run of tens of

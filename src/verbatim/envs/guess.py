@@ -2,6 +2,11 @@
 
 Reward 1.0 on the turn the model names the number, 0 if it runs out of guesses.
 A reply without a number costs a guess and gets a reminder, never an exception.
+
+The guess is the first number of a reply, so the game's own text writes no number but the range's
+bounds: guess counts are words ("three guesses", "two guesses left"). A policy that echoes the prompt
+would otherwise be guessing its counter (3, 2, 1 whatever the feedback), a reward it can learn
+without playing; an echo of the range names only its low bound.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class GuessEnv:
         self.guesses = 0
         t = self.task
         opening = (f"I picked a whole number from {t.low} to {t.high}. Guess it! "
-                   f"You have {t.max_guesses} guesses. After each guess I say higher or lower.")
+                   f"You have {_count(t.max_guesses)}. After each guess I say higher or lower.")
         return Reset(messages=(Message(role="system", content=SYSTEM), Message(role="user", content=opening)))
 
     def step(self, message: Message) -> StepResult:
@@ -79,7 +84,29 @@ class GuessEnv:
 
 
 def _left(count: int) -> str:
-    return f"{count} guess left." if count == 1 else f"{count} guesses left."
+    text = _count(count)
+    return f"{text[0].upper()}{text[1:]} left."
+
+
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+         "sixteen seventeen eighteen nineteen").split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def in_words(n: int) -> str:
+    """``n`` (0..100) in English words: ``42`` → ``forty-two``."""
+    if not 0 <= n <= 100:
+        raise ValueError(f"{n} is outside 0..100")
+    if n == 100:
+        return "one hundred"
+    if n < 20:
+        return _ONES[n]
+    tens, ones = divmod(n, 10)
+    return _TENS[tens - 2] + (f"-{_ONES[ones]}" if ones else "")
+
+
+def _count(n: int) -> str:
+    return f"{in_words(n)} guess" + ("" if n == 1 else "es")
 
 
 class GuessFactory:
