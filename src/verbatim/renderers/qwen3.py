@@ -25,15 +25,13 @@ NL = "\n"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
-class Qwen3(QwenChat):
-    """Qwen3 (hybrid thinking), verified against the current and the first-release templates."""
+class QwenThinking(QwenChat):
+    """What Qwen's thinking formats share: no default system, ``<think>`` blocks that a re-render
+    strips from earlier turns, and the two switches ``keep_reasoning`` and ``enable_thinking``."""
 
-    name = "qwen3"
-    templates = ("qwen3.jinja", "qwen3_2504_original.jinja")
     prefix_stable = False  # earlier reasoning is stripped on re-render
     default_system = None
     markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
-    arguments_as_given = True
     think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before <|im_end|>
     turn_starts = (IM_START,)
 
@@ -41,6 +39,14 @@ class Qwen3(QwenChat):
         super().__init__(tokenizer)
         self.keep_reasoning = keep_reasoning
         self.enable_thinking = enable_thinking
+
+
+class Qwen3(QwenThinking):
+    """Qwen3 (hybrid thinking), verified against the current and the first-release templates."""
+
+    name = "qwen3"
+    templates = ("qwen3.jinja", "qwen3_2504_original.jinja")
+    arguments_as_given = True
 
     def template_kwargs(self) -> dict[str, Any]:
         return {} if self.enable_thinking else {"enable_thinking": False}

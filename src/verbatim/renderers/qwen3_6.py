@@ -22,9 +22,9 @@ from typing import Any
 from verbatim.datamodel import Message, ToolCall
 from verbatim.errors import RenderError
 from verbatim.renderers.base import PREAMBLE, Piece
-from verbatim.renderers.chatml import IM_END, IM_START, QwenChat
+from verbatim.renderers.chatml import IM_END, IM_START
 from verbatim.renderers.completion import extract_tagged, loose_value, split_think, tojson
-from verbatim.renderers.qwen3 import reasoning_and_content
+from verbatim.renderers.qwen3 import QwenThinking, reasoning_and_content
 
 TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
 TOOLS_RULES = (
@@ -49,20 +49,10 @@ def xml_call(call: ToolCall) -> str:
     return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
 
 
-class Qwen36(QwenChat):
+class Qwen36(QwenThinking):
     name = "qwen3.6"
     templates = ("qwen3_6.jinja",)
-    prefix_stable = False  # earlier reasoning is stripped on re-render
     end_tokens = ((248046, IM_END), (248044, "<|endoftext|>"))  # Qwen/Qwen3.6-27B generation_config.json
-    markup = ("<tool_call>", "</tool_call>", "<think>", "</think>")
-    default_system = None
-    think = ("<think>", "</think>")  # a reply cut while reasoning gets "\n</think>\n\n" before <|im_end|>
-    turn_starts = (IM_START,)
-
-    def __init__(self, tokenizer: Any, *, keep_reasoning: bool = False, enable_thinking: bool = True) -> None:
-        super().__init__(tokenizer)
-        self.keep_reasoning = keep_reasoning
-        self.enable_thinking = enable_thinking
 
     def template_kwargs(self) -> dict[str, Any]:
         return {**({"preserve_thinking": True} if self.keep_reasoning else {}),
