@@ -140,12 +140,7 @@ class DeepSeekV3(ChatFormat):
         reasoning, rest, problems = split_think(text, opened=self.generation_text.endswith("<think>\n"))
         if reasoning is not None:
             reasoning, rest = reasoning.strip("\n"), rest.lstrip("\n")
-        content, calls, call_problems = parse_calls(rest)
-        problems += call_problems
-        if not finished:
-            problems.append("completion ended without <｜end▁of▁sentence｜> (cut by max tokens?)")
-        return Message(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(calls),
-                       problems=tuple(problems))
+        return reply(*parse_calls(rest), reasoning, problems, finished=finished)
 
 
 class DeepSeekR1(DeepSeekV3):
@@ -179,6 +174,14 @@ class DeepSeekR1(DeepSeekV3):
 
     def assistant_content(self, content: str) -> str:
         return content.split("</think>")[-1]
+
+def reply(content: str, calls: list[ToolCall], call_problems: list[str], reasoning: str | None,
+          problems: list[str], *, finished: bool) -> Message:
+    """The parsed assistant message; a completion without its end token is noted as cut."""
+    cut = [] if finished else [f"completion ended without {EOS} (cut by max tokens?)"]
+    return Message(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(calls),
+                   problems=(*problems, *call_problems, *cut))
+
 
 def parse_calls(text: str) -> tuple[str, list, list[str]]:
     """Content, tool calls and problems for DeepSeek's ``<｜tool▁calls▁begin｜>`` section."""

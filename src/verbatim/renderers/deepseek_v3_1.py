@@ -34,6 +34,7 @@ from verbatim.renderers.deepseek import (
     OUTPUT_END,
     SEP,
     USER,
+    reply,
 )
 
 THINK, END_THINK = "<think>", "</think>"
@@ -113,12 +114,7 @@ class DeepSeekV31(ChatFormat):
 
     def parse_text(self, text: str, *, finished: bool) -> Message:
         reasoning, rest, problems = split_think(text, opened=True) if self.thinking else (None, text, [])
-        content, calls, call_problems = parse_calls(rest)
-        problems += call_problems
-        if not finished:
-            problems.append("completion ended without <｜end▁of▁sentence｜> (cut by max tokens?)")
-        return Message(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(calls),
-                       problems=tuple(problems))
+        return reply(*parse_calls(rest), reasoning, problems, finished=finished)
 
 
 class DeepSeekV31Thinking(DeepSeekV31):
