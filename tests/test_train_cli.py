@@ -73,6 +73,9 @@ def refused(args: list[str], needle: str) -> str:
     (["--engine", "http"], "--engine http needs --url"),
     (["--engine", "vllm"], "unknown engine 'vllm'"),
     (["--task-file", "missing.jsonl"], "missing.jsonl does not exist"),
+    (["--trainer-device", "gpu"], "--trainer-device 'gpu' is not a device"),
+    (["--trainer-device", "meta"], "--trainer-device 'meta': the trainer runs on cpu or cuda"),
+    (["--trainer-device", "cuda:99"], "--trainer-device cuda:99: torch sees"),  # none here, or fewer than 100
 ])
 def test_a_bad_option_is_one_line_naming_it_and_writes_nothing(tmp_path, monkeypatch, flags, needle):
     monkeypatch.chdir(tmp_path)
@@ -149,6 +152,15 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
+def test_the_trainer_device_may_change_on_resume(monkeypatch):
+    """Where the trainer runs does not change what it computes: not part of the config a resume matches."""
+    args = ["--env", "guess", "--out", "run"]
+    on_cpu = _options_of(args, monkeypatch)
+    on_gpu = _options_of([*args, "--trainer-device", "cuda:1"], monkeypatch)
+    assert (on_cpu.trainer_device, on_gpu.trainer_device) == ("cpu", "cuda:1")
+    assert on_cpu.config() == on_gpu.config()
 
 
 def test_help_names_keep_salt_as_the_default_cache_policy():

@@ -338,6 +338,9 @@ def train(
     max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
                                       help="Context length per request: prompt + sampled tokens."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
+    trainer_device: str = typer.Option("cpu", "--trainer-device",
+                                       help="Where the trainer's model runs: cpu, cuda or cuda:N (the engine "
+                                            "places itself; weights reach it through CPU memory)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
     config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
@@ -377,7 +380,8 @@ def train(
         options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
                                plan=plan, learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
-                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, resume=resume)
+                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                               trainer_device=trainer_device, resume=resume)
     train_command(options, console, summary_json)
 
 

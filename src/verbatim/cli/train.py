@@ -61,11 +61,13 @@ class TrainOptions(Frozen):
     route: str | None = None
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
+    trainer_device: str = "cpu"
+    """Where the trainer's model runs (cpu, cuda, cuda:N); a resumed run may move."""
     resume: bool = False
 
     def config(self) -> dict[str, Any]:
-        """What a --resume must match (the output path and --resume itself excluded)."""
-        train = self.model_dump(mode="json", exclude={"resume", "out"})
+        """What a --resume must match (the output path, the trainer's device and --resume itself excluded)."""
+        train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device"})
         train["urls"] = [redact(u) for u in self.urls]
         return {"train": train}
 
@@ -80,6 +82,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
 
     out = Path(options.out)
     config = options.config()
+    device = trainer_device(options.trainer_device)
     check_resumable(out, options.resume, config)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
@@ -100,9 +103,30 @@ def prepare(options: TrainOptions) -> TrainLoop:
                                    "cache_policy": options.plan.cache_policy.value,
                                    "urls": config["train"]["urls"], "route": options.route},
                            config=config)
-    learner = Learner(load_model(model_dir), options.learner)
+    learner = Learner(load_model(model_dir).to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http")
+
+
+def trainer_device(text: str) -> str:
+    """``--trainer-device`` checked against what torch sees here: ``cpu`` or an existing CUDA device."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--trainer-device {text!r} is not a device", hint="cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise InputError(f"--trainer-device {text!r}: the trainer runs on cpu or cuda", hint="cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InputError(f"--trainer-device {text}: torch sees no CUDA device here (torch {torch.__version__})",
+                         hint="use --trainer-device cpu, or install a CUDA build of torch")
+    if device.index is not None and device.index >= count:
+        raise InputError(f"--trainer-device {text}: torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return str(device)
 
 
 def _task_source(options: TrainOptions, factory: Any, load_tasks: Any) -> Any:
