@@ -159,3 +159,21 @@ def test_each_token_records_the_version_that_sampled_it(overlapping, default_mod
             seen.add((step, int(version)))
     assert (1, start) in seen, "step 1 never played while step 0 trained: no overlap was tested"
     assert all(set(r["policy_lag"]) <= {"0", "1"} for r in history)
+
+
+def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sampled(engine_runner, default_model_dir,
+                                                                                  tmp_path):
+    """The bench's ablation path on a real step: replies cut by max tokens re-render with an end token."""
+    from verbatim.trainer.logprob_files import read_logprobs, step_file
+
+    plan = TrainPlan(steps=1, groups=2, group_size=2, max_lag=0, seed=1, context="rerendered")
+    loop, history, start = train(engine_runner, default_model_dir, tmp_path / "rerendered", plan,
+                                 LearnerConfig(lr=1e-5))
+    record = history[0]
+    rollouts = read_run(loop.out).rollouts
+    cut = sum(t.finish_reason == "length" for r in rollouts for t in r.turns)
+    assert cut > 0, "no reply was cut: nothing for the re-render to change"
+    assert record["version"] == start + 1 and record["rerendered_failed"] == 0
+    assert record["rerendered_never_sampled"] >= cut and record["rerendered_changed"] > 0
+    assert record["mismatch_mean_abs"] == 0.0  # π_old stands in for the missing μ
+    assert read_logprobs(step_file(loop.out, 0)) == {}  # its rows are not the trace's

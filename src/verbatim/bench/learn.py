@@ -22,7 +22,9 @@ seeds, then sagged, and one seed's last five steps ended only +0.175 above its f
 Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
 two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
 with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
-none. The verdict compares the mean reward of the last five steps with the first five.
+none; and the first seed again with a trainer fed re-rendered contexts (harness/rerendered.py: the
+chat template over each rollout's messages, as a message-keeping harness trains, without sampler
+logprobs). The verdict compares the mean reward of the last five steps with the first five.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from verbatim.datamodel import Frozen
 from verbatim.engine.protocol import CachePolicy, Sampling
@@ -61,6 +63,7 @@ class LearnRun(Frozen):
     max_lag: int = 0
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     correction: bool = True
+    context: Literal["traced", "rerendered"] = "traced"
 
 
 class LearnSettings(Frozen):
@@ -79,7 +82,8 @@ def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
     if ablation:
         runs += [LearnRun(label="lag 2 · keep · correction", seed=seeds[0], max_lag=2, cache_policy=CachePolicy.KEEP),
                  LearnRun(label="lag 2 · keep · no correction", seed=seeds[0], max_lag=2,
-                          cache_policy=CachePolicy.KEEP, correction=False)]
+                          cache_policy=CachePolicy.KEEP, correction=False),
+                 LearnRun(label=f"seed {seeds[0]} · re-rendered context", seed=seeds[0], context="rerendered")]
     return runs
 
 
@@ -107,7 +111,7 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule,
                                                             lr_final=settings.lr_final, correction=correction))
     plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
-                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1)
+                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context)
     loop = LoopConfig(max_turns=settings.max_turns, context_budget=2048, cache_policy=run.cache_policy,
                       sampling=Sampling(max_tokens=settings.max_tokens, temperature=1.0))
     engine = InprocEngine(EngineConfig(model=str(model_dir), max_model_len=2048, kv_cache_gib=1, seed=run.seed))
@@ -137,7 +141,9 @@ def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
 def row(result: dict[str, Any]) -> dict[str, Any]:
     history = result["history"]
     first, last, delta = gain(history)
-    mismatch = [r["mismatch_mean_abs"] for r in history if r.get("mismatch_mean_abs") is not None]
+    rerendered = result["run"].get("context") == "rerendered"  # its π_old stands in for μ: no mismatch to show
+    mismatch = [r["mismatch_mean_abs"] for r in history if r.get("mismatch_mean_abs") is not None
+                and not rerendered]
     dropped = [r["dropped"]["any"] for r in history if r.get("dropped")]
     return {"run": result["run"]["label"], "first": first, "last": last, "gain": delta,
             "mismatch": sum(mismatch) / len(mismatch) if mismatch else None,
@@ -148,7 +154,8 @@ def row(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict(results: list[dict[str, Any]]) -> str:
-    seeds = [row(r) for r in results if r["run"]["max_lag"] == 0 and r["run"]["correction"]]
+    seeds = [row(r) for r in results if r["run"]["max_lag"] == 0 and r["run"]["correction"]
+             and r["run"].get("context", "traced") == "traced"]
     gains = ", ".join(f"{s['gain']:+.3f}" for s in seeds)
     met = all(s["gain"] >= GOAL for s in seeds) and len(seeds) >= 2
     return (f"Goal (last {WINDOW} steps' mean reward at least {GOAL} above the first {WINDOW} in every seed): "
@@ -162,7 +169,7 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
         mismatch = "–" if r["mismatch"] is None else f"{r['mismatch']:.1e}"
         lines.append(f"| {r['run']} | {r['first']:.3f} | {r['last']:.3f} | {r['gain']:+.3f} | {mismatch} | "
                      f"{r['dropped']:.1%} | {r['hybrid']} | {r['cache_hit']:.0%} | {r['wall_min']:.1f} |")
-    text = "\n".join(lines) + "\n\n" + verdict(results) + "\n"
+    text = "\n".join(lines) + "\n\n" + verdict(results) + "\n" + rerender_note(results)
     if image:
         text += f"\n![reward per step]({image})\n"
     s = settings
@@ -171,6 +178,25 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
              f"{s.max_tokens} tokens, lr {s.lr:g} ({s.lr_schedule} to {s.lr_final:g}× at the last step), grpo, AdamW, "
              "fp32 engine and trainer, default model.\n")
     return text
+
+
+def rerender_note(results: list[dict[str, Any]]) -> str:
+    """How far the re-rendered run's training rows were from what its model saw (its metrics.jsonl)."""
+    lines = []
+    for result in results:
+        if result["run"].get("context") != "rerendered":
+            continue
+        history = result["history"]
+        changed = sum(r.get("rerendered_changed") or 0 for r in history) / len(history)
+        extra = sum(r.get("rerendered_never_sampled") or 0 for r in history)
+        trained = sum(r.get("model_tokens") or 0 for r in history)
+        failed = sum(r.get("rerendered_failed") or 0 for r in history)
+        lines.append(f"\n{result['run']['label']}: {changed:.0%} of its trained rollouts re-render to other "
+                     f"tokens than the model saw; {extra} of its {trained} trained reply tokens were never "
+                     f"sampled (end tokens a re-render adds to replies cut by max tokens); {failed} rollouts "
+                     "could not be re-rendered. It has no sampler logprobs to correct against, so its "
+                     "mismatch column is empty.\n")
+    return "".join(lines)
 
 
 def example(result: dict[str, Any], command: str) -> str:

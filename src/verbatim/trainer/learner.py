@@ -84,6 +84,9 @@ class StepInput:
     groups: Sequence[Sequence[int]]
     rollout_ids: Sequence[str] = ()
     """The rollout of each row, when known (the trainer logprob file of the step names them)."""
+    behaviour_from_trainer: bool = False
+    """Rows whose model tokens have no sampler logprob (NaN, as in re-rendered contexts): π_old stands in
+    for μ there, so the correction sees those tokens as on-policy. Off, a NaN μ is an error."""
 
 
 def row_logprobs(logp: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -131,8 +134,8 @@ class Learner:
         ids, mask = batch.token_ids.to(device), batch.loss_mask.to(device)
         sequences = tuple(ids[i, : int(batch.lengths[i])] for i in range(rows))
         logp_old = old_logprobs(self.lm, sequences, mask, self.config.microbatch)
-        fix = correct(logp_old, batch.logp_mu.to(device), mask, batch.versions.to(device), self.version,
-                      self.config.correction)
+        fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
+                      batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
                                      device=device)
         per_row = row_logprobs(logp_old, mask, batch.lengths, fix.keep)
@@ -187,6 +190,19 @@ class Learner:
         if top >= self.vocab_size or bottom < 0:
             raise InputError(f"the traces hold token id {bad}, outside the trainer model's vocabulary of "
                              f"{self.vocab_size}", hint="train the model that played the rollouts (--model)")
+
+    @staticmethod
+    def _behaviour(step: StepInput, logp_mu: torch.Tensor, logp_old: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """μ of every model token: the trace's, or π_old where the rows have none (``behaviour_from_trainer``)."""
+        missing = torch.isnan(logp_mu) & mask
+        if not bool(missing.any()):
+            return logp_mu
+        if not step.behaviour_from_trainer:
+            raise TrainerError(f"{int(missing.sum())} model tokens of the step have no sampler logprob",
+                               hint="train on traces written by verbatim run/train (every sampled token "
+                                    "carries its logprob)")
+        return torch.where(missing, logp_old.detach().to(logp_mu.dtype), logp_mu)
 
     # -- weights for the engine ---------------------------------------------------------------
 

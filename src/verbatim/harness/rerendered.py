@@ -1,0 +1,125 @@
+"""What a message-keeping harness trains on: each rollout re-rendered by the chat template.
+
+verbatim trains on the token sequences the engine saw. Many harnesses keep messages instead and,
+to train, rebuild each rollout with the chat template and put the loss on the assistant replies
+they find in it. That sequence can differ from what the model saw: a reply cut by ``max_tokens``
+gets an end token the model never sampled, a template strips or reformats old turns, BPE merges
+across the boundaries the sampler kept apart. And its tokens have no sampler logprob, so nothing
+can correct for the difference: the trainer's own π_old stands in for μ.
+
+:func:`rerendered` builds those rows from the messages every rollout records
+(``info["messages"]``, ``info["tools"]``). ``TrainPlan(context="rerendered")`` trains on them; it
+exists as the counterfactual that ``verbatim bench learn`` measures, not as a way to train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from verbatim.datamodel import Message, Rollout, Source, TokenColumns
+from verbatim.errors import VerbatimError
+from verbatim.trainer.learner import StepInput
+
+
+def rerendered(rollout: Rollout, renderer: Any) -> TokenColumns | None:
+    """The rollout as the template renders its messages, its replies as model tokens (no logprobs),
+    cut after the last reply; None where the template refuses the messages or a reply cannot be found."""
+    messages = [Message.model_validate(m) for m in rollout.info.get("messages", [])]
+    tools = rollout.info.get("tools")
+    replies = [j for j, m in enumerate(messages) if m.role == "assistant"]
+    if not replies:
+        return None
+    try:
+        rendered = renderer.render(messages, tools=tools, add_generation_prompt=False)
+        spans = [_reply_span(rendered.token_ids, rendered.message_index, j,
+                             renderer.completion_ids(messages, j, tools=tools)) for j in replies]
+    except VerbatimError:
+        return None
+    if any(span is None for span in spans):
+        return None
+    return _columns(rendered.token_ids, spans, _turn_versions(rollout, len(spans)))
+
+
+def rerendered_input(rows: StepInput, rollouts: Sequence[Rollout], renderer: Any) -> tuple[StepInput, dict]:
+    """The step's rows re-rendered (same rows, groups and advantages), and how far they are from the trace:
+    the fraction of rows that differ, the model tokens trained that were never sampled, and the rows the
+    template could not re-render (those stay as traced)."""
+    by_id = {r.rollout_id: r for r in rollouts}
+    columns, differ, extra, failed = [], 0, 0, 0
+    for rollout_id, traced in zip(rows.rollout_ids, rows.columns):
+        rollout = by_id[rollout_id]
+        again = rerendered(rollout, renderer)
+        failed += again is None
+        differ += changed(rollout, again)
+        extra += never_sampled(rollout, again)
+        columns.append(traced if again is None else again)
+    info = {"rerendered_changed": differ / max(1, len(columns)), "rerendered_never_sampled": extra,
+            "rerendered_failed": failed}
+    return replace(rows, columns=columns, behaviour_from_trainer=True), info
+
+
+def changed(rollout: Rollout, rows: TokenColumns | None) -> bool:
+    """The re-rendered rows are not the traced sequence (up to its last model token)."""
+    if rows is None:
+        return True
+    traced = rollout.tokens
+    return not (np.array_equal(traced.token_id, rows.token_id) and np.array_equal(traced.source, rows.source))
+
+
+def never_sampled(rollout: Rollout, rows: TokenColumns | None) -> int:
+    """Model tokens of the re-rendered rows beyond what the model sampled, turn by turn (at least 0)."""
+    if rows is None:
+        return 0
+    extra = 0
+    for k in range(len(rollout.turns)):
+        mine = int(np.sum((rows.turn == k) & (rows.source == Source.MODEL)))
+        sampled = int(np.sum((rollout.tokens.turn == k) & (rollout.tokens.source == Source.MODEL)))
+        extra += max(0, mine - sampled)
+    return extra
+
+
+def _reply_span(ids: Sequence[int], owners: Sequence[int], message: int,
+                reply: Sequence[int]) -> tuple[int, int] | None:
+    """Where ``reply`` (the reply re-encoded) lies inside the template's tokens of ``message``."""
+    positions = [i for i, owner in enumerate(owners) if owner == message]
+    if not positions or not reply:
+        return None
+    first, last = positions[0], positions[-1] + 1
+    n = len(reply)
+    for start in range(first, last - n + 1):
+        if list(ids[start:start + n]) == list(reply):
+            return start, start + n
+    return None
+
+
+def _turn_versions(rollout: Rollout, turns: int) -> list[int]:
+    """The version that sampled each turn's reply (its first model token's), -1 where unknown."""
+    versions = []
+    for k in range(turns):
+        if k < len(rollout.turns):
+            turn = rollout.turns[k]
+            versions.append(int(rollout.tokens.policy_version[turn.prompt_end])
+                            if turn.completion_end > turn.prompt_end else -1)
+        else:
+            versions.append(-1)
+    return versions
+
+
+def _columns(ids: Sequence[int], spans: list[tuple[int, int]], versions: list[int]) -> TokenColumns:
+    end = spans[-1][1]
+    source = np.full(end, Source.ENV, np.int8)
+    source[: spans[0][0]] = Source.PROMPT
+    policy_version = np.full(end, -1, np.int32)
+    turn = np.zeros(end, np.int16)
+    before = 0  # as traced: turn k is the tokens after reply k - 1, up to the end of reply k
+    for k, ((start, stop), version) in enumerate(zip(spans, versions)):
+        source[start:stop] = Source.MODEL
+        policy_version[start:stop] = version
+        turn[before:stop] = k
+        before = stop
+    return TokenColumns(token_id=np.asarray(ids[:end], np.int32), source=source,
+                        logprob=np.full(end, np.nan, np.float32), policy_version=policy_version, turn=turn)
