@@ -70,8 +70,24 @@ class EngineRunner:
 
     def close(self) -> None:
         self.engine.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        import concurrent.futures
+
+        try:  # what the engine left on the loop ends here, not as "Task was destroyed but it is pending!"
+            self.run(_cancel_the_rest(), timeout=30)
+        except concurrent.futures.TimeoutError:
+            pass  # a task that ignores its cancellation: stop the loop all the same
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+async def _cancel_the_rest() -> None:
+    import asyncio
+
+    rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
 
 
 @pytest.fixture(scope="session")
