@@ -23,6 +23,7 @@ from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
 from verbatim.cli.show import show_command
+from verbatim.cli.train_flags import train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
@@ -265,124 +266,7 @@ def run(
     run_command(options, console, summary_json)
 
 
-# ---------------------------------------------------------------------------
-# train: the RL loop
-# ---------------------------------------------------------------------------
-
-
-@app.command("train")
-def train(
-    env: str = typer.Option(..., "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
-                                                "entry point."),
-    env_arg: list[str] = typer.Option([], "--env-arg", help="KEY=VALUE for the env's factory (repeat), e.g. "
-                                                             "--env-arg high=5 for guess; values are JSON or text."),
-    task_file: str = typer.Option(None, "--task-file", "--tasks",
-                                  help="JSONL task file, taken in turn (default: the env's generator, "
-                                       "seeded per step)."),
-    steps: int = typer.Option(10, "--steps", help="Training steps (each: play, learn, push weights)."),
-    groups: int = typer.Option(2, "--groups", help="Groups per step (one task each)."),
-    group_size: int = typer.Option(4, "--group-size", help="Rollouts per group (at least 2)."),
-    max_turns: int = typer.Option(None, "--max-turns", min=1,
-                                  help="Model turns per rollout at most (default: as many as the env's tasks "
-                                       f"allow, e.g. guess's guesses; {FALLBACK_MAX_TURNS} for an env that does "
-                                       "not say)."),
-    max_tokens: int = typer.Option(48, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (above 0)."),
-    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate (of the first step)."),
-    lr_schedule: str = typer.Option("constant", "--lr-schedule",
-                                    help="constant | linear | cosine: from --lr at the first step to "
-                                         "--lr × --lr-final at the last."),
-    lr_final: float = typer.Option(0.1, "--lr-final", help="The last step's learning rate as a fraction of --lr "
-                                                           "(linear and cosine)."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
-    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the gradient norm of each update."),
-    advantage: str = typer.Option("grpo", "--advantage", help="grpo: (r - mean) / (std + eps); rloo: r minus "
-                                                              "the mean of the group's other rewards."),
-    normaliser: str = typer.Option("token", "--normaliser",
-                                   help="token: the step's loss is a mean over all its trained tokens; "
-                                        "sequence: a mean over sequences of each one's token mean."),
-    updates_per_step: int = typer.Option(1, "--updates-per-step",
-                                         help="Optimizer updates per step; above 1 the PPO clip on pi/pi_old "
-                                              "applies (pi_old: the trainer at the step's start)."),
-    clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip range of pi/pi_old."),
-    cache_policy: str = typer.Option("keep+salt", "--cache-policy",
-                                     help="flush | keep | salt | keep+salt. Default keep+salt (docs/engine.md): "
-                                          "a rollout keeps its own cache across an update, a new rollout never "
-                                          "reads KV of older weights."),
-    max_lag: int = typer.Option(0, "--max-lag", min=0,
-                                help="0: synchronous on-policy. L >= 1: the next step plays while this one "
-                                     "trains; tokens more than L versions behind are masked."),
-    token_tis_cap: float = typer.Option(2.0, "--token-tis-cap", help="Token-level TIS: weight min(pi/mu, cap); "
-                                                                     "0 turns it off."),
-    sequence_tis: str = typer.Option(None, "--sequence-tis",
-                                     help="Sequence-level TIS instead of token-level: product | geo_mean "
-                                          "(then set --token-tis-cap 0)."),
-    sequence_tis_cap: float = typer.Option(2.0, "--sequence-tis-cap",
-                                           help="Sequence-level TIS: weight min(ratio, cap) (with --sequence-tis)."),
-    token_mask_band: str = typer.Option("0.5,5", "--token-mask-band",
-                                        help="Drop tokens whose pi/mu is outside LOW,HIGH; none turns it off."),
-    sequence_mask_band: str = typer.Option(None, "--sequence-mask-band",
-                                           help="Drop sequences whose geometric-mean ratio is outside LOW,HIGH."),
-    prefixflow: bool = typer.Option(True, "--prefixflow/--no-prefixflow",
-                                    help="Run each group's shared prompt through the trainer once per step."),
-    microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
-    keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks, sampling and the trainer."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
-    out: str = typer.Option("runs/train", "--out", help="Run directory: trace, metrics.jsonl, checkpoints/."),
-    engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
-    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
-    route: str = typer.Option(None, "--route", help="Routing over several --url replicas (as for 'verbatim run')."),
-    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
-    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
-                                      help="Context length per request: prompt + sampled tokens."),
-    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
-    trainer_device: str = typer.Option("cpu", "--trainer-device",
-                                       help="Where the trainer's model runs: cpu, cuda or cuda:N (the engine "
-                                            "places itself; weights reach it through CPU memory)."),
-    resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
-    summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
-    config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
-) -> None:
-    """Train the model with RL on its own token-exact rollouts: play, learn, push weights, repeat."""
-    from verbatim.cli.train import (
-        TrainOptions,
-        advantage_option,
-        cache_policy_option,
-        flag_errors,
-        group_size_option,
-        lr_schedule_option,
-        parse_band,
-        parse_env_args,
-        sequence_tis_option,
-        train_command,
-    )
-    from verbatim.harness.train import TrainPlan
-    from verbatim.trainer.correction import CorrectionConfig
-    from verbatim.trainer.learner import LearnerConfig
-    from verbatim.trainer.objective import LossConfig
-
-    with flag_errors():  # a value a settings model refuses: one line naming the option
-        plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
-                         advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
-                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency)
-        correction = CorrectionConfig(token_tis_cap=token_tis_cap or None,
-                                      sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),
-                                      sequence_tis_cap=sequence_tis_cap,
-                                      token_mask_band=parse_band(token_mask_band, "--token-mask-band"),
-                                      sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"),
-                                      max_version_lag=max_lag)
-        learner = LearnerConfig(lr=lr, lr_schedule=lr_schedule_option(lr_schedule), lr_final=lr_final,
-                                weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                                updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
-                                loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-        options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,
-                               renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
-                               plan=plan, learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
-                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                               trainer_device=trainer_device, resume=resume)
-    train_command(options, console, summary_json)
+app.command("train")(train_flags)  # the RL loop (cli/train_flags.py, cli/train.py)
 
 
 # ---------------------------------------------------------------------------
