@@ -8,11 +8,12 @@ import time
 import pytest
 
 from verbatim.bench.policies import scenario_prompts
-from verbatim.engine.http import HttpEngine, redact
+from verbatim.engine.http import HttpEngine
 from verbatim.engine.metrics import parse_prometheus
 from verbatim.engine.protocol import Sampling
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import check_bind, free_port
+from verbatim.engine.server_url import redact
 from verbatim.errors import EngineError, InputError
 
 

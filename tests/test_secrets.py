@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
-from verbatim.engine.http import redact, redact_text
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import LOOPBACK, check_bind, server_command
+from verbatim.engine.server_url import redact, redact_text
 from verbatim.errors import InputError
 
 runner = CliRunner()

@@ -27,12 +27,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from verbatim.datamodel import Frozen, Rollout
-from verbatim.engine.http import redact
 from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.server_url import redact
 from verbatim.errors import InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.datamodel import Frozen
-from verbatim.engine.http import redact
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import StopRequest
@@ -78,11 +78,11 @@ def prepare(options: TrainOptions) -> TrainLoop:
     from verbatim.envs.registry import default_max_turns, load_env, load_tasks
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.learner import Learner
-    from verbatim.trainer.reference import load_model
+    from verbatim.trainer.reference import load_model, trainer_device
 
     out = Path(options.out)
     config = options.config()
-    device = trainer_device(options.trainer_device)
+    device = trainer_device(options.trainer_device)  # refused before the engine or the model
     check_resumable(out, options.resume, config)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
@@ -106,27 +106,6 @@ def prepare(options: TrainOptions) -> TrainLoop:
     learner = Learner(load_model(model_dir).to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http")
-
-
-def trainer_device(text: str) -> str:
-    """``--trainer-device`` checked against what torch sees here: ``cpu`` or an existing CUDA device."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise InputError(f"--trainer-device {text!r} is not a device", hint="cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return "cpu"
-    if device.type != "cuda":
-        raise InputError(f"--trainer-device {text!r}: the trainer runs on cpu or cuda", hint="cpu, cuda or cuda:N")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise InputError(f"--trainer-device {text}: torch sees no CUDA device here (torch {torch.__version__})",
-                         hint="use --trainer-device cpu, or install a CUDA build of torch")
-    if device.index is not None and device.index >= count:
-        raise InputError(f"--trainer-device {text}: torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-    return str(device)
 
 
 def _task_source(options: TrainOptions, factory: Any, load_tasks: Any) -> Any:

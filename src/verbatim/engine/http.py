@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -32,11 +31,9 @@ from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
+from verbatim.engine.server_url import redact, redact_text, secret_param, split_url
 from verbatim.engine.untied import needs_untying, untied_folder
 from verbatim.errors import EngineError, InputError
-
-SECRET_PARAMS = ("key", "token", "secret", "password", "passwd", "auth", "signature", "credential")
-"""A query parameter whose name contains one of these carries a secret (``api_key``, ``access_token``…)."""
 
 HEALTH_EVERY_S = 5.0
 HEALTH_FAILURES = 3
@@ -46,41 +43,6 @@ at once instead of after its timeout (minutes: a long generation is slow, a hung
 
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
-
-_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
-_BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
-
-
-def redact(url: str) -> str:
-    """A URL without ``user:password@`` and without the values of secret query parameters."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:  # not a URL we can take apart: keep nothing that could be a secret
-        return "***"
-    if parts.username or parts.password:
-        parts = parts._replace(netloc=f"***@{parts.hostname or ''}{':' + str(port) if port else ''}")
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        parts = parts._replace(query="&".join(
-            f"{name}={'***' if _secret_param(name) else value}" for name, value in pairs))
-    return urlunsplit(parts)
-
-
-def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` with every URL redacted, ``Bearer``/``Basic`` credentials and the given secrets masked."""
-    text = _URL.sub(lambda m: redact(m.group(0)), text)
-    text = _BEARER.sub(lambda m: f"{m.group(1)} ***", text)
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    return text
-
-
-def _secret_param(name: str) -> bool:
-    name = name.lower()
-    return any(word in name for word in SECRET_PARAMS)
-
 
 class HttpEngine:
     """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints).
@@ -98,7 +60,7 @@ class HttpEngine:
     def __init__(self, url: str, *, model: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None) -> None:
-        base, params, auth = _split_url(url)
+        base, params, auth = split_url(url)
         self.url = base  # no credentials: they live in the client
         self.label = redact(url)
         self._query = urlsplit(url.strip()).query
@@ -113,7 +75,7 @@ class HttpEngine:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.health_every_s, self.health_failures = HEALTH_EVERY_S, HEALTH_FAILURES
         self.budget_s = budget_s if budget_s is not None else 2 * timeout_s
-        self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if _secret_param(k))) if v]
+        self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if secret_param(k))) if v]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
                                          headers=headers, params=params or None,
@@ -386,30 +348,6 @@ class _Retry(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-MAX_URL = 2048
-"""Characters of a server URL at most (httpx refuses far longer ones; no server address needs more)."""
-
-
-def _split_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | None]:
-    """(base URL without credentials or query, the query's parameters, (user, password) or None)."""
-    if len(url) > MAX_URL:
-        raise InputError(f"--url is {len(url):,} characters long: not a server address",
-                         hint="use e.g. http://127.0.0.1:8000")
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port
-    except ValueError as exc:
-        raise InputError(f"{redact(url)} is not a valid URL ({exc})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InputError(f"{redact(url)} is not an http(s) URL", hint="use e.g. http://127.0.0.1:8000")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    netloc = f"{host}:{port}" if port else host
-    base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-    auth = (unquote(parts.username or ""), unquote(parts.password or "")) if parts.username or parts.password \
-        else None
-    return base, parse_qsl(parts.query, keep_blank_values=True), auth
 
 
 def _consume(task: asyncio.Task) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from verbatim.errors import TrainerError, UnknownModelError
+from verbatim.errors import InputError, TrainerError, UnknownModelError
 from verbatim.trainer.prefixflow import LossFn, PrefixGroup
 
 
@@ -44,6 +44,25 @@ def load_model(model_dir: str | Path) -> nn.Module:
         reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UnknownModelError(f"{path} cannot be loaded as a causal language model: {reason}") from exc
     return model.eval()
+
+
+def trainer_device(text: str) -> str:
+    """``--trainer-device`` checked against what torch sees here: ``cpu`` or an existing CUDA device."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--trainer-device {text!r} is not a device", hint="cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise InputError(f"--trainer-device {text!r}: the trainer runs on cpu or cuda", hint="cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InputError(f"--trainer-device {text}: torch sees no CUDA device here (torch {torch.__version__})",
+                         hint="use --trainer-device cpu, or install a CUDA build of torch")
+    if device.index is not None and device.index >= count:
+        raise InputError(f"--trainer-device {text}: torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return str(device)
 
 
 def reference_logprobs(model: nn.Module, token_ids: Any,
