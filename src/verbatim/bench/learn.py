@@ -193,7 +193,8 @@ def rerender_note(results: list[dict[str, Any]]) -> str:
         failed = sum(r.get("rerendered_failed") or 0 for r in history)
         lines.append(f"\n{result['run']['label']}: {changed:.0%} of its trained rollouts re-render to other "
                      f"tokens than the model saw; {extra} of its {trained} trained reply tokens were never "
-                     f"sampled (end tokens a re-render adds to replies cut by max tokens); {failed} rollouts "
+                     f"sampled (the end token it adds to a reply cut by max tokens, or a reply re-encoded into "
+                     f"more tokens); {failed} rollouts "
                      "could not be re-rendered. It has no sampler logprobs to correct against, so its "
                      "mismatch column is empty.\n")
     return "".join(lines)
