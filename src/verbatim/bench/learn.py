@@ -22,7 +22,7 @@ seeds, then sagged, and one seed's last five steps ended only +0.175 above its f
 Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
 two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
 with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
-none; and the first seed again with a trainer fed re-rendered contexts (harness/rerendered.py: the
+none; and every seed again with a trainer fed re-rendered contexts (harness/rerendered.py: the
 chat template over each rollout's messages, as a message-keeping harness trains, without sampler
 logprobs). The verdict compares the mean reward of the last five steps with the first five.
 """
@@ -82,8 +82,8 @@ def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
     if ablation:
         runs += [LearnRun(label="lag 2 · keep · correction", seed=seeds[0], max_lag=2, cache_policy=CachePolicy.KEEP),
                  LearnRun(label="lag 2 · keep · no correction", seed=seeds[0], max_lag=2,
-                          cache_policy=CachePolicy.KEEP, correction=False),
-                 LearnRun(label=f"seed {seeds[0]} · re-rendered context", seed=seeds[0], context="rerendered")]
+                          cache_policy=CachePolicy.KEEP, correction=False)]
+        runs += [LearnRun(label=f"seed {s} · re-rendered context", seed=s, context="rerendered") for s in seeds]
     return runs
 
 
