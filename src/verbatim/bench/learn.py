@@ -142,8 +142,8 @@ def row(result: dict[str, Any]) -> dict[str, Any]:
     history = result["history"]
     first, last, delta = gain(history)
     rerendered = result["run"].get("context") == "rerendered"  # its π_old stands in for μ: no mismatch to show
-    mismatch = [r["mismatch_mean_abs"] for r in history if r.get("mismatch_mean_abs") is not None
-                and not rerendered]
+    mismatch = [] if rerendered else [r["mismatch_mean_abs"] for r in history
+                                      if r.get("mismatch_mean_abs") is not None]
     dropped = [r["dropped"]["any"] for r in history if r.get("dropped")]
     return {"run": result["run"]["label"], "first": first, "last": last, "gain": delta,
             "mismatch": sum(mismatch) / len(mismatch) if mismatch else None,

@@ -328,8 +328,13 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
 
 def _write_summary(summary: RunSummary, path: str | None) -> None:
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(summary.model_dump(), indent=2) + "\n")
+        write_summary_json(path, summary.model_dump())
+
+
+def write_summary_json(path: str, data: dict) -> None:
+    """``--summary-json``: the summary as indented JSON (its folder may be one the run created)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def summary_table(summary: RunSummary, out: Path) -> Table:

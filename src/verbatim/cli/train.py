@@ -188,6 +188,8 @@ def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float,
 
 
 def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
+    from verbatim.cli.run import write_summary_json
+
     started = time.perf_counter()
     check_run_dir(options.out)
     if summary_json:
@@ -200,9 +202,8 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
         if loop.history:
             console.print(reward_table(loop.history, Path(options.out)))
         if summary_json and loop.history:
-            Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(summary_json).write_text(json.dumps(summary(loop.history, options, time.perf_counter() - started,
-                                                             loop.engine_start_s), indent=2) + "\n")
+            write_summary_json(summary_json, summary(loop.history, options, time.perf_counter() - started,
+                                                     loop.engine_start_s))
     return history
 
 

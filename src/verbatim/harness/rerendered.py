@@ -20,16 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import Message, Rollout, Source, TokenColumns
+from verbatim.datamodel import Rollout, Source, TokenColumns
 from verbatim.errors import VerbatimError
+from verbatim.harness.summary import recorded_conversation
 from verbatim.trainer.learner import StepInput
 
 
 def rerendered(rollout: Rollout, renderer: Any) -> TokenColumns | None:
     """The rollout as the template renders its messages, its replies as model tokens (no logprobs),
     cut after the last reply; None where the template refuses the messages or a reply cannot be found."""
-    messages = [Message.model_validate(m) for m in rollout.info.get("messages", [])]
-    tools = rollout.info.get("tools")
+    messages, tools = recorded_conversation(rollout)
     replies = [j for j, m in enumerate(messages) if m.role == "assistant"]
     if not replies:
         return None

@@ -77,10 +77,14 @@ def sampled(rollout: Rollout) -> list[Sequence[int]]:
     return [ids[turn.prompt_end: turn.completion_end] for turn in rollout.turns]
 
 
+def recorded_conversation(rollout: Rollout) -> tuple[list[Message], list[dict] | None]:
+    """The messages and tools the rollout loop recorded in ``info`` (what a re-rendering harness keeps)."""
+    return [Message.model_validate(m) for m in rollout.info.get("messages", [])], rollout.info.get("tools")
+
+
 def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
     """Each turn's prompt as a re-rendering harness would send it: the template over the messages so far."""
-    messages = [Message.model_validate(m) for m in rollout.info.get("messages", [])]
-    tools = rollout.info.get("tools")
+    messages, tools = recorded_conversation(rollout)
     ours = request_prompts(rollout)
     prompts = []
     for message_end, message in enumerate(messages):
