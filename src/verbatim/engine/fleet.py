@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from verbatim.datamodel import Frozen
-from verbatim.engine.reaper import stop_group
+from verbatim.engine.reaper import running, stop_group
 from verbatim.engine.runtime import EngineConfig
 from verbatim.engine.server import LOOPBACK, ServerProcess, is_loopback
 from verbatim.errors import EngineError, InputError
@@ -148,11 +148,7 @@ def _gone(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)  # reap it if this process started it
         if done:
             return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+    return not running(pid)
 
 
 def _signal_group(pid: int, sig: int) -> None:

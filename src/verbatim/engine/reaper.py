@@ -75,10 +75,20 @@ def descendants(root: int) -> set[Process]:
     return found
 
 
+def _live(fields: list[str] | None) -> bool:
+    """Stat fields of a process that exists and is not a zombie (or being torn down)."""
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    return _live(_fields(pid))
+
+
 def alive(process: Process) -> bool:
     """The process still runs: same pid and start time, and not a zombie."""
     fields = _fields(process[0])
-    return fields is not None and int(fields[19]) == process[1] and fields[0] not in ("Z", "X")
+    return _live(fields) and int(fields[19]) == process[1]
 
 
 def _name(pid: int) -> str:
@@ -90,7 +100,7 @@ def _name(pid: int) -> str:
 
 def group_members(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group ``pgid``."""
-    return [pid for pid, fields in _every_process() if int(fields[2]) == pgid and fields[0] not in ("Z", "X")]
+    return [pid for pid, fields in _every_process() if int(fields[2]) == pgid and _live(fields)]
 
 
 def stop_group(pgid: int, grace_s: float = 30.0) -> None:
