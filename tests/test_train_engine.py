@@ -24,9 +24,11 @@ import torch
 from verbatim.datamodel import Source
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.envs.registry import load_env
+from verbatim.harness.rerendered import never_sampled, rerendered
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.harness.train_step import step_input
 from verbatim.renderers.registry import get_renderer
 from verbatim.trainer.checkpoint import load_checkpoint
 from verbatim.trainer.learner import Learner, LearnerConfig
@@ -171,9 +173,20 @@ def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sample
                                  LearnerConfig(lr=1e-5))
     record = history[0]
     rollouts = read_run(loop.out).rollouts
-    cut = sum(t.finish_reason == "length" for r in rollouts for t in r.turns)
-    assert cut > 0, "no reply was cut: nothing for the re-render to change"
-    assert record["version"] == start + 1 and record["rerendered_failed"] == 0
-    assert record["rerendered_never_sampled"] >= cut and record["rerendered_changed"] > 0
+    trained = set(step_input(rollouts, plan.advantage)[0].rollout_ids)
+    cut = [(r, k) for r in rollouts if r.rollout_id in trained for k, t in enumerate(r.turns)
+           if t.finish_reason == "length"]
+    assert cut, "no trained reply was cut: nothing for the re-render to change"
+    assert record["version"] == start + 1 and record["rerendered_failed"] == 0 and record["rerendered_changed"] > 0
+    stops = set(loop.renderer.stop_token_ids)
+    for rollout, k in cut:  # the model stopped at max tokens; the template closes the reply anyway
+        again = rerendered(rollout, loop.renderer)
+        assert _last_model_token(rollout.tokens, k) not in stops and _last_model_token(again, k) in stops
+    assert record["rerendered_never_sampled"] == sum(
+        never_sampled(r, rerendered(r, loop.renderer)) for r in rollouts if r.rollout_id in trained)
     assert record["mismatch_mean_abs"] == 0.0  # π_old stands in for the missing μ
     assert read_logprobs(step_file(loop.out, 0)) == {}  # its rows are not the trace's
+
+
+def _last_model_token(tokens, turn: int) -> int:
+    return int(tokens.token_id[np.flatnonzero((tokens.turn == turn) & (tokens.source == Source.MODEL))[-1]])
