@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verbatim.datamodel import Completion, Message, Rollout, Source
 from verbatim.errors import TrainerError
 from verbatim.harness.ledger import Ledger
-from verbatim.harness.rerendered import changed, never_sampled, rerendered, rerendered_input
+from verbatim.harness.rerendered import changed, closed, closed_input, never_sampled, rerendered, rerendered_input
 from verbatim.renderers.registry import get_renderer
 from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
 
@@ -94,6 +94,44 @@ def test_the_step_keeps_its_rows_groups_and_advantages_and_says_how_far_it_moved
     again, info = rerendered_input(rows, [cut, same], renderer)
     assert again.behaviour_from_trainer and list(again.advantages) == [1.0, -1.0] and again.groups == [[0, 1]]
     assert info == {"rerendered_changed": 0.5, "rerendered_never_sampled": 1, "rerendered_failed": 0}
+
+
+def test_closing_a_cut_reply_trains_the_bridge_stop_token_and_leaves_every_other_row_as_traced(renderer):
+    """The ablation that isolates the re-render's added end token: relabel it, change nothing else."""
+    cut = renderer.encode("I think it is 3 or maybe")
+    rollout = played(renderer, [cut, reply(renderer, "4")], ["Reply with one whole number from 1 to 5."])
+    rows, added = closed(rollout, renderer.stop_token_ids)
+    traced, at = rollout.tokens, rollout.turns[0].completion_end
+    assert added == 1 and np.array_equal(rows.token_id, traced.token_id)
+    assert rows.token_id[at] == renderer.stop_token_ids[0] and traced.source[at] == Source.ENV
+    assert rows.source[at] == Source.MODEL and np.isnan(rows.logprob[at])
+    assert rows.turn[at] == 0 and rows.policy_version[at] == 3
+    others = np.arange(len(traced)) != at
+    for name, column in traced.as_dict().items():
+        assert np.array_equal(getattr(rows, name)[others], column[others], equal_nan=True), name
+    again = rerendered(rollout, renderer)  # the same model tokens as the re-render, on the traced rows
+    assert list(rows.token_id[rows.source == Source.MODEL]) == list(again.token_id[again.source == Source.MODEL])
+
+
+def test_a_rollout_cut_at_its_last_reply_gets_the_stop_token_appended(renderer):
+    cut = renderer.encode("maybe 3 or")
+    rollout = played(renderer, [cut], [])
+    rows, added = closed(rollout, renderer.stop_token_ids)
+    assert added == 1 and len(rows) == len(rollout.tokens) + 1
+    assert rows.token_id[-1] == renderer.stop_token_ids[0] and rows.source[-1] == Source.MODEL
+    ended = played(renderer, [reply(renderer, "3")], [])
+    rows, added = closed(ended, renderer.stop_token_ids)  # a reply that ended itself: nothing to close
+    assert added == 0 and rows.equals(ended.tokens)
+
+
+def test_the_closed_step_says_how_many_tokens_it_added(renderer):
+    same = played(renderer, [reply(renderer, "3")], [], "a")
+    cut = played(renderer, [renderer.encode("maybe 3 or")], [], "b")
+    rows = StepInput(columns=[same.tokens, cut.tokens], advantages=np.array([1.0, -1.0]), groups=[[0, 1]],
+                     rollout_ids=["a", "b"])
+    again, info = closed_input(rows, [cut, same], renderer)
+    assert again.behaviour_from_trainer and again.columns[0].equals(same.tokens) and again.groups == [[0, 1]]
+    assert info == {"rerendered_never_sampled": 1, "rerendered_changed": 0.5}
 
 
 @pytest.fixture(scope="module")

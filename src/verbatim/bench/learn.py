@@ -24,7 +24,9 @@ two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the abl
 with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
 none; and every seed again with a trainer fed re-rendered contexts (harness/rerendered.py: the
 chat template over each rollout's messages, as a message-keeping harness trains, without sampler
-logprobs). The verdict compares the mean reward of the last five steps with the first five.
+logprobs) and with only the re-render's addition to the traced tokens: a trained stop token after
+each reply cut by max tokens. The verdict compares the mean reward of the last five steps with the
+first five.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class LearnRun(Frozen):
     max_lag: int = 0
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     correction: bool = True
-    context: Literal["traced", "rerendered"] = "traced"
+    context: Literal["traced", "rerendered", "closed"] = "traced"
 
 
 class LearnSettings(Frozen):
@@ -84,6 +86,7 @@ def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
                  LearnRun(label="lag 2 · keep · no correction", seed=seeds[0], max_lag=2,
                           cache_policy=CachePolicy.KEEP, correction=False)]
         runs += [LearnRun(label=f"seed {s} · re-rendered context", seed=s, context="rerendered") for s in seeds]
+        runs += [LearnRun(label=f"seed {s} · cut replies closed", seed=s, context="closed") for s in seeds]
     return runs
 
 
@@ -184,6 +187,8 @@ def rerender_note(results: list[dict[str, Any]]) -> str:
     """How far the re-rendered run's training rows were from what its model saw (its metrics.jsonl)."""
     lines = []
     for result in results:
+        if result["run"].get("context") == "closed":
+            lines.append(_closed_note(result))
         if result["run"].get("context") != "rerendered":
             continue
         history = result["history"]
@@ -198,6 +203,15 @@ def rerender_note(results: list[dict[str, Any]]) -> str:
                      "could not be re-rendered. It has no sampler logprobs to correct against, so its "
                      "mismatch column is empty.\n")
     return "".join(lines)
+
+
+def _closed_note(result: dict[str, Any]) -> str:
+    history = result["history"]
+    added = sum(r.get("rerendered_never_sampled") or 0 for r in history)
+    trained = sum(r.get("model_tokens") or 0 for r in history)
+    return (f"\n{result['run']['label']}: the traced tokens, and after each reply cut by max tokens the stop "
+            f"token the re-render adds, trained with the reply's advantage: {added} of its {trained} trained "
+            "reply tokens; π_old stands in for their μ.\n")
 
 
 def example(result: dict[str, Any], command: str) -> str:

@@ -62,6 +62,37 @@ def rerendered_input(rows: StepInput, rollouts: Sequence[Rollout], renderer: Any
     return replace(rows, columns=columns, behaviour_from_trainer=True), info
 
 
+def closed(rollout: Rollout, stop_ids: Sequence[int]) -> tuple[TokenColumns, int]:
+    """The traced rows with each reply that max tokens cut closed by a stop token labelled as the model's
+    (μ unknown, the reply's version): the one change of the re-render that adds a token to every cut
+    reply, alone. The stop token is the bridge's, where the trace goes on; appended, where it ends.
+    Returns the rows and how many tokens were added that the model never sampled."""
+    tokens = rollout.tokens
+    columns = {name: np.array(column) for name, column in tokens.as_dict().items()}
+    ends = [(k, turn.completion_end) for k, turn in enumerate(rollout.turns)
+            if turn.finish_reason == "length" and turn.completion_end > turn.prompt_end]
+    added = 0
+    for k, at in ends:
+        if at == len(tokens):
+            columns = {name: np.append(column, column[-1:]) for name, column in columns.items()}
+            columns["token_id"][at] = stop_ids[0]
+        elif int(tokens.token_id[at]) not in stop_ids:
+            continue  # this template's bridge does not close with a stop token
+        columns["source"][at], columns["logprob"][at], columns["turn"][at] = Source.MODEL, np.nan, k
+        columns["policy_version"][at] = tokens.policy_version[at - 1]
+        added += 1
+    return TokenColumns(**columns), added
+
+
+def closed_input(rows: StepInput, rollouts: Sequence[Rollout], renderer: Any) -> tuple[StepInput, dict]:
+    """The step's traced rows, each cut reply closed (:func:`closed`), and how many tokens that added."""
+    by_id = {r.rollout_id: r for r in rollouts}
+    pairs = [closed(by_id[rollout_id], renderer.stop_token_ids) for rollout_id in rows.rollout_ids]
+    info = {"rerendered_never_sampled": sum(added for _, added in pairs),
+            "rerendered_changed": sum(added > 0 for _, added in pairs) / max(1, len(pairs))}
+    return replace(rows, columns=[c for c, _ in pairs], behaviour_from_trainer=True), info
+
+
 def changed(rollout: Rollout, rows: TokenColumns | None) -> bool:
     """The re-rendered rows are not the traced sequence (up to its last model token)."""
     if rows is None:

@@ -42,7 +42,7 @@ from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import InputError, RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
-from verbatim.harness.rerendered import rerendered_input
+from verbatim.harness.rerendered import closed_input, rerendered_input
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes
@@ -68,9 +68,10 @@ class TrainPlan(Frozen):
     max_lag: int = Field(default=0, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
     concurrency: int = Field(default=16, ge=1)
-    context: Literal["traced", "rerendered"] = "traced"
-    """What the learner trains on: the traced tokens, or (an ablation, harness/rerendered.py) each
-    rollout's messages re-rendered by the chat template, without sampler logprobs."""
+    context: Literal["traced", "rerendered", "closed"] = "traced"
+    """What the learner trains on: the traced tokens, or (ablations, harness/rerendered.py) each
+    rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
+    with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
 
 
 class TrainLoop:
@@ -184,15 +185,16 @@ class TrainLoop:
 
     async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
         rows, row_info = step_input(rollouts, self.plan.advantage)
-        if self.plan.context == "rerendered":
-            rows, more = await asyncio.to_thread(rerendered_input, rows, rollouts, self.renderer)
+        if self.plan.context != "traced":
+            build = rerendered_input if self.plan.context == "rerendered" else closed_input
+            rows, more = await asyncio.to_thread(build, rows, rollouts, self.renderer)
             row_info |= more
         version = self.learner.version
         learned = await asyncio.to_thread(self.learner.train_step, rows, (k, self.plan.steps))
         found, meta = step_logprobs(k, version, rows, learned, self.manifest.model,
                                     self.learner.config.correction.model_dump(mode="json"))
-        if self.plan.context == "rerendered":  # its rows are not the trace's: no per-token file to pin to them
-            found, meta = [], meta | {"context": "rerendered"}
+        if self.plan.context != "traced":  # its rows are not the trace's: no per-token file to pin to them
+            found, meta = [], meta | {"context": self.plan.context}
         await asyncio.to_thread(write_logprobs, step_file(self.out, k), found, meta)  # before the commit: a
         # step trained again after a crash writes it again
         began = time.perf_counter()
