@@ -55,7 +55,7 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
                                        "seed 1 · re-rendered context", "seed 0 · cut replies closed",
                                        "seed 1 · cut replies closed"]
     step = {"reward_mean": 0.5, "mismatch_mean_abs": 0.0, "model_tokens": 40, "rerendered_changed": 0.25,
-            "rerendered_never_sampled": 3, "rerendered_failed": 0}
+            "rerendered_never_sampled": 3, "rerendered_failed": 0, "rerendered_replies": 8, "rerendered_reencoded": 1}
     results = [fake_result(r, settings) for r in runs]
     for ablation in (results[5], results[7]):  # a failure here must not fail the verdict
         ablation["history"] = [step | {"reward_mean": 0.0}] * 10
@@ -64,6 +64,7 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
            "(gains +0.000, +0.000)." in text  # two seeds only
     assert "seed 1 · re-rendered context: 25% of its trained rollouts re-render to other tokens than the model " \
            "saw; 30 of its 400 trained reply tokens were never sampled" in " ".join(text.split())
+    assert "; 10 of its 80 trained replies were trained as other ids than sampled" in " ".join(text.split())
     assert "| seed 1 · re-rendered context | 0.000 | 0.000 | +0.000 | – |" in text
     assert "seed 1 · cut replies closed: the traced tokens, and after each reply cut by max tokens the stop token " \
            "the re-render adds, trained with the reply's advantage: 30 of its 400 trained reply tokens" \

@@ -14,7 +14,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verbatim.datamodel import Completion, Message, Rollout, Source
 from verbatim.errors import TrainerError
 from verbatim.harness.ledger import Ledger
-from verbatim.harness.rerendered import changed, closed, closed_input, never_sampled, rerendered, rerendered_input
+from verbatim.harness.rerendered import (
+    changed,
+    closed,
+    closed_input,
+    never_sampled,
+    reencoded_replies,
+    rerendered,
+    rerendered_input,
+)
 from verbatim.renderers.registry import get_renderer
 from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
 
@@ -54,6 +62,7 @@ def test_replies_that_ended_and_re_encode_alike_re_render_to_the_trace(renderer)
     rollout = played(renderer, [reply(renderer, "3"), reply(renderer, "4")], ["Higher. One guess left."])
     rows = rerendered(rollout, renderer)
     assert rows is not None and not changed(rollout, rows) and never_sampled(rollout, rows) == 0
+    assert reencoded_replies(rollout, rows, renderer.stop_token_ids) == 0
     traced = rollout.tokens
     assert np.array_equal(rows.token_id, traced.token_id) and np.array_equal(rows.source, traced.source)
     assert np.array_equal(rows.turn, traced.turn)
@@ -66,6 +75,7 @@ def test_a_reply_cut_by_max_tokens_gains_an_end_token_it_never_sampled(renderer)
     rollout = played(renderer, [cut, reply(renderer, "4")], ["Reply with one whole number from 1 to 5."])
     rows = rerendered(rollout, renderer)
     assert changed(rollout, rows) and never_sampled(rollout, rows) == 1
+    assert reencoded_replies(rollout, rows, renderer.stop_token_ids) == 0  # the same ids, closed
     first = rows.token_id[(rows.turn == 0) & (rows.source == Source.MODEL)]
     assert first[-1] == renderer.stop_token_ids[0] and list(first[:-1]) == cut
 
@@ -77,6 +87,7 @@ def test_a_reply_sampled_in_pieces_is_re_encoded_whole(renderer):
     rollout = played(renderer, [pieces], [])
     rows = rerendered(rollout, renderer)
     assert changed(rollout, rows) and never_sampled(rollout, rows) == 0
+    assert reencoded_replies(rollout, rows, renderer.stop_token_ids) == 1
     assert list(rows.token_id[rows.source == Source.MODEL]) == reply(renderer, "Four")
 
 
@@ -93,7 +104,8 @@ def test_the_step_keeps_its_rows_groups_and_advantages_and_says_how_far_it_moved
                      rollout_ids=["a", "b"])
     again, info = rerendered_input(rows, [cut, same], renderer)
     assert again.behaviour_from_trainer and list(again.advantages) == [1.0, -1.0] and again.groups == [[0, 1]]
-    assert info == {"rerendered_changed": 0.5, "rerendered_never_sampled": 1, "rerendered_failed": 0}
+    assert info == {"rerendered_changed": 0.5, "rerendered_never_sampled": 1, "rerendered_failed": 0,
+                    "rerendered_replies": 2, "rerendered_reencoded": 0}
 
 
 def test_closing_a_cut_reply_trains_the_bridge_stop_token_and_leaves_every_other_row_as_traced(renderer):

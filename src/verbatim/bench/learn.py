@@ -196,10 +196,14 @@ def rerender_note(results: list[dict[str, Any]]) -> str:
         extra = sum(r.get("rerendered_never_sampled") or 0 for r in history)
         trained = sum(r.get("model_tokens") or 0 for r in history)
         failed = sum(r.get("rerendered_failed") or 0 for r in history)
+        replies = sum(r.get("rerendered_replies") or 0 for r in history)
+        reencoded = sum(r.get("rerendered_reencoded") or 0 for r in history)
+        other_ids = (f"; {reencoded} of its {replies} trained replies were trained as other ids than sampled "
+                     "(not counting that end token)") if replies else ""
         lines.append(f"\n{result['run']['label']}: {changed:.0%} of its trained rollouts re-render to other "
                      f"tokens than the model saw; {extra} of its {trained} trained reply tokens were never "
                      f"sampled (the end token it adds to a reply cut by max tokens, or a reply re-encoded into "
-                     f"more tokens); {failed} rollouts "
+                     f"more tokens){other_ids}; {failed} rollouts "
                      "could not be re-rendered. It has no sampler logprobs to correct against, so its "
                      "mismatch column is empty.\n")
     return "".join(lines)

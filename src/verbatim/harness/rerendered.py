@@ -49,16 +49,18 @@ def rerendered_input(rows: StepInput, rollouts: Sequence[Rollout], renderer: Any
     the fraction of rows that differ, the model tokens trained that were never sampled, and the rows the
     template could not re-render (those stay as traced)."""
     by_id = {r.rollout_id: r for r in rollouts}
-    columns, differ, extra, failed = [], 0, 0, 0
+    columns, differ, extra, failed, replies, reencoded = [], 0, 0, 0, 0, 0
     for rollout_id, traced in zip(rows.rollout_ids, rows.columns):
         rollout = by_id[rollout_id]
         again = rerendered(rollout, renderer)
         failed += again is None
         differ += changed(rollout, again)
         extra += never_sampled(rollout, again)
+        replies += len(rollout.turns)
+        reencoded += reencoded_replies(rollout, again, renderer.stop_token_ids)
         columns.append(traced if again is None else again)
     info = {"rerendered_changed": differ / max(1, len(columns)), "rerendered_never_sampled": extra,
-            "rerendered_failed": failed}
+            "rerendered_failed": failed, "rerendered_replies": replies, "rerendered_reencoded": reencoded}
     return replace(rows, columns=columns, behaviour_from_trainer=True), info
 
 
@@ -111,6 +113,21 @@ def never_sampled(rollout: Rollout, rows: TokenColumns | None) -> int:
         sampled = int(np.sum((rollout.tokens.turn == k) & (rollout.tokens.source == Source.MODEL)))
         extra += max(0, mine - sampled)
     return extra
+
+
+def reencoded_replies(rollout: Rollout, rows: TokenColumns | None, stop_ids: Sequence[int]) -> int:
+    """Replies whose re-rendered tokens are not the sampled ones, not counting the end token the template
+    adds to a reply cut by max tokens: the replies the re-render trains as other ids than the model chose."""
+    if rows is None:
+        return 0
+    differ = 0
+    for k in range(len(rollout.turns)):
+        sampled = rollout.tokens.token_id[(rollout.tokens.turn == k) & (rollout.tokens.source == Source.MODEL)]
+        mine = rows.token_id[(rows.turn == k) & (rows.source == Source.MODEL)]
+        if len(mine) and mine[-1] in stop_ids and not (len(sampled) and sampled[-1] in stop_ids):
+            mine = mine[:-1]
+        differ += not np.array_equal(sampled, mine)
+    return differ
 
 
 def _reply_span(ids: Sequence[int], owners: Sequence[int], message: int,
