@@ -20,6 +20,7 @@ from verbatim.harness.rerendered import (
     closed_input,
     never_sampled,
     reencoded_replies,
+    reply_ids,
     rerendered,
     rerendered_input,
 )
@@ -76,7 +77,7 @@ def test_a_reply_cut_by_max_tokens_gains_an_end_token_it_never_sampled(renderer)
     rows = rerendered(rollout, renderer)
     assert changed(rollout, rows) and never_sampled(rollout, rows) == 1
     assert reencoded_replies(rollout, rows, renderer.stop_token_ids) == 0  # the same ids, closed
-    first = rows.token_id[(rows.turn == 0) & (rows.source == Source.MODEL)]
+    first = reply_ids(rows, 0)
     assert first[-1] == renderer.stop_token_ids[0] and list(first[:-1]) == cut
 
 

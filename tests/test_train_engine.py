@@ -24,7 +24,7 @@ import torch
 from verbatim.datamodel import Source
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.envs.registry import load_env
-from verbatim.harness.rerendered import never_sampled, rerendered
+from verbatim.harness.rerendered import never_sampled, reply_ids, rerendered
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.harness.train import TrainLoop, TrainPlan
@@ -181,12 +181,8 @@ def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sample
     stops = set(loop.renderer.stop_token_ids)
     for rollout, k in cut:  # the model stopped at max tokens; the template closes the reply anyway
         again = rerendered(rollout, loop.renderer)
-        assert _last_model_token(rollout.tokens, k) not in stops and _last_model_token(again, k) in stops
+        assert reply_ids(rollout.tokens, k)[-1] not in stops and reply_ids(again, k)[-1] in stops
     assert record["rerendered_never_sampled"] == sum(
         never_sampled(r, rerendered(r, loop.renderer)) for r in rollouts if r.rollout_id in trained)
     assert record["mismatch_mean_abs"] == 0.0  # π_old stands in for the missing μ
     assert read_logprobs(step_file(loop.out, 0)) == {}  # its rows are not the trace's
-
-
-def _last_model_token(tokens, turn: int) -> int:
-    return int(tokens.token_id[np.flatnonzero((tokens.turn == turn) & (tokens.source == Source.MODEL))[-1]])

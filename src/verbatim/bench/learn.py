@@ -151,8 +151,8 @@ def row(result: dict[str, Any]) -> dict[str, Any]:
     return {"run": result["run"]["label"], "first": first, "last": last, "gain": delta,
             "mismatch": sum(mismatch) / len(mismatch) if mismatch else None,
             "dropped": sum(dropped) / len(dropped) if dropped else 0.0,
-            "hybrid": sum(r.get("hybrid_tokens") or 0 for r in history),
-            "cache_hit": sum(r.get("cache_hit_rate") or 0 for r in history) / len(history),
+            "hybrid": _total(history, "hybrid_tokens"),
+            "cache_hit": _total(history, "cache_hit_rate") / len(history),
             "wall_min": result["wall_s"] / 60}
 
 
@@ -184,37 +184,35 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
 
 
 def rerender_note(results: list[dict[str, Any]]) -> str:
-    """How far the re-rendered run's training rows were from what its model saw (its metrics.jsonl)."""
-    lines = []
-    for result in results:
-        if result["run"].get("context") == "closed":
-            lines.append(_closed_note(result))
-        if result["run"].get("context") != "rerendered":
-            continue
-        history = result["history"]
-        changed = sum(r.get("rerendered_changed") or 0 for r in history) / len(history)
-        extra = sum(r.get("rerendered_never_sampled") or 0 for r in history)
-        trained = sum(r.get("model_tokens") or 0 for r in history)
-        failed = sum(r.get("rerendered_failed") or 0 for r in history)
-        replies = sum(r.get("rerendered_replies") or 0 for r in history)
-        reencoded = sum(r.get("rerendered_reencoded") or 0 for r in history)
-        other_ids = (f"; {reencoded} of its {replies} trained replies were trained as other ids than sampled "
-                     "(not counting that end token)") if replies else ""
-        lines.append(f"\n{result['run']['label']}: {changed:.0%} of its trained rollouts re-render to other "
-                     f"tokens than the model saw; {extra} of its {trained} trained reply tokens were never "
-                     f"sampled (the end token it adds to a reply cut by max tokens, or a reply re-encoded into "
-                     f"more tokens){other_ids}; {failed} rollouts "
-                     "could not be re-rendered. It has no sampler logprobs to correct against, so its "
-                     "mismatch column is empty.\n")
-    return "".join(lines)
+    """How far each ablation's training rows were from what its model saw (its metrics.jsonl)."""
+    notes = {"rerendered": _rerendered_note, "closed": _closed_note}
+    return "".join(notes[r["run"]["context"]](r) for r in results if r["run"].get("context") in notes)
+
+
+def _total(history: list[dict[str, Any]], key: str) -> float:
+    return sum(r.get(key) or 0 for r in history)
+
+
+def _rerendered_note(result: dict[str, Any]) -> str:
+    history = result["history"]
+    changed = _total(history, "rerendered_changed") / len(history)
+    replies, reencoded = _total(history, "rerendered_replies"), _total(history, "rerendered_reencoded")
+    other_ids = (f"; {reencoded} of its {replies} trained replies were trained as other ids than sampled "
+                 "(not counting that end token)") if replies else ""
+    return (f"\n{result['run']['label']}: {changed:.0%} of its trained rollouts re-render to other "
+            f"tokens than the model saw; {_total(history, 'rerendered_never_sampled')} of its "
+            f"{_total(history, 'model_tokens')} trained reply tokens were never "
+            f"sampled (the end token it adds to a reply cut by max tokens, or a reply re-encoded into "
+            f"more tokens){other_ids}; {_total(history, 'rerendered_failed')} rollouts "
+            "could not be re-rendered. It has no sampler logprobs to correct against, so its "
+            "mismatch column is empty.\n")
 
 
 def _closed_note(result: dict[str, Any]) -> str:
     history = result["history"]
-    added = sum(r.get("rerendered_never_sampled") or 0 for r in history)
-    trained = sum(r.get("model_tokens") or 0 for r in history)
     return (f"\n{result['run']['label']}: the traced tokens, and after each reply cut by max tokens the stop "
-            f"token the re-render adds, trained with the reply's advantage: {added} of its {trained} trained "
+            f"token the re-render adds, trained with the reply's advantage: "
+            f"{_total(history, 'rerendered_never_sampled')} of its {_total(history, 'model_tokens')} trained "
             "reply tokens; π_old stands in for their μ.\n")
 
 

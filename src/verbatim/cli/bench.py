@@ -233,7 +233,8 @@ def bench_learn(
     lr: float = typer.Option(3e-5, "--lr", help="AdamW learning rate of the first step (cosine schedule)."),
     ablation: bool = typer.Option(True, "--ablation/--no-ablation",
                                   help="Also train with --max-lag 2 --cache-policy keep, with and without the "
-                                       "correction, and each seed on re-rendered contexts."),
+                                       "correction, and each seed on re-rendered contexts and with cut replies "
+                                       "closed."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per run (its metrics by step)."),
     write: Path = typer.Option(None, "--write", help="Also write the table and the curves (PNG beside it) into "

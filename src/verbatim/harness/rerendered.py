@@ -107,12 +107,8 @@ def never_sampled(rollout: Rollout, rows: TokenColumns | None) -> int:
     """Model tokens of the re-rendered rows beyond what the model sampled, turn by turn (at least 0)."""
     if rows is None:
         return 0
-    extra = 0
-    for k in range(len(rollout.turns)):
-        mine = int(np.sum((rows.turn == k) & (rows.source == Source.MODEL)))
-        sampled = int(np.sum((rollout.tokens.turn == k) & (rollout.tokens.source == Source.MODEL)))
-        extra += max(0, mine - sampled)
-    return extra
+    return sum(max(0, len(reply_ids(rows, k)) - len(reply_ids(rollout.tokens, k)))
+               for k in range(len(rollout.turns)))
 
 
 def reencoded_replies(rollout: Rollout, rows: TokenColumns | None, stop_ids: Sequence[int]) -> int:
@@ -122,12 +118,16 @@ def reencoded_replies(rollout: Rollout, rows: TokenColumns | None, stop_ids: Seq
         return 0
     differ = 0
     for k in range(len(rollout.turns)):
-        sampled = rollout.tokens.token_id[(rollout.tokens.turn == k) & (rollout.tokens.source == Source.MODEL)]
-        mine = rows.token_id[(rows.turn == k) & (rows.source == Source.MODEL)]
+        sampled, mine = reply_ids(rollout.tokens, k), reply_ids(rows, k)
         if len(mine) and mine[-1] in stop_ids and not (len(sampled) and sampled[-1] in stop_ids):
             mine = mine[:-1]
         differ += not np.array_equal(sampled, mine)
     return differ
+
+
+def reply_ids(columns: TokenColumns, turn: int) -> np.ndarray:
+    """The model tokens of ``turn``: its reply as these rows train it."""
+    return columns.token_id[(columns.turn == turn) & (columns.source == Source.MODEL)]
 
 
 def _reply_span(ids: Sequence[int], owners: Sequence[int], message: int,
