@@ -98,11 +98,17 @@ def test_a_rollout_without_messages_cannot_be_re_rendered(renderer):
     assert rerendered(bare, renderer) is None and changed(bare, None)
 
 
-def test_the_step_keeps_its_rows_groups_and_advantages_and_says_how_far_it_moved(renderer):
+def one_step(renderer) -> tuple[StepInput, Rollout, Rollout]:
+    """A group of two: a reply that ended ("a") and one cut by max tokens ("b")."""
     same = played(renderer, [reply(renderer, "3")], [], "a")
     cut = played(renderer, [renderer.encode("maybe 3 or")], [], "b")
     rows = StepInput(columns=[same.tokens, cut.tokens], advantages=np.array([1.0, -1.0]), groups=[[0, 1]],
                      rollout_ids=["a", "b"])
+    return rows, same, cut
+
+
+def test_the_step_keeps_its_rows_groups_and_advantages_and_says_how_far_it_moved(renderer):
+    rows, same, cut = one_step(renderer)
     again, info = rerendered_input(rows, [cut, same], renderer)
     assert again.behaviour_from_trainer and list(again.advantages) == [1.0, -1.0] and again.groups == [[0, 1]]
     assert info == {"rerendered_changed": 0.5, "rerendered_never_sampled": 1, "rerendered_failed": 0,
@@ -138,10 +144,7 @@ def test_a_rollout_cut_at_its_last_reply_gets_the_stop_token_appended(renderer):
 
 
 def test_the_closed_step_says_how_many_tokens_it_added(renderer):
-    same = played(renderer, [reply(renderer, "3")], [], "a")
-    cut = played(renderer, [renderer.encode("maybe 3 or")], [], "b")
-    rows = StepInput(columns=[same.tokens, cut.tokens], advantages=np.array([1.0, -1.0]), groups=[[0, 1]],
-                     rollout_ids=["a", "b"])
+    rows, same, cut = one_step(renderer)
     again, info = closed_input(rows, [cut, same], renderer)
     assert again.behaviour_from_trainer and again.columns[0].equals(same.tokens) and again.groups == [[0, 1]]
     assert info == {"rerendered_never_sampled": 1, "rerendered_changed": 0.5}
