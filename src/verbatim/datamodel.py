@@ -14,10 +14,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the trace schema written by this code (rollouts and manifests).
 
 1: first release. 2: turns record the replica that served them and the admission wait.
+3: turns record their sampling settings (:class:`TurnSampling`), the distribution μ describes.
 Readers accept every version up to their own."""
 
 
@@ -182,6 +183,37 @@ class Completion:
 # ---------------------------------------------------------------------------
 
 
+class TurnSampling(Frozen):
+    """The sampling settings of one request: the distribution its sampler logprobs μ describe.
+
+    ``logprobs`` says what the engine reported: ``processed`` is log μ of the distribution the token was
+    drawn from (after temperature and the top-p/top-k masks: vLLM's ``processed_logprobs``), ``raw`` the
+    model's plain log-softmax whatever the settings. At temperature 0 (greedy) vLLM applies no temperature,
+    so μ is the plain log-softmax either way (:attr:`logprob_temperature` is 1).
+    """
+
+    temperature: float = Field(ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    """0: no top-k mask."""
+    regex: str | None = None
+    logprobs: Literal["processed", "raw"] = "processed"
+
+    @property
+    def truncated(self) -> bool:
+        """Whether a mask removed tokens from μ's support (top-p < 1, top-k, a regex)."""
+        return self.top_p < 1 or self.top_k > 0 or self.regex is not None
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of the log-softmax(logits / T) that μ holds: 1 for raw logprobs and for greedy requests."""
+        return self.temperature if self.logprobs == "processed" and self.temperature > 0 else 1.0
+
+
+UNRECORDED_SAMPLING = TurnSampling(temperature=1.0, logprobs="raw")
+"""What a turn of a trace before schema 3 is taken to have been sampled with."""
+
+
 class Turn(Frozen):
     """One request/response of a rollout, as offsets into the rollout's token columns.
 
@@ -202,6 +234,8 @@ class Turn(Frozen):
     reward: float | None = None
     replica: str | None = None
     admission_wait_s: float = 0.0
+    sampling: TurnSampling | None = None
+    """None in traces written before schema 3 (then μ is the raw logprob: temperature 1 is assumed)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Turn:
@@ -251,6 +285,12 @@ class Rollout(Frozen):
         if self.reward is not None and math.isnan(self.reward):
             raise ValueError("reward must not be NaN")
         return self
+
+    def sampling(self) -> TurnSampling | None:
+        """The sampling settings of its turns, when they all share one (a verbatim rollout's do); before
+        schema 3 (turns record none), raw logprobs at temperature 1; None for settings that differ."""
+        found = {turn.sampling or UNRECORDED_SAMPLING for turn in self.turns}
+        return found.pop() if len(found) == 1 else None if found else UNRECORDED_SAMPLING
 
     def same_as(self, other: Rollout) -> bool:
         """Equality that compares token columns exactly (NaN == NaN)."""

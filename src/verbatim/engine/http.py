@@ -41,6 +41,9 @@ HEALTH_FAILURES = 3
 may take as long); this many failures in a row mean the server is dead or hung, and the request fails
 at once instead of after its timeout (minutes: a long generation is slow, a hung server is silent)."""
 
+PROBE_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
+"""Token ids of the logprob-mode probe (any vocabulary holds them)."""
+
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
 
@@ -66,6 +69,9 @@ class HttpEngine:
         self._query = urlsplit(url.strip()).query
         self.model = model
         self.block_size = block_size
+        self.logprobs_check = "not started"
+        """``processed`` once :meth:`start` found the server reporting processed logprobs, else why it could
+        not tell."""
         self.version = 0
         self._kv = KvProvenance(block_size)
         self._drain = Drain()
@@ -107,7 +113,31 @@ class HttpEngine:
             raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
         self.model = self.model or names[0]
         self.block_size = await self._served_block_size() or self.block_size
+        self.logprobs_check = await self._logprobs_mode()
         return self
+
+    async def _logprobs_mode(self) -> str:
+        """Whether the server reports processed logprobs (μ of the distribution sampled from), probed with one
+        1-token request at two temperatures: the top token's raw logprob does not move with the temperature,
+        a processed one does. A server that answers raw is refused; one whose answer cannot tell (a peaked
+        distribution, no top logprobs) is used, and the returned line says so."""
+        tops = []
+        for temperature in (1.0, 0.5):
+            body = {"model": self.model, "prompt": list(PROBE_PROMPT), "max_tokens": 1, "temperature": temperature,
+                    "logprobs": 1, "seed": 0, "cache_salt": "verbatim-logprobs-probe"}
+            try:
+                answer = await self._call("POST", "/v1/completions", json=body)
+                tops.append(max(answer["choices"][0]["logprobs"]["top_logprobs"][0].values()))
+            except (EngineError, InputError, KeyError, IndexError, TypeError, ValueError, AttributeError):
+                return f"{self.label}: its logprob mode cannot be checked (the probe got no top logprobs)"
+        if tops[0] > -1e-3:
+            return f"{self.label}: its logprob mode cannot be checked (the probe's distribution is one token)"
+        if abs(tops[1] - tops[0]) < 1e-6:
+            raise InputError(f"{self.label} reports raw logprobs: at a temperature other than 1 (or with top-p/"
+                             "top-k) they are not the sampling distribution's, and training would be off-policy",
+                             hint="start it with --logprobs-mode processed_logprobs (verbatim serve and "
+                                  "verbatim fleet up do)")
+        return "processed"
 
     async def _served_block_size(self) -> int | None:
         """The block size the server reports in its metrics; None when it reports none."""
@@ -269,7 +299,7 @@ class HttpEngine:
             raise InputError("the prompt is empty")
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "logprobs": 0,
             "return_token_ids": True, "skip_special_tokens": False, "ignore_eos": sampling.ignore_eos,
             "stop_token_ids": list(sampling.stop_token_ids),
         }
@@ -389,3 +419,11 @@ def _completion(answer: Any, prompt_len: int, version: int, cache_salt: str | No
         versions=np.full(len(ids), version, dtype=np.int32), finish_reason=str(choice.get("finish_reason")),
         prompt_tokens=prompt_len, cached_tokens=min(cached, prompt_len), cache_salt=cache_salt, total_s=total_s,
     )
+
+
+def unchecked_logprobs(engine: Any) -> list[str]:
+    """A line for each served replica of ``engine`` (an :class:`HttpEngine` or a router over them) whose
+    logprob mode :meth:`HttpEngine.start` could not check."""
+    engines = [r.engine for r in getattr(engine, "replicas", ())] or [engine]
+    return [e.logprobs_check for e in engines
+            if isinstance(e, HttpEngine) and e.logprobs_check != "processed"]

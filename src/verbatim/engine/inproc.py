@@ -25,7 +25,7 @@ from verbatim.datamodel import Completion
 from verbatim.engine.checkpoints import state_dict_checkpoint
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
+from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
 from verbatim.engine.untied import is_tied, needs_untying, serving_copy, untie_state_dict, untied_folder
 from verbatim.errors import EngineError, InputError
@@ -106,7 +106,7 @@ class InprocEngine:
             enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.batched_tokens,
             num_gpu_blocks_override=self.config.kv_blocks,
-            seed=self.config.seed, disable_log_stats=False,
+            seed=self.config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE,
         )
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
@@ -163,7 +163,8 @@ class InprocEngine:
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
             logprobs=0, detokenize=sampling.regex is not None, structured_outputs=_structured(sampling),
         )
         request: dict[str, Any] = {"prompt_token_ids": prompt.tolist()}

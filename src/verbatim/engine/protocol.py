@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
 
-from verbatim.datamodel import Completion, Frozen
+from verbatim.datamodel import Completion, Frozen, TurnSampling
 from verbatim.errors import InputError
 
 
@@ -24,11 +24,23 @@ class Sampling(Frozen):
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    """Sample among the k most likely tokens only; 0 turns it off."""
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     regex: str | None = None
     """Constrain the completion's text to this regular expression (structured outputs; in-process engine)."""
+
+    def record(self, logprobs: str = "processed") -> TurnSampling:
+        """What a turn's trace records of these settings: what its logprobs μ describe."""
+        return TurnSampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, regex=self.regex,
+                            logprobs=logprobs)
+
+
+LOGPROBS_MODE = "processed_logprobs"
+"""The vLLM ``logprobs_mode`` every engine verbatim starts runs with: a sampled token's logprob is that of
+the distribution it was drawn from (temperature, top-p and top-k applied), not the raw log-softmax."""
 
 
 class CachePolicy(str, enum.Enum):

@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 
 from verbatim.engine.models import resolve
+from verbatim.engine.protocol import LOGPROBS_MODE
 from verbatim.engine.reaper import stop_group
-from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm, log_root_cause, with_root_cause
 from verbatim.engine.untied import serving_copy
 from verbatim.errors import EngineError, InputError
 
@@ -59,6 +60,7 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         "--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.batched_tokens),
         "--seed", str(config.seed), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+        "--logprobs-mode", LOGPROBS_MODE,
     ]
     argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
     if config.enforce_eager:
@@ -79,6 +81,7 @@ class ServerProcess:
         self.argv, self.env = server_command(config, host=host, port=self.port)
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_offset = 0
 
     @property
     def url(self) -> str:
@@ -90,6 +93,7 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process (in its own session, so it outlives a CLI that only launched it)."""
+        self.log_offset = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -109,8 +113,9 @@ class ServerProcess:
         """True once ``/health`` answers 200; raises if the process has exited."""
         assert self.proc is not None, "launch() first"
         if self.proc.poll() is not None:
-            raise EngineError(f"vllm serve exited with code {self.proc.returncode} during start-up",
-                              hint=f"see {self.log_path}" if self.log_path else None)
+            cause = log_root_cause(self.log_path, self.log_offset)  # what this launch appended to the log
+            raise EngineError(with_root_cause(f"vllm serve exited with code {self.proc.returncode} during start-up",
+                                              cause), hint=f"see {self.log_path}" if self.log_path else None)
         try:
             return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:

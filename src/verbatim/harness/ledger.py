@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import COLUMN_DTYPES, Completion, Rollout, Source, TokenColumns, Turn
+from verbatim.datamodel import COLUMN_DTYPES, Completion, Rollout, Source, TokenColumns, Turn, TurnSampling
 from verbatim.errors import LedgerError
 
 _NOT_SAMPLED_LOGPROB = np.float32(np.nan)
@@ -75,8 +75,9 @@ class Ledger:
             raise LedgerError("observation tokens need a completion before them; use append_prompt")
         self._append(token_ids, Source.ENV)
 
-    def append_completion(self, completion: Completion, *, reward: float | None = None) -> Turn:
-        """Append a completion exactly as sampled and record its turn."""
+    def append_completion(self, completion: Completion, *, reward: float | None = None,
+                          sampling: TurnSampling | None = None) -> Turn:
+        """Append a completion exactly as sampled and record its turn (with the settings it was sampled at)."""
         if self._size == 0:
             raise LedgerError("a completion needs a prompt before it")
         if completion.prompt_tokens != self._size:
@@ -107,6 +108,7 @@ class Ledger:
             reward=reward,
             replica=completion.replica,
             admission_wait_s=completion.admission_wait_s,
+            sampling=sampling,
         )
         self._turns.append(turn)
         return turn

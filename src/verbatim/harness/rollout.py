@@ -112,6 +112,8 @@ class RolloutPlayer:
         self.config = config
         stops = tuple(sorted(set(config.sampling.stop_token_ids) | set(renderer.stop_token_ids)))
         self.sampling = config.sampling.model_copy(update={"stop_token_ids": stops})
+        self.recorded_sampling = self.sampling.record()
+        """What every turn records of the settings: the distribution its μ describes."""
         self.on_first_request = on_first_request
         self._tokenizing = threading.Lock()  # renderers run off the event loop, one call at a time
 
@@ -159,7 +161,7 @@ class RolloutPlayer:
                                                     group_id=spec.group_id, cache_salt=salt)
             if turn == 0 and self.on_first_request:
                 self.on_first_request(spec.group_id)
-            ledger.append_completion(completion)
+            ledger.append_completion(completion, sampling=self.recorded_sampling)
             if "route" in completion.extra:
                 state.setdefault("routes", []).append(completion.extra["route"])
             message = self.renderer.parse_completion(completion.token_ids.tolist())

@@ -30,6 +30,8 @@ _TURN_TYPE = pa.struct([
     ("reward", pa.float64()),
     ("replica", pa.string()),
     ("admission_wait_s", pa.float64()),
+    ("sampling", pa.struct([("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()),
+                            ("regex", pa.string()), ("logprobs", pa.string())])),
 ])
 
 ROLLOUT_SCHEMA = pa.schema(
