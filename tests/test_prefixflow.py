@@ -27,7 +27,8 @@ from verbatim.bench.prefixflow_exactness import (
 )
 from verbatim.bench.prefixflow_exactness import float64_norm as keep_float64_norm
 from verbatim.errors import TrainerError
-from verbatim.trainer.causal_lm import dropout_settings, prefix_lm
+from verbatim.trainer.adapters import prefix_lm
+from verbatim.trainer.causal_lm import dropout_settings
 from verbatim.trainer.prefixflow import (
     PrefixGroup,
     encode_prefix,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward
 from verbatim.trainer.reference import load_model, reference_backward
 

@@ -39,10 +39,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md measures ≈ 4e-5)
 
 
-def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: LearnerConfig) -> TrainLoop:
+def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: LearnerConfig,
+              sampling: Sampling = Sampling(max_tokens=12, temperature=1.0)) -> TrainLoop:
     factory = load_env("guess", high=8, max_guesses=3)
-    loop = LoopConfig(max_turns=2, context_budget=2048, cache_policy=plan.cache_policy,
-                      sampling=Sampling(max_tokens=12, temperature=1.0))
+    loop = LoopConfig(max_turns=2, context_budget=2048, cache_policy=plan.cache_policy, sampling=sampling)
     manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
                            engine={"kind": "inproc", "block_size": engine.block_size},
                            config={"train": {"plan": plan.model_dump(mode="json")}})
@@ -51,9 +51,9 @@ def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: Lear
                      lambda k: list(factory.tasks(plan.groups, 100 + k)), out, manifest, model_dir)
 
 
-def train(engine_runner, default_model_dir, out, plan, learner):
+def train(engine_runner, default_model_dir, out, plan, learner, **loop_options):
     engine = engine_runner.engine
-    loop = make_loop(engine, default_model_dir, out, plan, learner)
+    loop = make_loop(engine, default_model_dir, out, plan, learner, **loop_options)
     start = engine.version
     try:
         history = engine_runner.run(loop.train(), timeout=900)
@@ -79,6 +79,26 @@ def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
         assert abs(quantiles["p01"] - 1) < AGREEMENT and abs(quantiles["p99"] - 1) < AGREEMENT
         assert record["dropped"]["any"] == 0.0
         assert set(record["policy_lag"]) == {"0"}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_a_synchronous_step_at_another_temperature_trains_on_the_distribution_it_sampled(
+        engine_runner, default_model_dir, tmp_path, temperature):
+    """μ is the engine's processed logprob (after the temperature) and π is log_softmax(logits / T) with T read
+    from the trace: they agree to fp32 as at T = 1. Raw logprobs, or π at T = 1, are off by ~0.1 a token."""
+    plan = TrainPlan(steps=1, groups=1, group_size=2, max_lag=0, seed=3)
+    loop, history, _ = train(engine_runner, default_model_dir, tmp_path / "t", plan, LearnerConfig(lr=1e-5),
+                             sampling=Sampling(max_tokens=12, temperature=temperature))
+    record = history[0]
+    assert record["temperature"] == temperature and record["model_tokens"] > 0
+    assert record["mismatch_mean_abs"] < 1e-4, record["mismatch_mean_abs"]
+    rollouts = read_run(loop.out).rollouts
+    assert {t.sampling.temperature for r in rollouts for t in r.turns} == {temperature}
+    tokens = rollouts[0].tokens
+    at = np.flatnonzero(tokens.source == Source.MODEL)
+    with torch.no_grad():  # the base weights sampled step 0: at T = 1 π is far from the recorded μ
+        plain = reference_logprobs(load_model(default_model_dir), tokens.token_id, at).numpy()
+    assert np.abs(plain - tokens.logprob[at]).mean() > 100 * AGREEMENT
 
 
 def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_model_dir, default_tokenizer,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from verbatim.bench.prefixflow_exactness import VOCAB, grads_of, max_rel_err, tiny_llama
 from verbatim.errors import TrainerError
 from verbatim.trainer import update
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.correction import CorrectionConfig, correct, policy_gradient_loss
 from verbatim.trainer.objective import (
     LossConfig,

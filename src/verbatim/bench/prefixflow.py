@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.prefixflow import LossFn, PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
 from verbatim.trainer.reference import load_model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verbatim.trainer.causal_lm import prefix_lm
+from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.prefixflow import PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
 
 SECTION = "prefixflow-exactness"

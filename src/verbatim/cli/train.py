@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.datamodel import Frozen
+from verbatim.engine.http import unchecked_logprobs
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
@@ -53,6 +54,8 @@ class TrainOptions(Frozen):
     """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
     max_tokens: int = Field(default=48, ge=1)
     temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
     plan: TrainPlan
     learner: LearnerConfig
     out: str = "runs/train"
@@ -83,6 +86,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
     out = Path(options.out)
     config = options.config()
     device = trainer_device(options.trainer_device)  # refused before the engine or the model
+    check_updates(options)
     check_resumable(out, options.resume, config)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
@@ -96,7 +100,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
     max_turns = options.max_turns or default_max_turns(factory, tasks(0))
     loop = LoopConfig(max_turns=max_turns, context_budget=options.max_model_len,
                       cache_policy=options.plan.cache_policy,
-                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+                      sampling=sampling(options))
     run_id = _existing_run_id(out) or uuid.uuid4().hex[:12]
     manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
                            engine={"kind": options.engine, "block_size": engine.block_size,
@@ -106,6 +110,29 @@ def prepare(options: TrainOptions) -> TrainLoop:
     learner = Learner(load_model(model_dir).to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http")
+
+
+def sampling(options: TrainOptions) -> Sampling:
+    """The run's sampling settings; a mask the trainer's π does not reproduce needs the user's opt-in."""
+    chosen = Sampling(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
+                      top_k=options.top_k)
+    if chosen.record().truncated and not options.plan.allow_truncated_sampling:
+        masks = " and ".join(m for m in (f"--top-p {options.top_p:g}" if options.top_p < 1 else "",
+                                         f"--top-k {options.top_k}" if options.top_k else "") if m)
+        raise InputError(f"{masks} truncates the sampling distribution in a way the trainer does not reproduce: "
+                         "π/μ would be off on every token",
+                         hint="drop it, or add --allow-truncated-sampling to train anyway (each step's metrics "
+                              "count the sampled tokens outside π's mask)")
+    return chosen
+
+
+def check_updates(options: TrainOptions) -> None:
+    """More optimizer updates per step than a step can have rows is refused before anything starts."""
+    most = options.plan.groups * options.plan.group_size
+    if options.learner.updates_per_step > most:
+        raise InputError(f"--updates-per-step {options.learner.updates_per_step} is more than the {most} rollouts "
+                         f"a step trains (--groups {options.plan.groups} × --group-size {options.plan.group_size})",
+                         hint="lower --updates-per-step or raise --groups/--group-size")
 
 
 def _task_source(options: TrainOptions, factory: Any, load_tasks: Any) -> Any:
@@ -131,6 +158,8 @@ async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> l
 
     async with started(loop.engine, console, loop.out) as start_s:
         loop.engine_start_s = start_s
+        for line in unchecked_logprobs(loop.engine):
+            console.print(f"warning: {line}; μ is taken to be the sampling distribution's")
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)

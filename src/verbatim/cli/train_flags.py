@@ -30,7 +30,15 @@ def train_flags(
                                        f"allow, e.g. guess's guesses; {FALLBACK_MAX_TURNS} for an env that does "
                                        "not say)."),
     max_tokens: int = typer.Option(48, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (above 0)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (above 0); the trainer's "
+                                                                  "π is log_softmax(logits / T) at it."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling (below 1 needs --allow-truncated-sampling)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 is off (above 0 needs "
+                                                 "--allow-truncated-sampling)."),
+    allow_truncated_sampling: bool = typer.Option(
+        False, "--allow-truncated-sampling",
+        help="Train on rollouts sampled under --top-p/--top-k, masks the trainer's π does not reproduce; each "
+             "step's metrics count the sampled tokens outside π's mask (outside_support)."),
     lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate (of the first step)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule",
                                     help="constant | linear | cosine: from --lr at the first step to "
@@ -66,8 +74,11 @@ def train_flags(
                                         help="Drop tokens whose pi/mu is outside LOW,HIGH; none turns it off."),
     sequence_mask_band: str = typer.Option(None, "--sequence-mask-band",
                                            help="Drop sequences whose geometric-mean ratio is outside LOW,HIGH."),
-    prefixflow: bool = typer.Option(True, "--prefixflow/--no-prefixflow",
-                                    help="Run each group's shared prompt through the trainer once per step."),
+    prefixflow: bool = typer.Option(None, "--prefixflow/--no-prefixflow",
+                                    help="Run each group's shared prompt through the trainer once per step "
+                                         "(PrefixFlow). Default: where the model's family has an adapter "
+                                         "(docs/trainer.md); --prefixflow requires one, --no-prefixflow trains "
+                                         "whole sequences."),
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
     seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks, sampling and the trainer."),
@@ -109,7 +120,8 @@ def train_flags(
     with flag_errors():  # a value a settings model refuses: one line naming the option
         plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
                          advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
-                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency)
+                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency,
+                         allow_truncated_sampling=allow_truncated_sampling)
         correction = CorrectionConfig(token_tis_cap=token_tis_cap or None,
                                       sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),
                                       sequence_tis_cap=sequence_tis_cap,
@@ -122,7 +134,8 @@ def train_flags(
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
         options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
-                               plan=plan, learner=learner, out=out, engine=engine, urls=tuple(url), route=route,
+                               top_p=top_p, top_k=top_k, plan=plan, learner=learner, out=out, engine=engine,
+                               urls=tuple(url), route=route,
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                trainer_device=trainer_device, resume=resume)
     train_command(options, console, summary_json)

@@ -68,6 +68,9 @@ class TrainPlan(Frozen):
     max_lag: int = Field(default=0, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
     concurrency: int = Field(default=16, ge=1)
+    allow_truncated_sampling: bool = False
+    """Train on rollouts sampled under top-p < 1, top-k or a regex, masks the trainer's π does not reproduce
+    (each step's metrics count the sampled tokens outside π's mask); off, such a step is refused."""
     context: Literal["traced", "rerendered", "closed"] = "traced"
     """What the learner trains on: the traced tokens, or (ablations, harness/rerendered.py) each
     rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
@@ -184,7 +187,8 @@ class TrainLoop:
     # -- learning ---------------------------------------------------------------------------
 
     async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
-        rows, row_info = step_input(rollouts, self.plan.advantage)
+        rows, row_info = step_input(rollouts, self.plan.advantage,
+                                    allow_truncated=self.plan.allow_truncated_sampling)
         if self.plan.context != "traced":
             build = rerendered_input if self.plan.context == "rerendered" else closed_input
             rows, more = await asyncio.to_thread(build, rows, rollouts, self.renderer)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import Rollout
+from verbatim.datamodel import Rollout, TurnSampling
 from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
@@ -31,8 +31,10 @@ from verbatim.trainer.logprob_files import RolloutLogprobs
 TRAINED_STATUSES = ("ok", "truncated")
 
 
-def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, dict[str, Any]]:
-    """The learner's rows (grouped, in group order) and what was left out, for one step's rollouts."""
+def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
+               allow_truncated: bool = False) -> tuple[StepInput, dict[str, Any]]:
+    """The learner's rows (grouped, in group order) and what was left out, for one step's rollouts, with the
+    temperature their μ was sampled at (:func:`step_sampling`)."""
     by_group: dict[str, list[Rollout]] = {}
     for rollout in sorted(rollouts, key=lambda r: r.rollout_id):
         by_group.setdefault(rollout.group_id, []).append(rollout)
@@ -54,7 +56,42 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage) -> tuple[StepInput, 
     info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
             "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
             "zero_advantage_groups": sum(1 for g in groups if not np.any(values[g]))}
-    return StepInput(columns=columns, advantages=values, groups=groups, rollout_ids=ids), info
+    trained = set(ids)
+    sampling = step_sampling([r for r in rollouts if r.rollout_id in trained], allow_truncated)
+    if sampling.truncated:
+        info["truncated_sampling"] = _mask_text(sampling)
+    truncation = (sampling.top_p, sampling.top_k) if sampling.top_p < 1 or sampling.top_k else None
+    return StepInput(columns=columns, advantages=values, groups=groups, rollout_ids=ids,
+                     temperature=sampling.logprob_temperature, truncation=truncation), info
+
+
+def step_sampling(rollouts: Sequence[Rollout], allow_truncated: bool = False) -> TurnSampling:
+    """The one sampling setting of a step's trained rollouts (recorded per turn): the distribution their μ
+    describes. Settings that differ between turns, or a mask the trainer does not reproduce (top-p < 1,
+    top-k, a regex) unless ``allow_truncated``, are refused in one line."""
+    found = {r.sampling() for r in rollouts}
+    if None in found or len(found) > 1:
+        shown = "; ".join(sorted(_settings_text(s) for s in found if s is not None))
+        raise InputError(f"the step's rollouts were sampled with different settings ({shown or 'per turn'}): "
+                         "one temperature must describe a step's μ", hint="train on rollouts of one run")
+    sampling = found.pop()
+    if sampling.truncated and not allow_truncated:
+        raise InputError(f"the rollouts were sampled with {_mask_text(sampling)}, which the trainer does not "
+                         "reproduce: π/μ would be off on every token",
+                         hint="sample without it, or pass --allow-truncated-sampling to train anyway (the "
+                              "metrics then count the sampled tokens outside π's mask)")
+    return sampling
+
+
+def _mask_text(sampling: TurnSampling) -> str:
+    parts = [f"top-p {sampling.top_p:g}" if sampling.top_p < 1 else "", f"top-k {sampling.top_k}" if sampling.top_k
+             else "", f"regex {sampling.regex!r}" if sampling.regex is not None else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def _settings_text(sampling: TurnSampling) -> str:
+    return f"temperature {sampling.temperature:g} ({sampling.logprobs})" + (
+        f", {_mask_text(sampling)}" if sampling.truncated else "")
 
 
 def step_logprobs(step: int, version: int, rows: StepInput, learned: dict[str, Any], model: str,
@@ -96,13 +133,16 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
         "success_rate": success_rate(rollouts),
         "rollouts": len(rollouts), "statuses": statuses, **rows,
         "lr": learned.get("lr"), "loss": learned.get("loss"), "grad_norm": learned.get("grad_norm"),
-        "updates": learned.get("updates"),
+        "updates": learned.get("updates"), "trainer_path": learned.get("trainer_path"),
+        "temperature": learned.get("temperature"),
         "kept_tokens": learned.get("kept_tokens"), "model_tokens": learned.get("model_tokens"),
         "mismatch_mean_abs": every.get("mean_abs_log_ratio"), "k3": every.get("k3"),
         "ratio_quantiles": every.get("ratio_quantiles"), "dropped": every.get("dropped"),
         "hybrid_tokens": (correction.get("hybrid") or {}).get("tokens", 0),
         "policy_lag": {lag: stats["tokens"] for lag, stats in (correction.get("by_lag") or {}).items()},
     }
+    if "outside_support" in learned:
+        record["outside_support"] = learned["outside_support"]
     if summary is not None:
         record |= {"prompt_tokens": summary.prompt_tokens, "cached_tokens": summary.cached_tokens,
                    "prefill_tokens": summary.prefill_tokens, "min_prefill_tokens": summary.min_prefill_tokens,

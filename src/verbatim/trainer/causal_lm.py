@@ -1,4 +1,4 @@
-"""The small model interface PrefixFlow trains through, and its Hugging Face Llama-family adapter.
+"""The small model interface the trainer computes log π through, and the plain path every causal LM takes.
 
 PrefixFlow needs three things from a causal language model:
 
@@ -8,11 +8,10 @@ PrefixFlow needs three things from a causal language model:
 * turn hidden states into log-probabilities of given target tokens;
 * its parameters.
 
-:class:`PrefixCausalLM` states that contract; :class:`HFLlamaLM` implements it for
-Hugging Face Llama-family models (the bundled default model is one) through the
-library's own modules and a ``DynamicCache`` built from the given keys/values. Another
-architecture is added by writing one more adapter and registering its ``model_type``
-in :data:`ADAPTERS`.
+:class:`PrefixCausalLM` states that contract, log-probabilities at the sampling temperature
+included (:func:`target_logprobs`). The PrefixFlow adapters, one module per model family, are
+in :mod:`verbatim.trainer.adapters`; :class:`PlainCausalLM` is the path of any other causal LM:
+whole sequences through the model's own forward, no keys/values kept.
 
 A model in train mode with dropout is refused: the shared prefix runs once, so every
 sequence of the group would see one dropout mask on it, which full-sequence training
@@ -21,7 +20,7 @@ sequence of the group would see one dropout mask on it, which full-sequence trai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -34,51 +33,62 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class PrefixCausalLM(Protocol):
+    temperature: float
+    """The T of log π = log_softmax(logits / T): the sampling temperature the traced μ describes."""
+
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
                       keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
         """(b, n) ids at positions start..start+n-1 -> ((b, n, hidden), past + own KV if keep_kv)."""
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(n, hidden) states and (n,) target ids -> (n,) log-probabilities, at least float32."""
+        """(n, hidden) states and (n,) target ids -> (n,) log-probabilities at :attr:`temperature`, at least
+        float32."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden) states -> (n, vocab) logits, before the temperature."""
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
 
-class HFLlamaLM:
-    """:class:`PrefixCausalLM` over a Hugging Face ``*ForCausalLM`` of the Llama family."""
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at each row's target, in at least float32: what vLLM's processed logprobs
+    hold for a token sampled at temperature T (no top-p/top-k mask)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None].long()).squeeze(-1)
 
-    def __init__(self, model: nn.Module) -> None:
+
+class PlainCausalLM:
+    """Any Hugging Face causal LM through its own full forward: ``model(ids).logits``, whatever the family's
+    architecture does after its decoder. The plain path (no PrefixFlow): its "hidden states" are the logits
+    of every position, so a microbatch holds (rows × tokens × vocabulary) of them."""
+
+    def __init__(self, model: nn.Module, temperature: float = 1.0) -> None:
         self.model = model
-        self.decoder = model.model
-        self.lm_head = model.lm_head
+        self.temperature = temperature
 
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
                       keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
-        from transformers import DynamicCache
-
+        if past is not None or keep_kv or start:
+            raise TrainerError(f"model type {_model_type(self.model)!r} has no PrefixFlow adapter: it trains "
+                               "whole sequences only")
         if self.model.training:
             refuse_dropout(self.model)
-        batch, length = ids.shape
-        positions = torch.arange(start, start + length, device=ids.device).expand(batch, length)
-        cache = None
-        if past is not None:
-            if past[0][0].shape[-2] != start:
-                raise TrainerError(f"past holds {past[0][0].shape[-2]} tokens but positions start at {start}")
-            cache = DynamicCache(ddp_cache_data=past)  # fresh per call: forward concatenates into it
-        elif keep_kv:
-            cache = DynamicCache(config=self.model.config)
-        out = self.decoder(input_ids=ids, position_ids=positions, past_key_values=cache,
-                           use_cache=cache is not None)
-        kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
-        return out.last_hidden_state, kv
+        return self.model(input_ids=ids, use_cache=False).logits, None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None].long()).squeeze(-1)
+        return target_logprobs(hidden, targets, self.temperature)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def dropout_settings(model: nn.Module) -> dict[str, float]:
@@ -112,19 +122,6 @@ def refuse_dropout(model: nn.Module) -> None:
 
 def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-ADAPTERS: dict[str, Callable[[nn.Module], PrefixCausalLM]] = {"llama": HFLlamaLM}
-"""``config.model_type`` -> adapter. Add an architecture here once its exactness tests pass."""
-
-
-def prefix_lm(model: nn.Module) -> PrefixCausalLM:
-    """The adapter for a Hugging Face causal LM, by its ``config.model_type``."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ADAPTERS:
-        raise TrainerError(f"PrefixFlow has no adapter for model type {model_type!r}",
-                           hint=f"supported: {', '.join(sorted(ADAPTERS))}")
-    return ADAPTERS[model_type](model)
 
 
 def sequence_logprobs(lm: PrefixCausalLM, hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,

@@ -36,10 +36,12 @@ from torch import nn
 
 from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
+from verbatim.trainer.adapters import prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import prefix_lm, refuse_dropout
+from verbatim.trainer.causal_lm import refuse_dropout
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.objective import LossConfig, loss_coefficients
+from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
 
 
@@ -57,7 +59,9 @@ class LearnerConfig(BaseModel):
     updates_per_step: int = Field(default=1, ge=1)
     microbatch: int = Field(default=4, ge=1)
     """Rows per forward/backward (suffix microbatches under PrefixFlow)."""
-    prefixflow: bool = True
+    prefixflow: bool | None = None
+    """True: PrefixFlow (the model's family must have an adapter); False: the plain path; None (auto):
+    PrefixFlow where the family has an adapter (:mod:`verbatim.trainer.adapters`)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
@@ -87,6 +91,12 @@ class StepInput:
     behaviour_from_trainer: bool = False
     """Rows whose model tokens have no sampler logprob (NaN, as in re-rendered contexts): π_old stands in
     for μ there, so the correction sees those tokens as on-policy. Off, a NaN μ is an error."""
+    temperature: float = 1.0
+    """The T of the distribution the rows' μ describes (the traced turns' sampling settings): π is
+    log_softmax(logits / T) on every path."""
+    truncation: tuple[float, int] | None = None
+    """(top_p, top_k) of rows sampled under a mask the trainer does not reproduce (allowed by the user):
+    the step counts the sampled tokens π at T would not sample from under that mask."""
 
 
 def row_logprobs(logp: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -108,7 +118,8 @@ class Learner:
         refuse_dropout(model)
         self.model = model.train()
         self.config = config
-        self.lm = prefix_lm(model)
+        if config.prefixflow:
+            prefix_lm(model)  # PrefixFlow required: a family without an adapter is refused now, not at a step
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -133,7 +144,8 @@ class Learner:
         device = next(self.model.parameters()).device  # the batch goes where the model is (CPU or a GPU)
         ids, mask = batch.token_ids.to(device), batch.loss_mask.to(device)
         sequences = tuple(ids[i, : int(batch.lengths[i])] for i in range(rows))
-        logp_old = old_logprobs(self.lm, sequences, mask, self.config.microbatch)
+        lm, path = trainer_lm(self.model, self.config.prefixflow, step.temperature)
+        logp_old = old_logprobs(lm, sequences, mask, self.config.microbatch)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
@@ -142,34 +154,35 @@ class Learner:
         loss = 0.0
         norms = []
         for update_rows in self.update_splits(rows):
-            loss_u, norm = self._update(sequences, fix.weights, fix.keep, logp_old, advantages,
+            loss_u, norm = self._update(lm, path, sequences, fix.weights, fix.keep, logp_old, advantages,
                                         step.groups, update_rows)
             loss += loss_u
             norms.append(norm)
         self.version += 1
-        return {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
-                "grad_norm_max": float(max(norms)),
-                "updates": len(norms), "kept_tokens": int(fix.keep.sum()), "model_tokens": int(batch.loss_mask.sum()),
-                "train_s": time.perf_counter() - started, "correction": fix.metrics.as_dict(),
-                "row_logprobs": per_row}
+        metrics = {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
+                   "grad_norm_max": float(max(norms)), "updates": len(norms), "trainer_path": path,
+                   "temperature": step.temperature, "kept_tokens": int(fix.keep.sum()),
+                   "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict()}
+        if step.truncation is not None:
+            metrics["outside_support"] = outside_support(lm, sequences, mask, *step.truncation,
+                                                         self.config.microbatch)
+        return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}
 
     def update_splits(self, rows: int) -> list[list[int]]:
-        """The rows of each optimizer update: consecutive (a group stays together where it can)."""
-        count = self.config.updates_per_step
-        if count > rows:
-            raise InputError(f"--updates-per-step {count} is more than the {rows} rollouts trained this step",
-                             hint="lower --updates-per-step or raise --groups/--group-size")
+        """The rows of each optimizer update: consecutive (a group stays together where it can). A step with
+        fewer rows than ``updates_per_step`` (its errors left fewer) takes one update per row."""
+        count = min(self.config.updates_per_step, rows)
         return [list(map(int, part)) for part in np.array_split(np.arange(rows), count)]
 
-    def _update(self, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor, keep: torch.Tensor,
-                logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
+    def _update(self, lm: Any, path: str, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
+                keep: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
                 rows: list[int]) -> tuple[float, float]:
         coef = torch.zeros_like(weights)
         coef[rows] = loss_coefficients(weights[rows], keep[rows], self.config.loss.normaliser)
         trained = keep & (advantages != 0)[:, None]  # a zero advantage gives zero gradient: skip its forward
         batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp_old, advantages=advantages,
                           groups=tuple(tuple(g) for g in groups))
-        loss = backward_rows(self.lm, batch, rows, self.config.loss.clip_eps, prefixflow=self.config.prefixflow,
+        loss = backward_rows(lm, batch, rows, self.config.loss.clip_eps, prefixflow=path == "prefixflow",
                              microbatch=self.config.microbatch)
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))

@@ -63,6 +63,15 @@ def check_vocabulary(rollouts: list[Rollout], vocab_size: int, model_name: str) 
                          hint="pass the --model the trace was sampled with")
 
 
+def sampled_temperature(rollout: Rollout) -> float:
+    """The T of the distribution a rollout's μ describes, from the sampling settings its turns record."""
+    sampling = rollout.sampling()
+    if sampling is None:
+        raise TraceError(f"rollout {rollout.rollout_id}'s turns were sampled with different settings",
+                         hint="its μ describes no one temperature the report could recompute π at")
+    return sampling.logprob_temperature
+
+
 def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None = None,
              config: CorrectionConfig | None = None) -> MismatchReport:
     rollouts = usable_rollouts(rollouts)
@@ -71,7 +80,9 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
     with torch.no_grad():
         for i, rollout in enumerate(rollouts):
             n = len(rollout.tokens)
-            logp_pi[i, :n] = torch.nan_to_num(reference_logprobs(model, rollout.tokens.token_id), nan=0.0)
+            temperature = sampled_temperature(rollout)
+            logp_pi[i, :n] = torch.nan_to_num(reference_logprobs(model, rollout.tokens.token_id,
+                                                                 temperature=temperature), nan=0.0)
     version = int(batch.versions.max()) if trainer_version is None else trainer_version
     logp_mu = torch.nan_to_num(batch.logp_mu, nan=0.0)
     result = correct(logp_pi, logp_mu, batch.loss_mask, batch.versions, version, config)

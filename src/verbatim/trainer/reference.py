@@ -66,8 +66,9 @@ def trainer_device(text: str) -> str:
 
 
 def reference_logprobs(model: nn.Module, token_ids: Any,
-                       positions: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-    """log π(token_t | tokens_<t) of the sequence ``token_ids`` (T tokens), from ``model(ids).logits``.
+                       positions: torch.Tensor | Sequence[int] | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """log π(token_t | tokens_<t) of the sequence ``token_ids`` (T tokens), from ``model(ids).logits``
+    divided by ``temperature`` (the distribution a token sampled at that temperature was drawn from).
 
     ``positions``: the t to return, each in 1..T−1, in the given order. Without them every t
     is returned, as a (T,) tensor whose entry 0 is NaN (nothing comes before the first token).
@@ -84,7 +85,7 @@ def reference_logprobs(model: nn.Module, token_ids: Any,
         if wanted.numel() and (int(wanted.min()) < 1 or int(wanted.max()) >= length):
             raise TrainerError(f"positions must lie in 1..{length - 1} for a sequence of {length} tokens")
     logits = model(ids[None]).logits[0, wanted - 1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[wanted, None])[:, 0]
     if positions is not None:
         return picked

@@ -1,0 +1,54 @@
+"""Sampled tokens π would not sample: the check of a run sampled under top-p/top-k masks.
+
+Under top-k, or top-p < 1, vLLM samples from π at temperature T restricted to its k most likely
+tokens, then to the smallest set of those whose probability reaches p, renormalised. The trainer
+computes π on the whole vocabulary, so the importance ratio π/μ of such a step is off for every
+token, and a sampled token outside what the mask would keep under the trainer's π is one π and μ
+disagree about entirely (a changed weight, a rounding difference at the mask's edge). This module
+counts those tokens; it does not correct for the mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from verbatim.trainer.causal_lm import PrefixCausalLM
+from verbatim.trainer.prefixflow import _pad, microbatches
+
+
+def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float,
+                 top_k: int) -> torch.Tensor:
+    """(n,) bool: whether each target lies outside the top-k / top-p set of softmax(logits / T) (per row)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    chosen = probs.gather(-1, targets[:, None].long())
+    above = probs > chosen  # the tokens a mask keeps before the target
+    outside = torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
+    if top_k > 0:
+        outside |= above.sum(dim=-1) >= top_k
+        kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+        kept = probs >= kth
+    else:
+        kept = torch.ones_like(probs, dtype=torch.bool)
+    if top_p < 1:
+        mass = (probs * kept).sum(dim=-1)
+        outside |= (probs * above * kept).sum(dim=-1) / mass >= top_p
+    return outside
+
+
+def outside_support(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
+                    top_p: float, top_k: int, microbatch: int = 4) -> int:
+    """How many tokens of ``loss_mask`` lie outside the mask of π at ``lm.temperature`` (no autograd)."""
+    rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
+    count = 0
+    with torch.no_grad():
+        for chunk in microbatches(len(rows), microbatch):
+            picked = [rows[k] for k in chunk]
+            ids, mask = _pad([sequences[i] for i in picked],
+                             [loss_mask[i, : sequences[i].numel()] for i in picked])
+            hidden, _ = lm.hidden_states(ids)
+            r, t = torch.nonzero(mask, as_tuple=True)
+            logits = lm.logits(hidden[r, t - 1])
+            count += int(outside_mask(logits, ids[r, t], lm.temperature, top_p, top_k).sum())
+    return count
