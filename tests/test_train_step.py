@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verbatim.datamodel import Rollout, TokenColumns, Turn
+from verbatim.datamodel import Rollout, TokenColumns, Turn, TurnSampling
 from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary
 from verbatim.harness.train_step import TRAINED_STATUSES, peak_rss_mib, step_input, step_record, success_rate
@@ -21,12 +22,12 @@ from verbatim.trainer.correction import CorrectionConfig, correct
 
 
 def rollout(group: int, index: int, reward: float | None = 1.0, status: str = "ok", *, solved: object = None,
-            turns: bool = True, error: str | None = None) -> Rollout:
+            turns: bool = True, error: str | None = None, sampling: TurnSampling | None = None) -> Rollout:
     """A rollout of step 0 as the harness writes it: three prompt tokens, three sampled, ids distinct per member."""
     tokens = TokenColumns(token_id=np.arange(6) + 10 * group + index, source=np.array([0, 0, 0, 2, 2, 2]),
                           logprob=np.array([np.nan] * 3 + [-0.5] * 3), policy_version=np.array([-1] * 3 + [0] * 3),
                           turn=np.zeros(6))
-    turn = Turn(index=0, prompt_end=3, completion_end=6)
+    turn = Turn(index=0, prompt_end=3, completion_end=6, sampling=sampling)
     if error is None and status != "ok":
         error = f"{status} in g{group} r{index}"
     env = {} if solved is None else {"solved": solved}
@@ -48,6 +49,39 @@ def test_ok_and_truncated_rollouts_train_error_and_interrupted_do_not():
     np.testing.assert_allclose(rows.advantages, [0.5, -0.5])
     assert info == {"groups_trained": 1, "groups_skipped": 0, "rows": 2, "advantage_std": 0.5,
                     "advantage_abs_mean": 0.5, "zero_advantage_groups": 0}
+
+
+def test_the_step_trains_at_the_temperature_its_turns_record():
+    hot = TurnSampling(temperature=1.3)
+    rows, _ = step_input([rollout(0, 0, 1.0, sampling=hot), rollout(0, 1, 0.0, sampling=hot)], "grpo")
+    assert rows.temperature == 1.3 and rows.truncation is None
+    rows, _ = step_input([rollout(0, 0, 1.0), rollout(0, 1, 0.0)], "grpo")  # schema 2: raw logprobs, T = 1
+    assert rows.temperature == 1.0
+    greedy = TurnSampling(temperature=0.0)  # vLLM applies no temperature to a greedy request's logprobs
+    assert step_input([rollout(0, 0, 1.0, sampling=greedy), rollout(0, 1, 0.0, sampling=greedy)],
+                      "grpo")[0].temperature == 1.0
+
+
+def test_rollouts_sampled_with_different_settings_are_refused():
+    played = [rollout(0, 0, 1.0, sampling=TurnSampling(temperature=0.7)),
+              rollout(0, 1, 0.0, sampling=TurnSampling(temperature=1.0))]
+    with pytest.raises(InputError, match=r"different settings \(temperature 0.7 \(processed\); temperature 1 "):
+        step_input(played, "grpo")
+
+
+@pytest.mark.parametrize("sampling,shown,truncation", [
+    (TurnSampling(temperature=1.0, top_p=0.9), "top-p 0.9", (0.9, 0)),
+    (TurnSampling(temperature=0.8, top_k=5), "top-k 5", (1.0, 5)),
+    (TurnSampling(temperature=1.0, regex="[0-9]+"), "regex '[0-9]+'", None),
+])
+def test_a_truncated_distribution_needs_the_users_opt_in(sampling, shown, truncation):
+    played = [rollout(0, 0, 1.0, sampling=sampling), rollout(0, 1, 0.0, sampling=sampling)]
+    needle = re.escape(f"sampled with {shown}, which the trainer does not reproduce")
+    with pytest.raises(InputError, match=needle) as caught:
+        step_input(played, "grpo")
+    assert "--allow-truncated-sampling" in caught.value.one_line()
+    rows, info = step_input(played, "grpo", allow_truncated=True)
+    assert rows.truncation == truncation and info["truncated_sampling"] == shown
 
 
 def test_a_group_with_fewer_than_two_trained_rollouts_is_skipped():

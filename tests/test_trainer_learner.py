@@ -222,6 +222,19 @@ def test_two_updates_take_two_optimizer_steps_over_consecutive_rows(untied):
     assert learner.update_splits(2) == [[0], [1]]
 
 
+def test_a_truncated_step_counts_the_sampled_tokens_outside_pis_mask(untied):
+    """Top-k 1 keeps π's argmax only: random traced tokens mostly lie outside it, and none under top-k = vocab."""
+    rows = step_rows(untied, seed=7)
+    import dataclasses
+
+    tight = Learner(copy.deepcopy(untied), LearnerConfig()).train_step(dataclasses.replace(rows, truncation=(1.0, 1)))
+    loose = Learner(copy.deepcopy(untied), LearnerConfig()).train_step(
+        dataclasses.replace(rows, truncation=(1.0, VOCAB)))
+    assert tight["model_tokens"] > tight["outside_support"] > tight["model_tokens"] // 2
+    assert loose["outside_support"] == 0
+    assert "outside_support" not in Learner(copy.deepcopy(untied), LearnerConfig()).train_step(rows)
+
+
 def test_a_step_with_fewer_rows_than_updates_takes_one_update_per_row(untied):
     """Errors may leave a step fewer rows than --updates-per-step: it trains (a --resume must get past it),
     one update per row, and its metrics say how many it took."""

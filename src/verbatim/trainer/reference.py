@@ -92,7 +92,7 @@ def reference_logprobs(model: nn.Module, token_ids: Any,
     return torch.cat([picked.new_full((1,), float("nan")), picked])
 
 
-def reference_backward(model: nn.Module, group: PrefixGroup, loss_fn: LossFn) -> float:
+def reference_backward(model: nn.Module, group: PrefixGroup, loss_fn: LossFn, temperature: float = 1.0) -> float:
     """Full-sequence training of ``group`` through :func:`reference_logprobs`; returns the loss.
 
     Each sequence runs alone (batch 1, no padding); its loss-mask positions are scattered
@@ -104,7 +104,7 @@ def reference_backward(model: nn.Module, group: PrefixGroup, loss_fn: LossFn) ->
     for i in range(group.size):
         sequence = group.sequence(i)
         positions = torch.nonzero(group.loss_masks[i]).flatten()
-        values = reference_logprobs(model, sequence, positions)
+        values = reference_logprobs(model, sequence, positions, temperature)
         row = torch.zeros(1, sequence.numel(), dtype=values.dtype, device=values.device)
         row = row.index_put((torch.zeros_like(positions), positions.to(values.device)), values)
         loss = loss_fn(row, torch.tensor([i]))
