@@ -22,6 +22,7 @@ from verbatim.errors import EngineError, InputError
 def test_multi_turn_reuse_over_http(vllm_server):
     async def scenario():
         async with HttpEngine(vllm_server.url) as engine:
+            assert engine.logprobs_check == "processed"  # the probe: our servers report processed logprobs
             prompt, observation = scenario_prompts(seed=5, prompt_len=290, new_len=200)
             turn1 = await engine.generate(prompt, Sampling(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
             history = prompt + turn1.token_ids.tolist()
