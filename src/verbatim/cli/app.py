@@ -28,6 +28,7 @@ from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
 from verbatim.errors import VerbatimError, shorten
+from verbatim.harness.tiny_models import TINY_FAMILIES
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -170,6 +171,22 @@ def models_prepare(
 
     path = models.prepare(name or models.DEFAULT_MODEL)
     console.print(str(path))
+
+
+@models_app.command("tiny")
+def models_tiny(
+    family: str = typer.Argument(..., help=f"One of: {', '.join(TINY_FAMILIES)}."),
+    out: str = typer.Option(..., "--out", help="The model folder to write (missing, empty or an earlier tiny one)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the random weights: the same seed writes the same file."),
+) -> None:
+    """Write a tiny random model folder of a family: 2 layers, hidden 64, head_dim 32, float32, with
+    the family's real tokenizer and official chat template, for --model DIR with no download
+    (gemma2 takes Gemma 3's vocabulary; docs/models.md)."""
+    from verbatim.harness.tiny_models import build_tiny_folder
+
+    made = build_tiny_folder(family, out, seed)
+    console.print(f"{made.path}  ({made.family.name}: {made.family.model_type}, vocab {made.vocab_size}, "
+                  f"renderer {made.family.renderer}, template {made.template}.jinja, seed {seed})")
 
 
 # ---------------------------------------------------------------------------
