@@ -181,7 +181,7 @@ def models_tiny(
 ) -> None:
     """Write a tiny random model folder of a family: 2 layers, hidden 64, head_dim 32, float32, with
     the family's real tokenizer and official chat template, for --model DIR with no download
-    (gemma2 takes Gemma 3's vocabulary; docs/models.md)."""
+    (gemma2 takes Gemma 3's 262k vocabulary: Gemma 2's own is not shipped)."""
     from verbatim.harness.tiny_models import build_tiny_folder
 
     made = build_tiny_folder(family, out, seed)
