@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from verbatim.engine.untied import (
     OUTPUT,
     is_tied,
     needs_untying,
+    serves_untied,
     serving_copy,
     untie_state_dict,
     untied_folder,
@@ -88,6 +90,17 @@ def test_is_tied(tied_dir, untied_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True,
                                                       "text_config": {"tie_word_embeddings": False}}))
     assert not is_tied(tmp_path)  # the text part decides
+
+
+def test_a_tied_gemma2_is_served_as_it_is(tied_dir, tmp_path):
+    """vLLM's Gemma 2 computes its logits with the embedding (no lm_head to load): an untied copy would be
+    refused, and a reload of the embedding reaches the output. tests/test_train_families.py trains one."""
+    gemma = tmp_path / "gemma2"
+    shutil.copytree(tied_dir, gemma)
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps(config | {"architectures": ["Gemma2ForCausalLM"]}))
+    assert is_tied(gemma) and not serves_untied(gemma) and not needs_untying(gemma)
+    assert serves_untied(tied_dir) and serving_copy(gemma) == gemma.resolve()
 
 
 def test_needs_untying(tied_dir, untied_dir, tmp_path):

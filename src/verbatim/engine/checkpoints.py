@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from verbatim.engine.untied import untie_state_dict
+from verbatim.engine.untied import serves_untied, untie_state_dict
 from verbatim.errors import InputError
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -83,7 +83,7 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
                     version: int, keep: int = 2) -> Path:
     """Write ``root/v{version:06d}`` atomically (a temporary folder renamed into place) for servers to reload.
 
-    The output layer is always spelled out: a tied model's servers serve its untied copy (engine/untied.py).
+    The output layer is spelled out where a tied model's servers serve its untied copy (engine/untied.py).
 
     A server never sees a half-written folder: the name appears only once every file is complete.
     A failed write leaves no temporary folder. Older published versions beyond the newest ``keep`` are removed.
@@ -93,7 +93,8 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     try:
         _remove_temporaries(root)  # a write a killed trainer never finished
         root.mkdir(parents=True, exist_ok=True)
-        folder = state_dict_checkpoint(untie_state_dict(state_dict), like, parent=root)
+        weights = untie_state_dict(state_dict) if serves_untied(like) else state_dict
+        folder = state_dict_checkpoint(weights, like, parent=root)
         _rename_over(folder, final)
     except OSError as exc:
         raise InputError(f"cannot publish the version {version} weights in {root}: {exc.strerror or exc}",

@@ -28,7 +28,7 @@ from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, co
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
-from verbatim.engine.untied import is_tied, needs_untying, serving_copy, untie_state_dict, untied_folder
+from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
 from verbatim.errors import EngineError, InputError
 
 __all__ = ["InprocEngine", "Sampling"]
@@ -282,7 +282,7 @@ class InprocEngine:
 
         A state dict is written to a temporary folder; for an untied serving copy, a state dict
         or folder without the output layer gets it spelled out (engine/untied.py)."""
-        untied = is_tied(self.model_dir)
+        untied = serves_untied(self.model_dir)
         if isinstance(source, dict):
             weights = untie_state_dict(source) if untied else source
             folder = state_dict_checkpoint(weights, like=self.serving_dir)

@@ -26,6 +26,11 @@ from typing import Any
 
 from verbatim.errors import InputError
 
+SHARED_OUTPUT = frozenset({"Gemma2ForCausalLM"})
+"""Architectures whose vLLM model has no output layer of its own: it computes the logits with the input
+embedding, so a reload of the embedding reaches them, and an untied copy's ``lm_head.weight`` is refused
+("no module or parameter named 'lm_head'"). They are served as they are."""
+
 EMBEDDING = "model.embed_tokens.weight"
 OUTPUT = "lm_head.weight"
 _MARK = "verbatim-untied.json"
@@ -42,6 +47,12 @@ def is_tied(model_dir: str | os.PathLike[str]) -> bool:
     return bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", False)))
 
 
+def serves_untied(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether the engine serves the folder from an untied copy: tied, and vLLM's model of it has an output
+    layer a reload would otherwise miss."""
+    return is_tied(model_dir) and not _shares_output(Path(model_dir))
+
+
 def untie_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with the output layer spelled out (a copy of the embedding) if it is missing."""
     if OUTPUT in state_dict or EMBEDDING not in state_dict:
@@ -55,7 +66,7 @@ def serving_copy(model_dir: str | os.PathLike[str], root: str | os.PathLike[str]
     from verbatim.paths import verbatim_home
 
     source = Path(model_dir).resolve()
-    if not is_tied(source):
+    if not serves_untied(source):
         return source
     root = Path(root) if root is not None else verbatim_home() / "serving"
     target = root / f"{source.name}-untied-{_fingerprint(source)}"
@@ -106,7 +117,15 @@ def needs_untying(folder: str | os.PathLike[str]) -> bool:
     for path in Path(folder).glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             names.update(f.keys())
-    return EMBEDDING in names and OUTPUT not in names
+    return EMBEDDING in names and OUTPUT not in names and not _shares_output(Path(folder))
+
+
+def _shares_output(folder: Path) -> bool:
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(SHARED_OUTPUT.intersection(data.get("architectures") or ()))
 
 
 def _untie_config(path: Path) -> None:
