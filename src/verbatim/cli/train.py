@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.datamodel import Frozen
-from verbatim.engine.http import unchecked_logprobs
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
@@ -158,8 +157,6 @@ async def execute(loop: TrainLoop, options: TrainOptions, console: Console) -> l
 
     async with started(loop.engine, console, loop.out) as start_s:
         loop.engine_start_s = start_s
-        for line in unchecked_logprobs(loop.engine):
-            console.print(f"warning: {line}; μ is taken to be the sampling distribution's")
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)

