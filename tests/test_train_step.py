@@ -76,7 +76,7 @@ def test_rollouts_sampled_with_different_settings_are_refused():
 ])
 def test_a_truncated_distribution_needs_the_users_opt_in(sampling, shown, truncation):
     played = [rollout(0, 0, 1.0, sampling=sampling), rollout(0, 1, 0.0, sampling=sampling)]
-    needle = re.escape(f"sampled with {shown}, which the trainer does not reproduce")
+    needle = re.escape(f"{shown}: a mask of the sampling distribution the trainer does not reproduce")
     with pytest.raises(InputError, match=needle) as caught:
         step_input(played, "grpo")
     assert "--allow-truncated-sampling" in caught.value.one_line()

@@ -33,6 +33,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.train import TrainLoop, TrainPlan, check_resumable
+from verbatim.harness.train_step import refuse_truncated
 from verbatim.paths import check_output_file, check_run_dir
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.correction import CorrectionConfig
@@ -115,13 +116,7 @@ def sampling(options: TrainOptions) -> Sampling:
     """The run's sampling settings; a mask the trainer's π does not reproduce needs the user's opt-in."""
     chosen = Sampling(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                       top_k=options.top_k)
-    if chosen.record().truncated and not options.plan.allow_truncated_sampling:
-        masks = " and ".join(m for m in (f"--top-p {options.top_p:g}" if options.top_p < 1 else "",
-                                         f"--top-k {options.top_k}" if options.top_k else "") if m)
-        raise InputError(f"{masks} truncates the sampling distribution in a way the trainer does not reproduce: "
-                         "π/μ would be off on every token",
-                         hint="drop it, or add --allow-truncated-sampling to train anyway (each step's metrics "
-                              "count the sampled tokens outside π's mask)")
+    refuse_truncated(chosen.record(), options.plan.allow_truncated_sampling, "--top-p/--top-k")
     return chosen
 
 

@@ -16,11 +16,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from verbatim.durable import staged_folder
 from verbatim.errors import DependencyError, ModelError, UnknownModelError
 from verbatim.paths import verbatim_home
 
@@ -162,8 +161,7 @@ def _convert(model: BundledModel, source: Path, target: Path, fingerprint: str) 
         raise DependencyError(f"converting {model.name} needs torch ({exc})",
                               hint="run: pip install 'verbatim-rl[cpu]'") from exc
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
-    try:
+    with staged_folder(target, f".{model.name}-") as staging:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         if not tokenizer.chat_template:
             raise ModelError(f"{source.name} carries no chat template")
@@ -183,9 +181,3 @@ def _convert(model: BundledModel, source: Path, target: Path, fingerprint: str) 
         marker = {"name": model.name, "source": str(source), "source_fingerprint": fingerprint,
                   "dtype": "float32", "description": model.description}
         (staging / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

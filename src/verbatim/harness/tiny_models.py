@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verbatim.durable import staged_folder
 from verbatim.errors import InputError, ModelError
 
 MARKER = "verbatim-tiny.json"
@@ -89,9 +88,7 @@ def build_tiny_folder(family: str, out: str | os.PathLike[str], seed: int = 0) -
     fam = tiny_family(family)
     target = _checked_out(Path(out).expanduser())
     tokenizer, renderer, (stem, template) = _chat_parts(fam)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
+    with staged_folder(target, f".{target.name}-") as staging:
         config = _write_weights(fam, staging, tokenizer, renderer, seed)
         tokenizer.save_pretrained(staging)
         (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
@@ -99,12 +96,6 @@ def build_tiny_folder(family: str, out: str | os.PathLike[str], seed: int = 0) -
                   "tokenizer": fam.tokenizer_family, "template": stem, "seed": seed}
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _check_detected(staging, fam)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return TinyModel(path=target, family=fam, vocab_size=config.vocab_size, template=stem)
 
 

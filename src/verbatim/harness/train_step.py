@@ -75,12 +75,17 @@ def step_sampling(rollouts: Sequence[Rollout], allow_truncated: bool = False) ->
         raise InputError(f"the step's rollouts were sampled with different settings ({shown or 'per turn'}): "
                          "one temperature must describe a step's μ", hint="train on rollouts of one run")
     sampling = found.pop()
-    if sampling.truncated and not allow_truncated:
-        raise InputError(f"the rollouts were sampled with {_mask_text(sampling)}, which the trainer does not "
-                         "reproduce: π/μ would be off on every token",
-                         hint="sample without it, or pass --allow-truncated-sampling to train anyway (the "
-                              "metrics then count the sampled tokens outside π's mask)")
+    refuse_truncated(sampling, allow_truncated, "the step's rollouts were sampled with it")
     return sampling
+
+
+def refuse_truncated(sampling: TurnSampling, allow: bool, where: str) -> None:
+    """One line for a mask (top-p < 1, top-k, a regex) the trainer's π does not reproduce, unless allowed."""
+    if sampling.truncated and not allow:
+        raise InputError(f"{_mask_text(sampling)}: a mask of the sampling distribution the trainer does not "
+                         f"reproduce, so π/μ would be off on every token ({where})",
+                         hint="sample without it, or pass --allow-truncated-sampling to train anyway (each step's "
+                              "metrics then count the sampled tokens outside π's mask)")
 
 
 def _mask_text(sampling: TurnSampling) -> str:
