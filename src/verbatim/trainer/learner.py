@@ -3,12 +3,15 @@
 A step takes the rows of the step's trained rollouts (their token columns as written: ids,
 sources, sampler logprobs μ, policy versions) with one advantage per row, and:
 
-1. computes π_old, the trainer's log π of every model token before any update (no grad);
+1. computes π_old, the trainer's log π of every model token before any update (no grad), at the
+   temperature the rows were sampled at (``StepInput.temperature``: log_softmax(logits / T)), through
+   the model's path (:func:`~verbatim.trainer.adapters.trainer_lm`: PrefixFlow where its family has an
+   adapter, else the plain forward);
 2. corrects π_old against μ and the versions (:func:`~verbatim.trainer.correction.correct`):
    behaviour weights, the rows' kept tokens, and the mismatch metrics of the step's own
    rollouts before the optimizer moves (on a synchronous step this is the engine/trainer
    agreement);
-3. splits the rows into ``updates_per_step`` optimizer updates; each update's loss is the
+3. splits the rows into ``updates_per_step`` optimizer updates (one per row where fewer); each update's loss is the
    decoupled objective of :mod:`~verbatim.trainer.objective` with one normaliser over the
    update's rows, so its gradient does not depend on the microbatch split or on PrefixFlow;
    clips the gradient norm and steps AdamW;
@@ -36,9 +39,9 @@ from torch import nn
 
 from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
-from verbatim.trainer.adapters import prefix_lm, trainer_lm
+from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import refuse_dropout
+from verbatim.trainer.causal_lm import PrefixCausalLM, refuse_dropout
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.truncation import outside_support
@@ -174,7 +177,7 @@ class Learner:
         count = min(self.config.updates_per_step, rows)
         return [list(map(int, part)) for part in np.array_split(np.arange(rows), count)]
 
-    def _update(self, lm: Any, path: str, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
+    def _update(self, lm: PrefixCausalLM, path: TrainerPath, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
                 keep: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
                 rows: list[int]) -> tuple[float, float]:
         coef = torch.zeros_like(weights)
