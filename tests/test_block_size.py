@@ -91,7 +91,8 @@ def test_replaying_a_run_without_the_engine_block_size_is_refused(tmp_path: Path
 
 
 def serve(metrics: str | None) -> http.server.ThreadingHTTPServer:
-    """A server that lists one model and answers /metrics with ``metrics`` (None: 404)."""
+    """A server that lists one model, answers /metrics with ``metrics`` (None: 404) and completions with one
+    token (no top logprobs: the logprob mode stays unchecked)."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path.startswith("/v1/models"):
@@ -101,6 +102,14 @@ def serve(metrics: str | None) -> http.server.ThreadingHTTPServer:
             else:
                 status, body = 404, b"not found"
             self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802 - the start's logprob probe: an answer without top logprobs
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-0.5]}}]}).encode()
+            self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
