@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from verbatim.engine.http import HttpEngine, unchecked_logprobs
+from verbatim.engine.http import HttpEngine
+from verbatim.engine.logprobs_mode import unchecked_logprobs
 from verbatim.errors import EngineError, InputError
 
 LOGITS = [2.0, 1.0, 0.0, -1.0]

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from verbatim.datamodel import Frozen, Rollout
-from verbatim.engine.http import unchecked_logprobs
+from verbatim.engine.logprobs_mode import unchecked_logprobs
 from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine

