@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from subprocess_cli import cli
 
 from verbatim.datamodel import Source
 from verbatim.engine.fleet import kill_replica, read_fleet
@@ -35,13 +33,6 @@ pytestmark = pytest.mark.engine
 MAX_MODEL_LEN = 1024
 KV_BLOCKS = 40  # 1,280 tokens per replica: room for two or three live rollouts of this workload, not eight
 BLOCK = 32
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    tests = str(Path(__file__).resolve().parent)  # graded_env.py, a test env for `verbatim train`
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True, timeout=1200,
-                          env=env)
 
 
 @pytest.fixture(scope="module")

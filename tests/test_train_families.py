@@ -13,14 +13,11 @@ group (tests/graded_env.py), so every step moves the weights.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from subprocess_cli import cli
 
 from verbatim.datamodel import Source
 from verbatim.harness.store import read_manifest, read_run
@@ -31,13 +28,6 @@ from verbatim.trainer.reference import load_model, reference_logprobs
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    tests = str(Path(__file__).resolve().parent)  # graded_env.py
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True,
-                          timeout=1200, env=env)
 
 
 @pytest.mark.parametrize("family,renderer", [("qwen3", "qwen3"), ("gemma2", "gemma2")])

@@ -71,7 +71,7 @@ class PlainCausalLM:
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
                       keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
         if past is not None or keep_kv or start:
-            raise TrainerError(f"model type {_model_type(self.model)!r} has no PrefixFlow adapter: it trains "
+            raise TrainerError(f"model type {model_type(self.model)!r} has no PrefixFlow adapter: it trains "
                                "whole sequences only")
         if self.model.training:
             refuse_dropout(self.model)
@@ -87,7 +87,8 @@ class PlainCausalLM:
         return self.model.parameters()
 
 
-def _model_type(model: nn.Module) -> str | None:
+def model_type(model: nn.Module) -> str | None:
+    """A Hugging Face model's ``config.model_type`` (None for a model without one)."""
     return getattr(getattr(model, "config", None), "model_type", None)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.adapters import gemma, llama, mistral, phi3, qwen
-from verbatim.trainer.causal_lm import PlainCausalLM, PrefixCausalLM
+from verbatim.trainer.causal_lm import PlainCausalLM, PrefixCausalLM, model_type
 
 ADAPTERS: dict[str, Callable[..., PrefixCausalLM]] = {
     **llama.ADAPTERS, **qwen.ADAPTERS, **mistral.ADAPTERS, **phi3.ADAPTERS, **gemma.ADAPTERS,
@@ -26,10 +26,6 @@ ADAPTERS: dict[str, Callable[..., PrefixCausalLM]] = {
 """``config.model_type`` -> PrefixFlow adapter."""
 
 TrainerPath = Literal["prefixflow", "plain"]
-
-
-def model_type(model: nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def prefix_lm(model: nn.Module, temperature: float = 1.0) -> PrefixCausalLM:
