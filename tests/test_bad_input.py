@@ -258,6 +258,8 @@ def test_debug_after_the_subcommand_shows_our_traceback_not_a_usage_error(tmp_pa
     (["run", "--env", "guess", "--summary-json", "{tmp}"], "is a folder"),
     (["mismatch", "{tmp}/run", "--plot", "{nodir}/x.png"], "--plot {nodir}/x.png: the folder"),
     (["plot", "{tmp}/run", "--out", "{nodir}/c.png"], "--out {nodir}/c.png: the folder"),
+    (["export", "{tmp}/run", "--format", "verl", "--out", "{nodir}/x.parquet"], "--out {nodir}/x.parquet: the folder"),
+    (["view", "{tmp}/run", "--static", "{nodir}/x.html"], "--static {nodir}/x.html: the folder"),
     (["run", "--env", "guess", "--out", "{file}"], "is a file, not a folder"),
     (["train", "--env", "guess", "--out", "{file}/run"], "is a file, not a folder"),
 ])
@@ -270,6 +272,23 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
     assert time.perf_counter() - started < 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "{run}", "--format", "verl", "--out", "{run}/x.parquet"],
+    ["view", "{run}", "--static", "{run}/x.html"],
+    ["view", "{run}", "--static", "{run}/manifest.json"],
+])
+def test_an_output_among_a_runs_files_is_refused(tmp_path, args):
+    """export and view --static share one rule: RUN_DIR/exports/ is the one place inside a run
+    they may write."""
+    from verbatim.harness.store import TraceWriter
+
+    run = tmp_path / "run"
+    TraceWriter(run, RunManifest(run_id="r", engine={"block_size": 16}))
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    one_error_line(runner.invoke(app, [a.format(run=run) for a in args]), f"is inside the run directory {run}")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
 def test_a_summary_beside_the_run_directory_the_command_creates_is_accepted(tmp_path):

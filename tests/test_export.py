@@ -394,6 +394,18 @@ def test_cli_export_never_writes_among_a_runs_files(run_dir: Path, target: str):
     assert len(read_run(run_dir).rollouts) == 12
 
 
+def test_cli_export_never_creates_a_missing_out_folder(run_dir: Path, tmp_path: Path):
+    out = tmp_path / "missing" / "deeper" / "x.parquet"
+    result = runner.invoke(app, ["export", str(run_dir), "--format", "verl", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--out {out}: the folder {out.parent} does not exist" in lines[0], result.stderr
+    assert not (tmp_path / "missing").exists()
+    assert not (run_dir / "exports").exists()
+    nested = runner.invoke(app, ["export", str(run_dir), "--format", "verl", "--out", str(run_dir / "exports/a/x")])
+    assert nested.exit_code == 2 and not (run_dir / "exports").exists(), nested.output  # only exports/ itself
+
+
 def test_cli_export_replaces_an_existing_file_only_with_force(run_dir: Path, tmp_path: Path):
     out = tmp_path / "mine.parquet"
     out.write_bytes(b"someone's data")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from verbatim.cli.app import app
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.curves import plot_training, series
 from verbatim.harness.metrics_log import append_metrics, read_metrics, rewrite_metrics
+from verbatim.harness.store import RunManifest, TraceWriter
 
 runner = CliRunner()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -111,7 +113,23 @@ def test_records_that_are_not_json_are_refused(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() or read_metrics(tmp_path) == []
 
 
-json_values = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+def test_metrics_jsonl_has_the_mode_of_every_other_run_file_after_append_and_rewrite(tmp_path):
+    def mode(name: str) -> int:
+        return stat.S_IMODE((tmp_path / name).stat().st_mode)
+
+    old = os.umask(0o022)
+    try:
+        TraceWriter(tmp_path, RunManifest(run_id="run"))
+        _run(tmp_path, steps=3)
+        assert mode("metrics.jsonl") == mode("manifest.json") == 0o644
+        rewrite_metrics(tmp_path, read_metrics(tmp_path)[:2])  # --resume drops the steps never checkpointed
+        assert mode("metrics.jsonl") == mode("manifest.json") == 0o644
+    finally:
+        os.umask(old)
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False)  # a non-finite float is written as null (strict JSON)
+json_values = st.none() | st.booleans() | st.integers() | finite | st.text(max_size=5)
 records = st.lists(st.dictionaries(st.text(max_size=4), json_values, max_size=4), max_size=5)
 
 
@@ -195,3 +213,22 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
         plot_training(read_metrics(tmp_path), tmp_path / "x.png", title="t")
     assert caught.value.one_line() == "verbatim plot needs matplotlib (pip install 'verbatim-rl[report]')"
     assert not os.path.exists(tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("file", "is not a directory"),
+    ("line", "metrics.jsonl line 2 is not a JSON object"),
+])
+def test_a_run_dir_that_is_a_file_or_a_damaged_log_is_one_line_exit_2(tmp_path, damage, needle):
+    if damage == "file":
+        run_dir = tmp_path / "notes.txt"
+        run_dir.write_text("mine")
+    else:
+        run_dir = tmp_path
+        (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n{"step": 2}\n')
+    result = runner.invoke(app, ["plot", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    assert "(" in lines[0]  # the hint: what to fix
+    assert not (tmp_path / "curve.png").exists()

@@ -167,6 +167,16 @@ def test_not_a_run_and_newer_schema_are_one_line_input_errors(tmp_path):
         read_manifest(tmp_path)
 
 
+@pytest.mark.parametrize("text,kind", [("[]", "list"), ('"run"', "str"), ("3", "int"), ("null", "NoneType")])
+def test_a_manifest_that_is_not_a_json_object_says_so_in_one_line(tmp_path, text, kind):
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(TraceFormatError) as info:
+        read_manifest(tmp_path)
+    line = info.value.one_line()
+    assert f"manifest.json: a manifest must be a JSON object, got {kind}" in line, line
+    assert '"run_id"' in line and info.value.exit_code == 2
+
+
 def test_manifest_records_versions_and_updates_atomically(tmp_path):
     writer = TraceWriter(tmp_path, RunManifest(run_id="run", model="m", renderer="chatml"))
     assert "python" in read_manifest(tmp_path).versions

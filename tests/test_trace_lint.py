@@ -298,6 +298,22 @@ def test_a_clean_but_incomplete_run_is_not_called_clean(tmp_path: Path, status, 
     assert only.exit_code == 0, only.output  # asked about the written tokens only: they are clean
 
 
+@pytest.mark.parametrize("field", ["config", "status"])
+def test_a_manifest_without_the_fields_the_verdict_reads_is_not_called_complete(tmp_path: Path, field):
+    rollouts = [make_rollout(f"r{i}", f"g{i // 2}", seed=i) for i in range(4)]
+    run = write_run(tmp_path / "run", [rollouts], config=PLAN)
+    raw = json.loads((run / "manifest.json").read_text())
+    del raw[field]  # a manifest edited, or written by another tool
+    (run / "manifest.json").write_text(json.dumps(raw))
+    table = runner.invoke(app, ["lint", "trace", str(run)])
+    text = " ".join(table.stdout.split())
+    assert table.exit_code == 1, text
+    assert f"incomplete: the manifest records no {field}" in text
+    result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
+    _, whole = json_lines(result.stdout)
+    assert result.exit_code == 1 and whole["complete"] is False and whole["missing"] == [field]
+
+
 def test_errors_are_counted_and_a_training_runs_plan_is_steps_of_groups(tmp_path: Path):
     rollouts = [make_rollout(f"r{i}", f"g{i // 2}", seed=i) for i in range(8)]
     rollouts[5] = rollouts[5].model_copy(update={"status": "error", "error": "EnvError: the sandbox died"})

@@ -5,11 +5,16 @@ fsyncs it, renames it over ``path`` and fsyncs the folder: a reader (or a proces
 point) sees the old file or the new one, never half of one. The temporary name starts with
 ``prefix`` so that readers of a folder can skip leftovers of a killed writer. ``staged_folder``
 does the same for a whole folder (a model folder written file by file).
+
+``strict_json(value)`` is the JSON text every file verbatim writes holds: strict JSON, which has no
+NaN or Infinity, so a non-finite float is written as null.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,3 +63,31 @@ def staged_folder(target: Path, prefix: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def strict_json(value: Any, **dumps: Any) -> str:
+    """``json.dumps(value, **dumps)`` as strict JSON: NaN, Infinity and -Infinity (which ``json.dumps``
+    writes by default and a strict parser refuses) are written as null; what JSON cannot hold at all
+    still raises (``allow_nan=False``)."""
+    return json.dumps(finite(value), allow_nan=False, **dumps)
+
+
+def strict_loads(text: str | bytes) -> Any:
+    """``json.loads`` that refuses NaN, Infinity and -Infinity (Python's reader takes them; JSON has no such
+    numbers) with a ``ValueError`` naming the token."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a JSON number (write a finite number or null)")
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float in it (in dicts, lists and tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value

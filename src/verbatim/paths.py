@@ -21,6 +21,9 @@ TEMPLATES_ENV = "VERBATIM_SHARED_TEMPLATES"
 
 PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 
+RUN_OUTPUTS = "exports"
+"""The one folder inside a run directory that a command's output file may go in (``RUN_DIR/exports/``)."""
+
 
 def verbatim_home() -> Path:
     """``$VERBATIM_HOME``, else ``$XDG_CACHE_HOME/verbatim``, else ``~/.cache/verbatim``."""
@@ -69,6 +72,25 @@ def check_output_file(value: str | os.PathLike[str], flag: str, created: Path | 
 def _among_ancestors(folder: Path, created: Path) -> bool:
     target = folder.expanduser().resolve()
     return any(target == p for p in (created.expanduser().resolve(), *created.expanduser().resolve().parents))
+
+
+def enclosing_run(path: str | os.PathLike[str]) -> Path | None:
+    """The nearest folder above ``path`` that is a run directory (holds a manifest.json), if any."""
+    for folder in Path(path).expanduser().resolve().parents:
+        if (folder / "manifest.json").is_file():
+            return folder
+    return None
+
+
+def check_outside_run(value: str | os.PathLike[str], flag: str, hint: str = "pass a path outside the run") -> Path:
+    """Refuse, before any work, an output file among a run directory's own files (where it could replace
+    or be taken for one of them); the run's ``exports/`` folder is the one place inside a run it may go."""
+    path = Path(value).expanduser()
+    run = enclosing_run(path)
+    if run is not None and not path.resolve().is_relative_to(run / RUN_OUTPUTS):
+        raise InputError(f"{flag} {value} is inside the run directory {run}: an output never goes among a run's "
+                         "files", hint=hint)
+    return path
 
 
 def check_run_dir(value: str | os.PathLike[str], flag: str = "--out") -> Path:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from verbatim.datamodel import Frozen
+from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.errors import InputError, TrainerError
 from verbatim.harness.rollout import LoopConfig
@@ -268,7 +269,7 @@ def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress:
             result = done.get(run.label) or _train_in_child(run, settings, model, Path(root))
             if run.label not in done and record is not None:
                 with record.open("a") as handle:
-                    handle.write(json.dumps(result) + "\n")
+                    handle.write(strict_json(result) + "\n")
             results.append(result)
             if progress:
                 progress(result)
@@ -305,7 +306,7 @@ def _child(job: dict) -> None:
     run, settings = LearnRun(**job["run"]), LearnSettings(**job["settings"])
     result = train_run(run, settings, job["model"], Path(job["root"]))
     result["settings"] = settings.model_dump(mode="json")
-    Path(job["answer"]).write_text(json.dumps(result))
+    Path(job["answer"]).write_text(strict_json(result))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ spread (both from the expected session below, see :func:`plan_fleet`).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pydantic import Field
 
 from verbatim.bench import docsection
 from verbatim.datamodel import Frozen
+from verbatim.durable import strict_json
 from verbatim.engine.routing import RouteConfig, RoutePolicy
 from verbatim.errors import InputError
 from verbatim.harness.store import read_run
@@ -242,7 +242,7 @@ def router_command(traces: list[Path], replicas: list[int], sessions: list[int],
 
     def show(row: Row) -> None:
         if as_json:
-            print(json.dumps(row.model_dump(exclude={"turn_cached"})), flush=True)
+            print(strict_json(row.model_dump(exclude={"turn_cached"})), flush=True)
 
     rows = run_grid(workload, replicas, sessions, group_sizes, settings, policies, seed, progress=show)
     if not as_json:

@@ -2,13 +2,16 @@
 
 Known errors (:class:`verbatim.errors.VerbatimError`) and usage errors print as
 one line on stderr; exit code 2 means bad input, 1 a failure. ``--debug`` shows
-the traceback instead.
+the traceback instead. No flag of any command takes a non-finite number (inf, -inf,
+nan), from the command line or a ``--config`` file: refused as bad input, naming it.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -25,7 +28,7 @@ from verbatim.cli.plot import plot_command
 from verbatim.cli.show import show_command
 from verbatim.cli.train_flags import train_flags
 from verbatim.cli.view import view_command
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
 from verbatim.errors import VerbatimError, shorten
 from verbatim.harness.tiny_models import TINY_FAMILIES
@@ -45,6 +48,10 @@ def _validation_line(exc: ValidationError) -> str:
 
 class _OneLineErrors(typer.core.TyperGroup):
     """Runs the app and turns every known error into one line and an exit code."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_non_finite(self)
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -87,6 +94,28 @@ class _OneLineErrors(typer.core.TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _refuse_non_finite(command: Any) -> None:
+    """Every parameter of ``command`` and of its subcommands, at any depth, refuses a non-finite float:
+    its callback runs on the value the command line gives and on a ``--config`` file's alike."""
+    for sub in getattr(command, "commands", {}).values():
+        _refuse_non_finite(sub)
+    for param in command.params:
+        param.callback = _finite_then(param.callback)
+
+
+def _finite_then(callback: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A parameter callback: a value (or an item of a repeated flag's) that is inf, -inf or nan is a bad
+    parameter; any other goes on to ``callback``."""
+
+    def check(ctx: Any, param: Any, value: Any) -> Any:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise typer.BadParameter(f"{item} is not a finite number", ctx=ctx, param=param)
+        return value if callback is None else callback(ctx, param, value)
+
+    return check
 
 
 _BAD_PATH = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EROFS,
@@ -201,7 +230,7 @@ def generate(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Tokens to sample."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 means greedy."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Sampling seed."),
     max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
                                       help="Context length per request: prompt + sampled tokens."),
 ) -> None:
@@ -250,7 +279,8 @@ def run(
                                        f"{FALLBACK_MAX_TURNS} for an env that does not say)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks and of sampling (same seed, same tasks)."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
+                             help="Seed of the env's tasks and of sampling (same seed, same tasks)."),
     out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
     engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
     url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),

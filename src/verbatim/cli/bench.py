@@ -16,6 +16,7 @@ import typer
 
 from verbatim.bench import docsection
 from verbatim.cli.console import console, err_console
+from verbatim.durable import strict_json
 
 bench_app = typer.Typer(help="Benchmarks on real engines and models; --write PATH puts a table into a doc.",
                         no_args_is_help=True, rich_markup_mode=None)
@@ -67,8 +68,6 @@ def bench_logprobs(
                                "file's bench-logprobs section (docs/engine.md)."),
 ) -> None:
     """Compare the engine's sampler logprobs with transformers' fp32 logprobs of the same tokens."""
-    import json
-
     from verbatim.bench.policy_report import LOGPROB_SECTION, agreement_table, logprob_agreement, write_agreement
     from verbatim.engine.models import resolve
 
@@ -78,7 +77,7 @@ def bench_logprobs(
     results = []
     for name in dtypes:
         results.append(logprob_agreement(model, name))
-        console.print(json.dumps(results[-1]))
+        console.print(strict_json(results[-1]))
     if write is not None:
         command = _command("logprobs", model=model, dtype=dtypes, write=write)
         write_agreement(write, agreement_table(results, resolve(model).name, command))
@@ -185,8 +184,6 @@ def bench_prefixflow(
                                 "bench-prefixflow-target)."),
 ) -> None:
     """Actor-side forward+backward time and peak memory: PrefixFlow versus full-sequence training."""
-    import json
-
     from verbatim.bench.prefixflow import markdown_table, run_bench, section_text
     from verbatim.engine.models import resolve
     from verbatim.errors import InputError
@@ -203,7 +200,7 @@ def bench_prefixflow(
 
     def show(result: dict) -> None:
         if as_json:
-            print(json.dumps(result), flush=True)
+            print(strict_json(result), flush=True)
         else:
             err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
                               f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
@@ -246,8 +243,6 @@ def bench_learn(
                                 "kill)."),
 ) -> None:
     """Train the default model on a small guessing game: two seeds must gain 0.2 mean reward; ablate the correction."""
-    import json
-
     from verbatim.bench.learn import (
         EXAMPLE_SECTION,
         SECTION,
@@ -269,7 +264,7 @@ def bench_learn(
 
     def show(result: dict) -> None:
         if as_json:
-            print(json.dumps(result), flush=True)
+            print(strict_json(result), flush=True)
         else:
             r = row(result)
             err_console.print(f"{r['run']}: reward {r['first']:.3f} -> {r['last']:.3f} ({r['gain']:+.3f}) "

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from verbatim.cli.console import console, err_console
+from verbatim.durable import strict_json
 
 lint_app = typer.Typer(help="Check chat templates and traces for token drift.", no_args_is_help=True,
                        rich_markup_mode=None)
@@ -41,7 +42,6 @@ def lint_template(
                                       "(\"26 Jul 2024\") for templates that read it, as the renderers do."),
 ) -> None:
     """Does re-rendering history with this template change tokens already rendered, or drop tool calls? Exit 1 if so."""
-    import json
 
     from verbatim.renderers import drift
     from verbatim.renderers.conversations import DEFAULT_CONVERSATIONS, load_conversations
@@ -65,7 +65,7 @@ def lint_template(
     verdicts = drift.lint(renderer, chats)
     if as_json:
         for verdict in verdicts:
-            print(json.dumps(verdict.as_json(), ensure_ascii=False))
+            print(strict_json(verdict.as_json(), ensure_ascii=False))
     else:
         console.print(_drift_table(label, verdicts, renderer.variables))
     for verdict in verdicts:
@@ -96,7 +96,6 @@ def lint_trace(
 ) -> None:
     """Check every rollout (exact prefix extension, logprobs, versions, prefix-cache hits) and that the run is
     whole (manifest status, planned vs written rollouts). Exit 1 if wrong or incomplete."""
-    import json
 
     from verbatim.lint.report import report_table
     from verbatim.lint.trace import lint_run
@@ -104,8 +103,8 @@ def lint_trace(
     report = lint_run(run_dir, groups=groups)
     if as_json:
         for verdict in report.verdicts:
-            print(json.dumps(verdict.as_json(), ensure_ascii=False))
-        print(json.dumps(report.run.as_json(), ensure_ascii=False))
+            print(strict_json(verdict.as_json(), ensure_ascii=False))
+        print(strict_json(report.run.as_json(), ensure_ascii=False))
     else:
         console.print(report_table(run_dir, report))
     raise typer.Exit(report.exit_code(tokens_only))

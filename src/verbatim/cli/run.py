@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -27,12 +26,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from verbatim.datamodel import Frozen, Rollout
+from verbatim.durable import strict_json
 from verbatim.engine.logprobs_mode import unchecked_logprobs
 from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, log_root_cause, with_root_cause
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED, log_root_cause, with_root_cause
 from verbatim.engine.server_url import redact
 from verbatim.errors import EngineError, InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
@@ -57,7 +57,7 @@ class RunOptions(Frozen):
     """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, ge=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     out: str = "runs/latest"
     engine: str = "inproc"
     urls: tuple[str, ...] = ()
@@ -343,9 +343,10 @@ def _write_summary(summary: RunSummary, path: str | None) -> None:
 
 
 def write_summary_json(path: str, data: dict) -> None:
-    """``--summary-json``: the summary as indented JSON (its folder may be one the run created)."""
+    """``--summary-json``: the summary as indented strict JSON (a non-finite number as null; its folder may be
+    one the run created)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    Path(path).write_text(strict_json(data, indent=2) + "\n")
 
 
 def summary_table(summary: RunSummary, out: Path) -> Table:

@@ -10,7 +10,6 @@ then stop (exit 130/143); ``--resume`` goes on from there, as it does after a SI
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 import uuid
@@ -24,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.datamodel import Frozen
+from verbatim.durable import strict_loads
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
@@ -248,8 +248,10 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip().isidentifier():
             raise InputError(f"--env-arg {item!r} must look like KEY=VALUE (e.g. high=5)")
+        if value.strip().lstrip("+-") in ("NaN", "Infinity", "inf", "nan"):
+            raise InputError(f"--env-arg {item!r}: {value.strip()} is not a finite number")
         try:
-            args[key.strip()] = json.loads(value)
+            args[key.strip()] = strict_loads(value)
         except ValueError:
             args[key.strip()] = value
     return args

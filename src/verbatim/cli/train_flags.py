@@ -10,7 +10,7 @@ import typer
 
 from verbatim.cli.config_file import CONFIG_HELP, load_config
 from verbatim.cli.console import console
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
 
 
@@ -81,7 +81,8 @@ def train_flags(
                                          "whole sequences."),
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the env's tasks, sampling and the trainer."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
+                             help="Seed of the env's tasks, sampling and the trainer."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
     out: str = typer.Option("runs/train", "--out", help="Run directory: trace, metrics.jsonl, checkpoints/."),

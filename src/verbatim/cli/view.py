@@ -17,13 +17,15 @@ def view_command(
     cache, groups side by side. Serves on loopback only, reads nothing but the run; Ctrl-C stops it."""
     from pathlib import Path
 
-    from verbatim.paths import check_output_file
+    from verbatim.paths import check_output_file, check_outside_run
     from verbatim.view.run_data import check_run_dir
     from verbatim.view.server import make_server, static_page
 
+    if static:  # the rule of every output file, as export's --out: refused before the run is read
+        check_outside_run(static, "--static")
+        check_output_file(static, "--static")
     check_run_dir(run_dir)
     if static:
-        check_output_file(static, "--static")
         Path(static).write_text(static_page(run_dir), encoding="utf-8")
         err_console.print(f"wrote {static}", markup=False, highlight=False)
         return

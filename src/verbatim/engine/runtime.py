@@ -32,6 +32,11 @@ DEFAULT_MAX_MODEL_LEN = 4096
 otherwise; ``verbatim models list`` shows it beside each model's own maximum."""
 
 
+MAX_SEED = 2**32 - 1
+"""The largest seed of a run: vLLM's workers seed numpy with it ("Seed must be between 0 and 2**32 - 1"),
+so ``--seed`` takes 0 to this."""
+
+
 class EngineConfig(Frozen):
     """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
 
@@ -70,7 +75,7 @@ class EngineConfig(Frozen):
     @property
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or self.max_model_len
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""
 

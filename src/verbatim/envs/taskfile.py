@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from verbatim.datamodel import Frozen
+from verbatim.durable import strict_loads
 from verbatim.errors import InputError
 
 
@@ -62,9 +63,11 @@ def load_tasks(path: str | Path) -> list[dict[str, Any]]:
 
 def _task_line(path: Path, number: int, line: str) -> dict[str, Any]:
     try:
-        value = json.loads(line)
+        value = strict_loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path.name} line {number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # NaN or Infinity
+        raise InputError(f"{path.name} line {number}: {exc}") from None
     except RecursionError:
         raise InputError(f"{path.name} line {number}: JSON nested too deep") from None
     if not isinstance(value, dict):

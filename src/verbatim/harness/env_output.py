@@ -17,6 +17,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from verbatim.datamodel import Message, Role
+from verbatim.durable import finite
 from verbatim.envs.base import Reset, StepResult
 from verbatim.errors import EnvError
 
@@ -89,14 +90,4 @@ def jsonable(value: Any) -> Any:
         return {"unserialisable": f"{type(exc).__name__}: {exc}"[:300]}
     if len(text) > _INFO_LIMIT:
         return {"too_large": f"{len(text)} characters of JSON, over the {_INFO_LIMIT} kept"}
-    return _finite(json.loads(text))
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_finite(item) for item in value]
-    return value
+    return finite(json.loads(text))

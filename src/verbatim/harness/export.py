@@ -34,10 +34,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from verbatim.datamodel import Rollout, Source
-from verbatim.durable import write_atomic
+from verbatim.durable import strict_json, write_atomic
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.store import read_run
 from verbatim.harness.tracefile import to_json_line, to_table
+from verbatim.paths import RUN_OUTPUTS, check_output_file, check_outside_run, enclosing_run
 
 FORMATS = ("parquet", "jsonl", "verl", "trl", "prime")
 TRAINABLE_STATUSES = ("ok", "truncated")
@@ -73,7 +74,7 @@ def parse_format(fmt: str) -> str:
 def default_out(run_dir: str | os.PathLike[str], fmt: str) -> Path:
     """``RUN_DIR/exports/<format>.parquet`` (``.jsonl`` for the jsonl format)."""
     suffix = "jsonl" if fmt == "jsonl" else "parquet"
-    return Path(run_dir) / "exports" / f"{fmt}.{suffix}"
+    return Path(run_dir) / RUN_OUTPUTS / f"{fmt}.{suffix}"
 
 
 def export_run(run_dir: str | os.PathLike[str], fmt: str, out: str | os.PathLike[str] | None = None, *,
@@ -86,25 +87,17 @@ def export_run(run_dir: str | os.PathLike[str], fmt: str, out: str | os.PathLike
 def export_path(fmt: str, out: str | os.PathLike[str], *, force: bool = False) -> Path:
     """The file an export to ``out`` writes (a file, or an existing folder to put ``<fmt>.*`` in), refused
     where it would damage data: among a run directory's own files (its ``exports/`` folder is the one
-    place inside a run an export may go), or over an existing file unless ``force``."""
+    place inside a run an export may go), or over an existing file unless ``force``; and where it cannot
+    be written (:func:`check_output_file`). A missing folder is refused, but for the ``exports/`` folder
+    that the export of a run creates (a folder that is not a run is refused by the run's reader)."""
     path = Path(out)
     if path.is_dir():
         path = path / default_out(path, fmt).name
-    run = _enclosing_run(path)
-    if run is not None and not path.resolve().is_relative_to(run / "exports"):
-        raise InputError(f"--out {out} is inside the run directory {run}: an export never writes among a run's files",
-                         hint="pass a path outside the run, or leave --out out (RUN_DIR/exports/)")
+    check_outside_run(path, "--out", hint="pass a path outside the run, or leave --out out (RUN_DIR/exports/)")
+    check_output_file(path, "--out", created=path.parent if path.parent.name == RUN_OUTPUTS else None)
     if path.exists() and not force:
         raise InputError(f"{path} already exists", hint="pass --force to replace it, or another --out")
     return path
-
-
-def _enclosing_run(path: Path) -> Path | None:
-    """The nearest folder above ``path`` that is a run directory (holds a manifest.json), if any."""
-    for folder in path.resolve().parents:
-        if (folder / "manifest.json").is_file():
-            return folder
-    return None
 
 
 def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLike[str], *,
@@ -215,7 +208,7 @@ def _identity(rollouts: list[Rollout]) -> dict[str, pa.Array]:
         "rollout_id": pa.array([r.rollout_id for r in rollouts], pa.string()),
         "status": pa.array([r.status for r in rollouts], pa.string()),
         "model_turns": pa.array([len(r.turns) for r in rollouts], pa.int32()),
-        "task": pa.array([json.dumps(r.task, sort_keys=True) for r in rollouts], pa.string()),
+        "task": pa.array([strict_json(r.task, sort_keys=True) for r in rollouts], pa.string()),
     }
 
 
@@ -297,9 +290,12 @@ TABLE_BUILDERS: dict[str, Callable[[list[Rollout]], pa.Table]] = {
 
 
 def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write to a temporary name beside ``path`` and rename it into place."""
+    """Write to a temporary name beside ``path`` and rename it into place; the one folder it may create
+    is a run's ``exports/`` (any other missing folder is the one-line error of :func:`check_output_file`)."""
+    run = enclosing_run(path)
+    check_output_file(path, "--out", created=None if run is None else run / RUN_OUTPUTS)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
     except OSError as exc:
         raise TraceError(f"cannot create {path.parent}: {exc.strerror}", hint="pass a writable --out") from exc
     try:

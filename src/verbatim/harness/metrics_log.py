@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from verbatim.durable import fsync_dir
-from verbatim.errors import InputError, TraceError
+from verbatim.durable import strict_json, write_atomic
+from verbatim.errors import InputError, TraceError, TraceFormatError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -48,6 +47,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         raise InputError(f"{run_dir} has no {METRICS_FILE}: it is not a training run (verbatim train --out …)") \
             from None
+    except NotADirectoryError:
+        raise InputError(f"{run_dir} is not a directory", hint="pass the run directory 'verbatim train --out' "
+                         "wrote") from None
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from exc
     lines = data.split(b"\n")
@@ -63,19 +65,9 @@ def rewrite_metrics(run_dir: str | Path, records: Iterable[dict[str, Any]]) -> N
     """Replace metrics.jsonl with these records at once (temp file, fsync, rename): old or new, never half."""
     path = metrics_path(run_dir)
     data = b"".join(_line(record) for record in records)
-    tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{METRICS_FILE}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        fsync_dir(path.parent)
+        write_atomic(path, lambda tmp: tmp.write_bytes(data))  # the mode of every run file, not mkstemp's 0600
     except OSError as exc:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         raise TraceError(f"cannot rewrite {path}: {exc.strerror or exc}; it is unchanged") from exc
 
 
@@ -83,7 +75,7 @@ def _line(record: dict[str, Any]) -> bytes:
     if not isinstance(record, dict):
         raise InputError(f"a metrics record is a dict, not {type(record).__name__}")
     try:
-        return (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
+        return (strict_json(record, separators=(",", ":")) + "\n").encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise InputError(f"metrics record of step {record.get('step')} is not JSON data: {exc}") from exc
 
@@ -91,7 +83,8 @@ def _line(record: dict[str, Any]) -> bytes:
 def _record(path: Path, number: int, text: bytes) -> dict[str, Any]:
     record = _parsed(text)
     if record is None:
-        raise TraceError(f"{path} line {number} is not a JSON object: the file was edited or damaged")
+        raise TraceFormatError(f"{path} line {number} is not a JSON object: the file was edited or damaged",
+                               hint="delete that line or restore the file: each line is one step's record")
     return record
 
 

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Frozen, Rollout
 from verbatim.engine.reaper import check_no_leftover_engine
+from verbatim.engine.runtime import MAX_SEED
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import EngineError, InputError, RunInterrupted, VerbatimError
 from verbatim.harness.engine_gate import FAILURES_TO_STOP, EngineGate
@@ -42,7 +43,7 @@ class RunPlan(Frozen):
     run_id: str
     groups: int = Field(default=2, ge=1)
     group_size: int = Field(default=4, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     concurrency: int = Field(default=16, ge=1)
     batch_size: int = Field(default=8, ge=1)
     """Rollouts per trace file: a crash loses at most this many finished rollouts."""

@@ -194,7 +194,10 @@ def read_manifest(run_dir: str | os.PathLike[str]) -> RunManifest:
         raw = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as exc:
         raise TraceFormatError(f"{path} is unreadable ({brief(exc)})") from exc
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise TraceFormatError(f"{path}: a manifest must be a JSON object, got {type(raw).__name__}",
+                               hint='{"run_id": …, "status": …, "config": {…}, …} as verbatim writes it')
+    version = raw.get("schema_version")
     if isinstance(version, int) and version > SCHEMA_VERSION:
         raise TraceFormatError(
             f"{run_dir} uses trace schema {version}, newer than this verbatim reads ({SCHEMA_VERSION})",

@@ -2,7 +2,8 @@
 
 Token checks judge each rollout that was written; they cannot see rollouts that never were. A run
 killed mid-way (manifest still ``running``), stopped (``interrupted``), failed (``failed``), or one
-holding fewer rollouts than it planned is incomplete, however clean its written rollouts are.
+holding fewer rollouts than it planned, or one whose manifest records no status or no config (edited,
+or written by another tool) is incomplete, however clean its written rollouts are.
 Pure: a manifest and the rollouts in, a :class:`RunState` out.
 """
 
@@ -14,6 +15,8 @@ from typing import Any
 from verbatim.datamodel import Rollout
 
 FINISHED = "completed"
+RECORDED = ("status", "config")
+"""The manifest fields the verdict reads: a manifest without one cannot say the run is whole."""
 
 
 @dataclass(frozen=True)
@@ -24,12 +27,17 @@ class RunState:
     written: int
     errors: int
     first_error: str | None = None
+    missing: tuple[str, ...] = ()
+    """Fields of :data:`RECORDED` that the manifest file lacks."""
 
     @property
     def complete(self) -> bool:
-        return self.status == FINISHED and (self.planned is None or self.written >= self.planned)
+        return self.why_incomplete() is None
 
     def why_incomplete(self) -> str | None:
+        if self.missing:
+            return f"the manifest records no {' and no '.join(self.missing)}: how the run ended or what it planned " \
+                   "is unknown"
         if self.status == "running":
             return "the manifest still says running: the run was killed, or is being written now"
         if self.status != FINISHED:
@@ -47,7 +55,7 @@ class RunState:
     def as_json(self) -> dict[str, Any]:
         return {"kind": "run", "status": self.status, "planned": self.planned, "written": self.written,
                 "errors": self.errors, "first_error": self.first_error, "complete": self.complete,
-                "why_incomplete": self.why_incomplete()}
+                "missing": list(self.missing), "why_incomplete": self.why_incomplete()}
 
 
 def run_state(manifest: Any, rollouts: list[Rollout]) -> RunState:
@@ -55,7 +63,8 @@ def run_state(manifest: Any, rollouts: list[Rollout]) -> RunState:
     first = errored[0].error if errored else None
     return RunState(status=str(manifest.status), planned=planned_rollouts(manifest.config or {}),
                     written=len({r.rollout_id for r in rollouts}), errors=len(errored),
-                    first_error=None if first is None else str(first)[:200])
+                    first_error=None if first is None else str(first)[:200],
+                    missing=tuple(name for name in RECORDED if name not in manifest.model_fields_set))
 
 
 def planned_rollouts(config: dict[str, Any]) -> int | None:

@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from verbatim.durable import fsync_dir, fsync_file
+from verbatim.durable import fsync_dir, fsync_file, strict_json
 from verbatim.errors import CheckpointError, InputError
 
 CHECKPOINT_SCHEMA = 1
@@ -71,7 +71,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     if clash:
         raise InputError(f"checkpoint state may not set {', '.join(clash)}: save_checkpoint writes them")
     try:
-        state_text = json.dumps({"schema": CHECKPOINT_SCHEMA, "step": step, **state}, indent=1)
+        state_text = strict_json({"schema": CHECKPOINT_SCHEMA, "step": step, **state}, indent=1)
     except (TypeError, ValueError) as exc:
         raise InputError(f"checkpoint state is not JSON data: {exc}") from exc
     root = Path(root)

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from verbatim.durable import write_atomic
+from verbatim.durable import strict_json, write_atomic
 from verbatim.errors import TraceFormatError
 
 MISMATCH_FILE = "trainer_logprobs.parquet"
@@ -76,7 +76,7 @@ def write_logprobs(path: str | os.PathLike[str], rows: Sequence[RolloutLogprobs]
         pa.array([r.rollout_id for r in rows], pa.string()),
         _lists([np.asarray(r.logprob, dtype=np.float32) for r in rows], pa.float32()),
         _lists([np.asarray(r.keep, dtype=bool) for r in rows], pa.bool_()),
-    ], schema=SCHEMA.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()}))
+    ], schema=SCHEMA.with_metadata({META_KEY: strict_json(meta, sort_keys=True).encode()}))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
     return path
