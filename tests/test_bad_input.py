@@ -278,9 +278,10 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
     ["export", "{run}", "--format", "verl", "--out", "{run}/x.parquet"],
     ["view", "{run}", "--static", "{run}/x.html"],
     ["view", "{run}", "--static", "{run}/manifest.json"],
+    ["mismatch", "{run}", "--plot", "{run}/ratios.png"],
 ])
 def test_an_output_among_a_runs_files_is_refused(tmp_path, args):
-    """export and view --static share one rule: RUN_DIR/exports/ is the one place inside a run
+    """export, view --static and mismatch --plot share one rule: RUN_DIR/exports/ is the one place inside a run
     they may write."""
     from verbatim.harness.store import TraceWriter
 

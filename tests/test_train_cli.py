@@ -175,3 +175,108 @@ def test_help_names_keep_salt_as_the_default_cache_policy():
     text = " ".join(result.output.split())
     assert re.search(r"--cache-policy \S+ flush \| keep \| salt \| keep\+salt\. Default keep\+salt", text), text
     assert "[default: keep+salt]" in text
+
+
+# -- what a resume may go on from ---------------------------------------------------------------------
+
+
+def _trained_run(out: Path, config: dict, steps: int, checkpointed: int, rollout_steps: tuple[int, ...] = ()) -> None:
+    """A training run's files as the loop leaves them: metrics lines of ``steps`` steps, checkpoints of the first
+    ``checkpointed``, and one rollout of each step in ``rollout_steps``."""
+    import json
+
+    import numpy as np
+
+    from verbatim.datamodel import Rollout, TokenColumns
+    from verbatim.harness.metrics_log import append_metrics
+    from verbatim.trainer.checkpoint import FILES, step_dir_name
+
+    _manifest(out, config)
+    for n in range(1, steps + 1):
+        append_metrics(out, {"step": n, "version": n})
+    for n in range(1, checkpointed + 1):
+        folder = out / "checkpoints" / step_dir_name(n)
+        folder.mkdir(parents=True)
+        for name in FILES:
+            (folder / name).write_text(json.dumps({"schema": 1, "step": n}) if name == "state.json" else "")
+    tokens = TokenColumns(token_id=np.arange(2), source=np.zeros(2), logprob=np.full(2, np.nan),
+                          policy_version=np.full(2, -1), turn=np.zeros(2))
+    rollouts = [Rollout(run_id="earlier", group_id=f"s{n:04d}-g0000", rollout_id=f"s{n:04d}-g0000-r00", tokens=tokens,
+                        status="error", error="x", info={"step": n}) for n in rollout_steps]
+    TraceWriter(out, RunManifest(run_id="earlier", engine={"block_size": 16}, config=config)).write_batch(rollouts)
+
+
+@pytest.mark.parametrize("checkpointed,rollout_steps,needle", [
+    (0, (1, 2), "records step 2 (metrics.jsonl) but there is no checkpoint"),  # rm -rf RUN/checkpoints
+    (1, (1, 2), "records step 2 (metrics.jsonl) but the newest checkpoint is step 1"),  # the newest one removed
+])
+def test_a_resume_whose_recorded_steps_have_no_checkpoint_is_refused_untouched(tmp_path, monkeypatch, checkpointed,
+                                                                              rollout_steps, needle):
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    _trained_run(out, _options_of(args, monkeypatch).config(), 2, checkpointed, rollout_steps)
+    before = tree(tmp_path)
+    refused([*args, "--resume"], needle)
+    assert tree(tmp_path) == before
+
+
+def test_rollouts_of_a_step_the_loop_could_not_have_begun_refuse_the_resume(tmp_path, monkeypatch):
+    """No metrics line says so, but step 3's rollouts are written while only step 1 is checkpointed (max lag 0):
+    step 2 would be played into the trace beside them, and step 3 again."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2, 3))
+    refused([*args, "--resume"], "records step 3 (the trace's rollouts) but the newest checkpoint is step 1")
+
+
+def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
+    """The control: step 2's rollouts on disk with step 1 checkpointed is what a kill during step 2 leaves."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2))
+
+    def passed(options):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    result = runner.invoke(app, ["train", *args, "--resume"])
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
+def test_resuming_a_finished_run_says_it_is_complete_and_starts_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--steps", "2"]
+    _trained_run(out, _options_of(args, monkeypatch).config(), 2, 2)
+    before = tree(tmp_path)
+    result = runner.invoke(app, ["train", *args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert f"{out} is complete: all 2 steps are trained" in " ".join(result.output.split())
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("schedule,steps,needle", [
+    ("constant", "4", None),  # passes the check
+    ("linear", "4", "--resume --steps 4: the linear learning-rate schedule is spread over the 3 planned steps"),
+    ("constant", "2", "--resume with a changed config: plan.steps: 3 -> 2"),
+])
+def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monkeypatch, schedule, steps, needle):
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--lr-schedule", schedule]
+    _trained_run(out, _options_of([*args, "--steps", "3"], monkeypatch).config(), 3, 3)
+    if needle is not None:
+        refused([*args, "--steps", steps, "--resume"], needle)
+        return
+
+    def passed(options):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    result = runner.invoke(app, ["train", *args, "--steps", steps, "--resume"])
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
+def test_a_prompt_that_cannot_fit_the_context_with_max_tokens_is_refused_before_the_engine(tmp_path):
+    out = tmp_path / "run"
+    refused(["--env", "guess", "--out", str(out), "--max-tokens", "5000", "--max-model-len", "4096"],
+            "with --max-tokens 5000 it does not fit --max-model-len 4096 (raise --max-model-len or lower --max-tokens)")
+    assert not out.exists()

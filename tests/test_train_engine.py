@@ -72,7 +72,7 @@ def synchronous(engine_runner, default_model_dir, tmp_path_factory):
 def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
     """π − μ before the optimizer step is engine/trainer agreement, nothing more, at every step."""
     _, history, _ = synchronous
-    assert [r["step"] for r in history] == [0, 1]
+    assert [r["step"] for r in history] == [1, 2]  # steps count from 1, as the console and the checkpoints do
     for record in history:
         assert record["mismatch_mean_abs"] < 1e-4, record["mismatch_mean_abs"]
         quantiles = record["ratio_quantiles"]
@@ -136,7 +136,7 @@ def take_a_step_that_moves(loop: TrainLoop) -> None:
 def test_the_training_run_is_an_ordinary_run_directory(synchronous):
     loop, history, start = synchronous
     rollouts = read_run(loop.out).rollouts
-    assert sorted({r.info["step"] for r in rollouts}) == [0, 1]
+    assert sorted({r.info["step"] for r in rollouts}) == [1, 2]
     assert len({r.rollout_id for r in rollouts}) == len(rollouts) == 2 * 2 * 2
     assert all(r.rollout_id.startswith(f"s{r.info['step']:04d}-") for r in rollouts)
     lines = [json.loads(x) for x in (loop.out / "metrics.jsonl").read_text().splitlines()]
@@ -172,14 +172,14 @@ def test_each_token_records_the_version_that_sampled_it(overlapping, default_mod
         step, tokens = rollout.info["step"], rollout.tokens
         model_rows = np.flatnonzero(tokens.source == Source.MODEL)
         versions = tokens.policy_version[model_rows]
-        assert versions.min() >= start + max(step - 1, 0) and versions.max() <= start + step  # lag <= 1
+        assert versions.min() >= start + max(step - 2, 0) and versions.max() <= start + step - 1  # lag <= 1
         for version in np.unique(versions):
             at = model_rows[versions == version]
             with torch.no_grad():
                 pi = reference_logprobs(models[int(version)], tokens.token_id, at).numpy()
             assert np.abs(pi - tokens.logprob[at]).max() < AGREEMENT, (rollout.rollout_id, int(version))
             seen.add((step, int(version)))
-    assert (1, start) in seen, "step 1 never played while step 0 trained: no overlap was tested"
+    assert (2, start) in seen, "step 2 never played while step 1 trained: no overlap was tested"
     assert all(set(r["policy_lag"]) <= {"0", "1"} for r in history)
 
 
@@ -205,4 +205,5 @@ def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sample
     assert record["rerendered_never_sampled"] == sum(
         never_sampled(r, rerendered(r, loop.renderer)) for r in rollouts if r.rollout_id in trained)
     assert record["mismatch_mean_abs"] == 0.0  # π_old stands in for the missing μ
-    assert read_logprobs(step_file(loop.out, 0)) == {}  # its rows are not the trace's
+    assert step_file(loop.out, 1).is_file()
+    assert read_logprobs(step_file(loop.out, 1)) == {}  # its rows are not the trace's

@@ -4,13 +4,14 @@ One real `vllm serve` for the module; the trainer process talks to it with ``--e
 (weights reach it through a folder published under RUN_DIR/weights and /collective_rpc), so each
 process starts in seconds and can be killed:
 
-1. during step 1's rollouts (right after step 0's checkpoint, step-000001, appears);
-2. during step 2's optimizer step (its rollouts all written, no step-000003 yet);
-3. during step 2's checkpoint write, after the resumed trainer trained it again (a `.tmp-*` folder exists);
+1. during step 2's rollouts (right after step 1's checkpoint, step-000001, appears);
+2. during step 3's optimizer step (its rollouts all written, no step-000003 yet);
+3. during step 3's checkpoint write, after the resumed trainer trained it again (a `.tmp-*` folder exists);
 4. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
-   (every step once, every rollout once), and the run lints clean.
+   (every step once, every rollout once, steps counted from 1 in every file), and the run lints clean.
 
-Also here, with the same server: a resume with a changed setting, and an env without rewards.
+Also here, with the same server: a resume with a changed setting, an env without rewards (a failed
+run), and SIGINT (an interrupted run) resumed, finished, extended and read back from its checkpoints.
 """
 
 from __future__ import annotations
@@ -92,15 +93,15 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
     out = tmp_path / "run"
     args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3"]
 
-    first = Trainer(tmp_path, "1", args)  # killed during step 1's rollouts
+    first = Trainer(tmp_path, "1", args)  # killed during step 2's rollouts
     first.kill_when(lambda: "step-000001" in checkpoints(out))
-    assert step_rollouts(out, 1) < GROUPS * SIZE
+    assert step_rollouts(out, 2) < GROUPS * SIZE
 
-    second = Trainer(tmp_path, "2", [*args, "--resume"])  # killed during step 2's optimizer step
-    second.kill_when(lambda: step_rollouts(out, 2) == GROUPS * SIZE)
+    second = Trainer(tmp_path, "2", [*args, "--resume"])  # killed during step 3's optimizer step
+    second.kill_when(lambda: step_rollouts(out, 3) == GROUPS * SIZE)
     assert "step-000003" not in checkpoints(out)
 
-    third = Trainer(tmp_path, "3", [*args, "--resume"])  # killed while step 2's checkpoint is written
+    third = Trainer(tmp_path, "3", [*args, "--resume"])  # killed while step 3's checkpoint is written
     third.kill_when(lambda: any(name.startswith(".tmp-") for name in checkpoints(out)))
     assert "step-000003" not in checkpoints(out)
 
@@ -108,7 +109,7 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
     assert last.wait(600) == 0, last.err()
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
@@ -116,9 +117,13 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
     trace = read_run(out)
     counts = Counter(r.rollout_id for r in trace.rollouts)
     assert set(counts.values()) == {1} and len(counts) == STEPS * GROUPS * SIZE
-    assert Counter(r.info["step"] for r in trace.rollouts) == {k: GROUPS * SIZE for k in range(STEPS)}
-    for rollout in trace.rollouts:  # a token is never newer than the step that trained on it
-        assert rollout.tokens.policy_version.max() <= rollout.info["step"]
+    assert Counter(r.info["step"] for r in trace.rollouts) == {n: GROUPS * SIZE for n in range(1, STEPS + 1)}
+    for rollout in trace.rollouts:  # step n plays version n - 1: a token is never newer than its step's weights
+        assert rollout.tokens.policy_version.max() <= rollout.info["step"] - 1
+        assert rollout.rollout_id.startswith(f"s{rollout.info['step']:04d}-")
+    logprob_files = sorted(p.name for p in (out / "trainer_logprobs").iterdir())
+    assert logprob_files == [f"step-{n:06d}.parquet" for n in range(1, STEPS + 1)]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "completed"
     lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
     assert lint.exit_code == 0, lint.output[-3000:]
 
@@ -154,3 +159,43 @@ def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(vllm_server
     assert "no group of this step has two rollouts that ended with a reward" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert checkpoints(out) == [] and len(read_run(out).rollouts) == 4  # the failed rollouts are data
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"  # not "completed"
+
+
+def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_checkpoints(vllm_server, tmp_path):
+    out = tmp_path / "run"
+    common = ["--env", "guess", "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens", "8",
+              "--max-model-len", "1024", "--engine", "http", "--url", vllm_server.url, "--out", str(out)]
+    args = [*common, "--steps", "2"]
+    first = Trainer(tmp_path, "1", args)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("rollouts-*")) and time.monotonic() < deadline and first.alive():
+        time.sleep(0.01)
+    os.kill(first.proc.pid, signal.SIGINT)
+    assert first.wait(300) == 130, first.err()
+    assert "stopped after step 1 of 2" in first.err()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"
+
+    finished = Trainer(tmp_path, "2", [*args, "--resume"])
+    assert finished.wait(300) == 0, finished.err()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "completed"
+    again = CliRunner().invoke(app, ["train", *args, "--resume"])
+    assert again.exit_code == 0 and "is complete: all 2 steps are trained" in " ".join(again.output.split())
+
+    extended = Trainer(tmp_path, "3", [*common, "--steps", "3", "--resume"])  # the one setting a resume may raise
+    assert extended.wait(300) == 0, extended.err()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["version"]) for m in metrics] == [(1, 1), (2, 2), (3, 3)]
+    counts = Counter(r.rollout_id for r in read_run(out).rollouts)
+    assert set(counts.values()) == {1} and len(counts) == 3 * 4
+
+    from transformers import AutoModelForCausalLM  # a checkpoint is a model folder
+
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-000003")
+    report = CliRunner().invoke(app, ["mismatch", str(out), "--json"])
+    assert report.exit_code == 0, report.output
+    shown = json.loads(report.output)
+    assert shown["trainer_version"] == 2 and shown["weights_source"] == "checkpoint step-000002"
+    assert shown["metrics"]["by_lag"]["0"]["mean_abs_log_ratio"] < 1e-3  # π of the weights that sampled them
+    beyond = CliRunner().invoke(app, ["mismatch", str(out), "--trainer-version", "99"])
+    assert beyond.exit_code == 2 and "--trainer-version 99" in beyond.output and "versions 0 to 3" in beyond.output

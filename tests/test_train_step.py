@@ -251,3 +251,17 @@ def test_peak_rss_counts_the_trainer_and_its_child_processes():
         child.communicate(b"")
     assert with_child["engine_peak_rss_mib"] is not None and with_child["engine_peak_rss_mib"] > 1
     assert with_child["trainer_peak_rss_mib"] >= alone["trainer_peak_rss_mib"]
+
+
+def test_a_step_that_ran_out_of_context_names_the_context_as_the_cause():
+    """Not the env's rewards: every rollout ended at the context budget, so the fix is the context length."""
+    reason = "context budget: the opening prompt needs 60 + 5000 tokens, over the 4096-token context"
+    played = [rollout(0, i, None, "truncated", error=reason, turns=False) for i in range(2)]
+    with pytest.raises(InputError) as refused:
+        step_input(played, "grpo")
+    assert "2 of 2 rollouts ran out of context (context budget: the opening prompt needs 60" in str(refused.value)
+    assert refused.value.hint == "raise --max-model-len or lower --max-tokens"
+    failing = [rollout(0, i, None, "error", error="env raised") for i in range(2)]
+    with pytest.raises(InputError) as other:
+        step_input(failing, "grpo")
+    assert "check the env's rewards" in other.value.hint

@@ -169,49 +169,54 @@ def _drift_table(label: str, verdicts: Any, pins: dict[str, Any]) -> Table:
 
 def mismatch_report(
     run_dir: str = typer.Argument(..., help="A run directory written by 'verbatim run'."),
-    model: str = typer.Option("default", "--model", help="Weights to recompute π with (name or HF folder)."),
-    trainer_version: int = typer.Option(None, "--trainer-version", help="Default: the newest version in the trace."),
+    model: str = typer.Option(None, "--model", help="Weights to recompute π with (name or HF folder). Default: "
+                              "the run's weights of --trainer-version (a training run's checkpoint, or its "
+                              "base model for version 0 and for a 'verbatim run' run)."),
+    trainer_version: int = typer.Option(None, "--trainer-version", help="The policy version π stands for (lag = it "
+                                        "minus each token's version). Default: the newest version in the trace."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
     save: bool = typer.Option(False, "--save", help="Also write each rollout's log π and the correction's keep mask "
                               "to RUN_DIR/trainer_logprobs.parquet (verbatim view colours tokens by them)."),
 ) -> None:
     """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
-    import json
     from pathlib import Path
 
-    from verbatim.engine.models import resolve
+    from verbatim.harness.run_weights import policy_weights
     from verbatim.harness.store import read_run
-    from verbatim.paths import check_output_file
+    from verbatim.paths import check_output_file, check_outside_run
     from verbatim.trainer.logprob_files import mismatch_file
     from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, save_logprobs, usable_rollouts
     from verbatim.trainer.reference import load_model
 
     if plot:
-        check_output_file(plot, "--plot")  # before the minutes of computing, not after
+        check_outside_run(plot, "--plot")  # before the minutes of computing, not after
+        check_output_file(plot, "--plot")
     trace = read_run(run_dir)
     for problem in trace.problems:
         err_console.print(f"warning: {problem}")
     rollouts = usable_rollouts(trace.rollouts)
-    model_dir = resolve(model)
+    weights = policy_weights(run_dir, rollouts, trainer_version, model)
+    model_dir = weights.folder
     network = load_model(model_dir)
     check_vocabulary(rollouts, int(network.config.vocab_size), model_dir.name)
-    report = mismatch(rollouts, network, trainer_version=trainer_version)
+    report = mismatch(rollouts, network, trainer_version=weights.version)
     if plot:
         plot_histogram(report, Path(plot))
     if save:
         saved = save_logprobs(report, mismatch_file(run_dir), str(model_dir))
         err_console.print(f"wrote {saved}", markup=False, highlight=False)
     if as_json:
-        console.print_json(json.dumps(report.as_dict()))
+        shown = report.as_dict() | {"weights": str(model_dir), "weights_source": weights.source}
+        console.print_json(strict_json(shown))
         return
-    console.print(_mismatch_table(report))
+    console.print(_mismatch_table(report, weights.source))
 
 
-def _mismatch_table(report: Any) -> Table:
+def _mismatch_table(report: Any, weights: str) -> Table:
     overall = report.metrics["all"]
     table = Table(title=f"sampler vs trainer: {report.model_tokens} model tokens, {report.rollouts} rollouts, "
-                        f"trainer version {report.trainer_version}")
+                        f"trainer version {report.trainer_version} (π from {weights})")
     table.add_column("slice", no_wrap=True)
     table.add_column("tokens", justify="right")
     table.add_column("mean |log π − log μ|", justify="right")

@@ -30,9 +30,10 @@ from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
 from verbatim.harness.rollout import LoopConfig
-from verbatim.harness.run import StopRequest
+from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunManifest
-from verbatim.harness.train import TrainLoop, TrainPlan, check_resumable
+from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.harness.train_resume import check_resumable
 from verbatim.harness.train_step import refuse_truncated
 from verbatim.paths import check_output_file, check_run_dir
 from verbatim.trainer.advantages import Advantage
@@ -75,19 +76,29 @@ class TrainOptions(Frozen):
         return {"train": train}
 
 
+def check(options: TrainOptions) -> int:
+    """The checks that read no model: the device, the updates per step, what a resume goes on from.
+    Returns the steps already trained."""
+    from verbatim.trainer.reference import trainer_device
+
+    trainer_device(options.trainer_device)  # refused before the engine or the model
+    check_updates(options)
+    return check_resumable(Path(options.out), options.resume, options.config())
+
+
 def prepare(options: TrainOptions) -> TrainLoop:
     """Resolve every input and build the loop; starts nothing (the engine starts in :func:`execute`)."""
     from verbatim.cli.run import RunOptions, _make_engine, default_renderer
     from verbatim.envs.registry import default_max_turns, load_env, load_tasks
+    from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model, trainer_device
 
     out = Path(options.out)
     config = options.config()
-    device = trainer_device(options.trainer_device)  # refused before the engine or the model
-    check_updates(options)
-    check_resumable(out, options.resume, config)
+    device = trainer_device(options.trainer_device)
+    check(options)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
     engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
@@ -107,6 +118,9 @@ def prepare(options: TrainOptions) -> TrainLoop:
                                    "cache_policy": options.plan.cache_policy.value,
                                    "urls": config["train"]["urls"], "route": options.route},
                            config=config)
+    first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest)
+    preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+              max_tokens=options.max_tokens)  # the first step's prompts fit the context with --max-tokens
     learner = Learner(load_model(model_dir).to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http")
@@ -177,7 +191,7 @@ def step_line(record: dict[str, Any], steps: int) -> str:
         value = record.get(key)
         return "–" if value is None else format(value, fmt)
 
-    return (f"step {record['step'] + 1}/{steps} · v{record['version']} · reward {num('reward_mean', '.3f')}"
+    return (f"step {record['step']}/{steps} · v{record['version']} · reward {num('reward_mean', '.3f')}"
             f" · success {num('success_rate', '.0%')} · loss {num('loss', '+.4f')} · |Δlogp| "
             f"{num('mismatch_mean_abs', '.1e')} · cache hit {num('cache_hit_rate', '.0%')} · rollout "
             f"{num('rollout_s', '.1f')}s train {num('train_s', '.1f')}s sync {num('weight_sync_s', '.1f')}s")
@@ -188,7 +202,7 @@ def reward_table(history: list[dict[str, Any]], out: Path) -> Table:
     for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit"):
         table.add_column(column, justify="right")
     for r in history:
-        table.add_row(str(r["step"] + 1), str(r["version"]), _fmt(r.get("reward_mean"), ".3f"),
+        table.add_row(str(r["step"]), str(r["version"]), _fmt(r.get("reward_mean"), ".3f"),
                       _fmt(r.get("success_rate"), ".0%"), _fmt(r.get("loss"), "+.4f"), _fmt(r.get("grad_norm"), ".3f"),
                       _fmt(r.get("mismatch_mean_abs"), ".1e"), _fmt(r.get("cache_hit_rate"), ".0%"))
     return table
@@ -215,6 +229,9 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
     check_run_dir(options.out)
     if summary_json:
         check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before training, not after it
+    trained = check(options)
+    if options.resume and trained >= options.plan.steps:
+        return _complete(options, trained, console)
     loop = prepare(options)
     loop.on_step = lambda record: console.print(step_line(record, options.plan.steps))
     try:
@@ -225,6 +242,18 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
         if summary_json and loop.history:
             write_summary_json(summary_json, summary(loop.history, options, time.perf_counter() - started,
                                                      loop.engine_start_s))
+    return history
+
+
+def _complete(options: TrainOptions, trained: int, console: Console) -> list[dict[str, Any]]:
+    """A resumed run with nothing left to train: said so, with its table; the engine never starts."""
+    from verbatim.harness.metrics_log import read_metrics
+
+    history = read_metrics(options.out)
+    console.print(f"{options.out} is complete: all {trained} steps are trained (pass a higher --steps with "
+                  "--resume to train more)", soft_wrap=True)
+    if history:
+        console.print(reward_table(history, Path(options.out)))
     return history
 
 

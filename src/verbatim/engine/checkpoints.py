@@ -21,10 +21,15 @@ _INDEX = "model.safetensors.index.json"
 _TEMPORARY = "verbatim-weights-"
 
 
+def model_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """A model folder's files other than its weights: config, generation config, tokenizer, chat template."""
+    return sorted(item for item in Path(model_dir).iterdir()
+                  if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != _INDEX)
+
+
 def _copy_metadata(src: Path, dst: Path) -> None:
-    for item in src.iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != _INDEX:
-            shutil.copy2(item, dst / item.name)
+    for item in model_files(src):
+        shutil.copy2(item, dst / item.name)
 
 
 def perturbed_checkpoint(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,

@@ -55,6 +55,10 @@ class RolloutSpec(Frozen):
     """The training step it belongs to (recorded in ``info["step"]``), None outside training."""
 
 
+CONTEXT_BUDGET = "context budget"
+"""How the reason of a rollout that ran out of context begins (a step that cannot train names it)."""
+
+
 class _Ended(Exception):
     """Internal: the episode ended with a status and a reason."""
 
@@ -203,12 +207,12 @@ class RolloutPlayer:
         chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
         room = self.config.context_budget - self.sampling.max_tokens - used
         if chars > max(room, 0) * MAX_CHARS_PER_TOKEN:
-            raise _Ended("truncated", f"context budget: {what} adds {chars} characters, more than the "
+            raise _Ended("truncated", f"{CONTEXT_BUDGET}: {what} adds {chars} characters, more than the "
                                       f"{max(room, 0)} tokens left in the {self.config.context_budget}-token "
                                       f"context can hold")
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
         need = prompt_tokens + self.sampling.max_tokens
         if need > self.config.context_budget:
-            raise _Ended("truncated", f"context budget: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
+            raise _Ended("truncated", f"{CONTEXT_BUDGET}: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
                                       f"tokens, over the {self.config.context_budget}-token context")

@@ -128,6 +128,9 @@ class Run:
         self._interrupted = 0
         self.rollouts: list[Rollout] = []
         """After :meth:`play`: this plan's rollouts as written (those of earlier plays included)."""
+        self.whole_status = "completed"
+        """The manifest's status once every rollout is written (``verbatim train`` keeps "running": its run
+        is complete when the last step is trained, not when a step is played)."""
 
     def completed_ids(self) -> set[str]:
         return {r.rollout_id for r in self._on_disk()}
@@ -214,7 +217,7 @@ class Run:
             await batcher.flush()
         rollouts = earlier + batcher.written  # what is on disk, without reading the whole trace again
         whole = len({r.rollout_id for r in rollouts}) == self.total and not self._interrupted
-        status = self.stopped.status if self.stopped and not whole else "completed"
+        status = self.stopped.status if self.stopped and not whole else self.whole_status
         writer.write_manifest(self.manifest.model_copy(update={"status": status}))
         self.rollouts = rollouts
         self.summary = summarize(rollouts, block_size=self.manifest.block_size(self.out),

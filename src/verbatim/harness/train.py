@@ -1,19 +1,24 @@
 """``verbatim train``'s loop: play a step's groups, learn from exactly their tokens, push the weights.
 
-One step ``k``:
+Steps are counted from 1 (in the console, the files and the docs). Step ``n``:
 
-1. play ``groups × group_size`` rollouts (:class:`~verbatim.harness.run.Run` with ``step=k``: the
-   ordinary trace, ids prefixed ``sNNNN-``, each rollout's ``info["step"]``);
+1. play ``groups × group_size`` rollouts (:class:`~verbatim.harness.run.Run` with ``step=n``: the
+   ordinary trace, ids prefixed ``sNNNN-``, each rollout's ``info["step"]``) with version ``n − 1``;
 2. group-relative advantages, the learner's step on the traced tokens (in a worker thread), and
    its log π of each trained rollout before the update (π_old) with the correction's keep mask into
-   ``RUN_DIR/trainer_logprobs/step-{k:06d}.parquet`` (atomic; ``verbatim view`` colours tokens by it);
-3. the new weights into the engine under the cache policy, as version ``k + 1`` (served replicas
+   ``RUN_DIR/trainer_logprobs/step-{n:06d}.parquet`` (atomic; ``verbatim view`` colours tokens by it);
+3. the new weights into the engine under the cache policy, as version ``n`` (served replicas
    reload a folder published atomically under ``RUN_DIR/weights/``; the router updates every
    replica before the version is used);
-4. an atomic checkpoint ``RUN_DIR/checkpoints/step-{k+1}`` (weights, optimizer, RNG, version,
-   config, the metrics so far), then the step's line in ``RUN_DIR/metrics.jsonl``.
+4. an atomic checkpoint ``RUN_DIR/checkpoints/step-{n:06d}`` (weights, optimizer, RNG, version,
+   config, the metrics so far, and the model's config and tokenizer files: a loadable model folder),
+   then the step's line ``"step": n`` in ``RUN_DIR/metrics.jsonl``.
 
-``max_lag`` L: step ``k``'s rollouts start once ``k − L`` steps are trained, so with L ≥ 1 the
+The manifest says ``running`` while steps remain, ``completed`` once the last planned step is
+trained, ``interrupted`` after a signal (or any stop) that leaves planned steps undone, and
+``failed`` when an error ended the run.
+
+``max_lag`` L: step ``n``'s rollouts start once ``n − 1 − L`` steps are trained, so with L ≥ 1 the
 next step plays while this one trains, and its tokens carry the versions that sampled them (an
 update lands mid-rollout). No token is more than L versions behind the trainer; the
 correction's version-lag rule masks any that would be.
@@ -22,7 +27,8 @@ Resume (``resume=True``): the newest complete checkpoint's weights, optimizer, R
 are loaded, the engine gets those weights before any rollout, ``metrics.jsonl`` is cut back to
 the checkpointed steps, and the first unfinished step plays only its missing rollouts (the
 written ones were sampled by the checkpoint's version, or by versions the trace records).
-A step is counted once: its checkpoint is the commit.
+A step is counted once: its checkpoint is the commit. What a resume may go on from (and the one
+setting it may change, ``--steps``) is checked before the engine starts (harness/train_resume.py).
 """
 
 from __future__ import annotations
@@ -30,29 +36,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from verbatim.datamodel import Frozen, Rollout
-from verbatim.engine.checkpoints import publish_weights
+from verbatim.engine.checkpoints import model_files, publish_weights
 from verbatim.engine.protocol import CachePolicy
-from verbatim.engine.reaper import check_no_leftover_engine
+from verbatim.engine.runtime import MAX_SEED
 from verbatim.envs.base import EnvFactory
-from verbatim.errors import InputError, RunInterrupted
+from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rerendered import closed_input, rerendered_input
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
-from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes
+from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
+from verbatim.harness.train_resume import CHECKPOINTS
 from verbatim.harness.train_step import step_input, step_logprobs, step_record
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from verbatim.trainer.learner import Learner
 from verbatim.trainer.logprob_files import step_file, write_logprobs
 
-CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
 
 
@@ -62,7 +69,7 @@ class TrainPlan(Frozen):
     steps: int = Field(ge=1)
     groups: int = Field(default=2, ge=1)
     group_size: int = Field(default=4, ge=2)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     advantage: Advantage = "grpo"
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     max_lag: int = Field(default=0, ge=0)
@@ -75,6 +82,11 @@ class TrainPlan(Frozen):
     """What the learner trains on: the traced tokens, or (ablations, harness/rerendered.py) each
     rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
     with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
+
+    def run_plan(self, run_id: str, k: int) -> RunPlan:
+        """What step ``k + 1`` plays (``k`` steps trained before it): its groups, ids ``s{k+1:04d}-…``."""
+        return RunPlan(run_id=run_id, groups=self.groups, group_size=self.group_size, seed=self.seed,
+                       concurrency=self.concurrency, batch_size=max(self.group_size, 4), step=k + 1)
 
 
 class TrainLoop:
@@ -106,23 +118,39 @@ class TrainLoop:
         """Train every step not yet checkpointed; returns the metrics of all steps."""
         with RunLock(self.out):
             clear_unfinished_writes(self.out)
-            start = await self._restore(resume)
-            TraceWriter(self.out, self.manifest)  # the manifest (with the engine's block size) before any step
-            self._trained = start
-            queue: asyncio.Queue = asyncio.Queue()
-            producer = asyncio.create_task(self._produce(start, queue))
+            writer = TraceWriter(self.out, self.manifest)  # "running", with the engine's block size, before any step
             try:
-                for k in range(start, self.plan.steps):
-                    played = await self._next(queue, producer)
-                    await self._learn(k, *played)
-                    if self.stopped is not None and k + 1 < self.plan.steps:
-                        raise RunInterrupted(f"{self.stopped.reason}: stopped after step {k + 1} of "
-                                             f"{self.plan.steps}", exit_code=self.stopped.exit_code,
-                                             hint="rerun the same command with --resume to go on")
-            finally:
-                producer.cancel()
-                await asyncio.gather(producer, return_exceptions=True)
+                await self._steps(await self._restore(resume))
+            except (RunInterrupted, asyncio.CancelledError, KeyboardInterrupt):
+                with suppress(Exception):  # the stop's own error is the one to show
+                    self._record_status(writer, "interrupted")
+                raise
+            except BaseException:
+                with suppress(Exception):
+                    self._record_status(writer, "failed")
+                raise
+            self._record_status(writer, "completed")
         return self.history
+
+    async def _steps(self, start: int) -> None:
+        self._trained = start
+        queue: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(start, queue))
+        try:
+            for k in range(start, self.plan.steps):
+                played = await self._next(queue, producer)
+                await self._learn(k, *played)
+                if self.stopped is not None and k + 1 < self.plan.steps:
+                    raise RunInterrupted(f"{self.stopped.reason}: stopped after step {k + 1} of "
+                                         f"{self.plan.steps}", exit_code=self.stopped.exit_code,
+                                         hint="rerun the same command with --resume to go on")
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    def _record_status(self, writer: TraceWriter, status: str) -> None:
+        """The run's status in its manifest (as the steps' plays last wrote it, with the engine's block size)."""
+        writer.write_manifest(read_manifest(self.out).model_copy(update={"status": status}))
 
     def stop(self, request: StopRequest, grace_s: float = 30.0) -> None:
         """Finish the step being trained, then stop; rollouts playing are stopped as ``verbatim run`` stops."""
@@ -157,7 +185,7 @@ class TrainLoop:
             if self.stopped is not None:
                 return
             began = time.perf_counter()
-            run = self._run(k)
+            run = self.step_run(k)
             self._runs.add(run)
             try:
                 # only the steps a killed run may have begun have rollouts on disk to look for
@@ -176,17 +204,19 @@ class TrainLoop:
         raise RunInterrupted(f"{self.stopped.reason if self.stopped else 'stopped'}: no more steps were played",
                              hint="rerun the same command with --resume to go on")
 
-    def _run(self, k: int) -> Run:
-        plan = RunPlan(run_id=self.manifest.run_id, groups=self.plan.groups, group_size=self.plan.group_size,
-                       seed=self.plan.seed, concurrency=self.plan.concurrency,
-                       batch_size=max(self.plan.group_size, 4), step=k)
+    def step_run(self, k: int) -> Run:
+        """The play of step ``k + 1`` (``k`` steps trained before it)."""
+        plan = self.plan.run_plan(self.manifest.run_id, k)
         run = Run(plan, self.loop, self.engine, self.renderer, self.env, self.tasks(k), self.out, self.manifest)
+        run.whole_status = "running"  # the run is complete when its last step is trained (train records it)
         run.on_rollout = self.on_rollout
         return run
 
     # -- learning ---------------------------------------------------------------------------
 
     async def _learn(self, k: int, rollouts: list[Rollout], summary: Any, rollout_s: float) -> None:
+        """Train step ``k + 1`` (``k`` steps are trained) on its rollouts, push the weights, commit it."""
+        n = k + 1
         rows, row_info = step_input(rollouts, self.plan.advantage,
                                     allow_truncated=self.plan.allow_truncated_sampling)
         if self.plan.context != "traced":
@@ -195,26 +225,26 @@ class TrainLoop:
             row_info |= more
         version = self.learner.version
         learned = await asyncio.to_thread(self.learner.train_step, rows, (k, self.plan.steps))
-        found, meta = step_logprobs(k, version, rows, learned, self.manifest.model,
+        found, meta = step_logprobs(n, version, rows, learned, self.manifest.model,
                                     self.learner.config.correction.model_dump(mode="json"))
         if self.plan.context != "traced":  # its rows are not the trace's: no per-token file to pin to them
             found, meta = [], meta | {"context": self.plan.context}
-        await asyncio.to_thread(write_logprobs, step_file(self.out, k), found, meta)  # before the commit: a
+        await asyncio.to_thread(write_logprobs, step_file(self.out, n), found, meta)  # before the commit: a
         # step trained again after a crash writes it again
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began
         times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s}
-        record = step_record(k, self.learner.version, rollouts, summary, row_info, learned, times)
+        record = step_record(n, self.learner.version, rollouts, summary, row_info, learned, times)
         self.history.append(record)
         state = {"version": self.learner.version, "config": self.manifest.config, "metrics": self.history}
         began = time.perf_counter()
-        await asyncio.to_thread(save_checkpoint, self.checkpoints, k + 1, self.learner.model,
-                                self.learner.optimizer, state, self.plan.keep_checkpoints)
+        await asyncio.to_thread(save_checkpoint, self.checkpoints, n, self.learner.model, self.learner.optimizer,
+                                state, self.plan.keep_checkpoints, model_files(self.model_dir))
         record["checkpoint_s"] = round(time.perf_counter() - began, 3)
         append_metrics(self.out, record)
         async with self._progress:
-            self._trained = k + 1
+            self._trained = n
             self._progress.notify_all()
         if self.on_step:
             self.on_step(record)
@@ -231,25 +261,3 @@ class TrainLoop:
             source = weights
         await self.engine.update_weights(source, version, policy)
 
-
-def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> None:
-    """Before anything starts: refuse a used --out without --resume, and a resume with another config."""
-    from verbatim.harness.store import read_manifest
-    from verbatim.trainer.checkpoint import config_differences
-
-    RunLock.check_free(out)
-    check_no_leftover_engine(out)
-    if not (out / "manifest.json").exists():
-        if resume:
-            raise InputError(f"--resume: {out} holds no run to resume",
-                             hint="check --out, or drop --resume to start a new run")
-        return
-    if not resume:
-        raise InputError(f"{out} already holds a run", hint="pass --resume to go on with it, or another --out")
-    previous = read_manifest(out).config
-    if "train" not in previous:
-        raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
-    changed = config_differences(previous.get("train", {}), config.get("train", {}))
-    if changed:
-        raise InputError(f"--resume with a changed config: {'; '.join(changed)}",
-                         hint="resume with the settings of the first run, or pass another --out")

@@ -23,6 +23,7 @@ import numpy as np
 
 from verbatim.datamodel import Rollout, TurnSampling
 from verbatim.errors import InputError
+from verbatim.harness.rollout import CONTEXT_BUDGET
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.learner import StepInput
@@ -50,8 +51,7 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
         advantages.extend(group_advantages([float(r.reward) for r in trained], how).tolist())
         groups.append(list(range(start, len(columns))))
     if not groups:
-        raise InputError(_nothing_to_train(rollouts), hint="check the env's rewards: see the trace's errors with "
-                                                            "'verbatim lint trace RUN_DIR'")
+        raise _nothing_to_train(rollouts)
     values = np.asarray(advantages, dtype=np.float64)
     info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
             "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
@@ -110,11 +110,18 @@ def step_logprobs(step: int, version: int, rows: StepInput, learned: dict[str, A
                    "correction": correction}
 
 
-def _nothing_to_train(rollouts: Sequence[Rollout]) -> str:
+def _nothing_to_train(rollouts: Sequence[Rollout]) -> InputError:
+    """Why no group of a step can train: the context budget when rollouts ran out of it, else the env's rewards."""
+    out_of_context = [r.error for r in rollouts if (r.error or "").startswith(CONTEXT_BUDGET)]
+    if out_of_context:
+        return InputError(f"no group of this step has two rollouts that ended with a reward: {len(out_of_context)} "
+                          f"of {len(rollouts)} rollouts ran out of context ({out_of_context[0]})",
+                          hint="raise --max-model-len or lower --max-tokens")
     errors = [r.error for r in rollouts if r.status not in TRAINED_STATUSES and r.error]
     first = f"; first error: {errors[0]}" if errors else ""
-    return (f"no group of this step has two rollouts that ended with a reward "
-            f"({len(rollouts)} rollouts, {len(errors)} failed{first})")
+    return InputError(f"no group of this step has two rollouts that ended with a reward "
+                      f"({len(rollouts)} rollouts, {len(errors)} failed{first})",
+                      hint="check the env's rewards: see the trace's errors with 'verbatim lint trace RUN_DIR'")
 
 
 def success_rate(rollouts: Sequence[Rollout]) -> float | None:

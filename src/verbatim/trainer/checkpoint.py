@@ -1,6 +1,7 @@
 """Trainer checkpoints: one folder per completed step, written atomically, resumable after a SIGKILL.
 
-``root/step-000042/`` holds four files:
+``root/step-000042/`` holds four files, and the model folder's config and tokenizer files (so that it
+is a Hugging Face model folder: ``from_pretrained``, ``verbatim run --model``, ``verbatim mismatch``):
 
 * ``model.safetensors``: the model's ``state_dict()``; a tensor that two names share (tied
   embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``) is stored once, under its
@@ -25,7 +26,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,11 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int = 2) -> Path:
+                    state: dict[str, Any], keep: int = 2, model_files: Sequence[Path] = ()) -> Path:
     """Write ``root/step-{step:06d}/`` atomically, then keep only the newest ``keep`` checkpoints.
+
+    ``model_files`` (the model folder's config and tokenizer files) are copied in beside the weights:
+    the checkpoint is then a Hugging Face model folder (``from_pretrained``, ``verbatim run --model``).
 
     A failure while writing removes the half-written folder, leaves older checkpoints untouched and
     raises a one-line :class:`CheckpointError` that names the folder and the OS reason.
@@ -84,6 +88,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         _write_torch(tmp / "optimizer.pt", optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
+        for source in model_files:
+            _write_bytes(tmp / Path(source).name, Path(source).read_bytes())
         fsync_dir(tmp)
         written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
         os.rename(tmp, final)
@@ -104,7 +110,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
 
 def _write_model(path: Path, model: nn.Module) -> None:
     tensors, aliases = _deduplicated(model.state_dict())
-    safetensors.torch.save_file(tensors, str(path), metadata={_ALIASES_KEY: json.dumps(aliases)})
+    metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases)}  # "pt": what transformers' loader asks for
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
     fsync_file(path)
 
 
@@ -217,6 +224,11 @@ def latest_checkpoint(root: Path) -> Path | None:
         shutil.rmtree(leftover, ignore_errors=True)
     complete = _complete_steps(root)
     return complete[max(complete)] if complete else None
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    """The steps of ``root``'s complete checkpoints, oldest first (reads only; removes nothing)."""
+    return sorted(_complete_steps(Path(root))) if Path(root).is_dir() else []
 
 
 def _complete_steps(root: Path) -> dict[int, Path]:

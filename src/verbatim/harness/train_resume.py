@@ -1,0 +1,95 @@
+"""What ``verbatim train --resume`` may go on from, decided before the engine starts.
+
+A training run's steps are counted from 1 everywhere: step ``n`` plays rollouts ``sNNNN-…``
+(``info["step"] == n``) with version ``n − 1``, writes ``trainer_logprobs/step-{n:06d}.parquet``,
+commits ``checkpoints/step-{n:06d}`` (version ``n``), then its line ``"step": n`` in
+``metrics.jsonl``. The newest complete checkpoint is what a resume trusts:
+
+* a run with steps recorded past it (metrics lines, or rollouts of a step the loop could not have
+  begun) is refused: resuming would train those steps again from older weights and write their
+  rollouts into the trace a second time;
+* a finished run (its checkpoint is the last planned step) is reported complete, not replayed;
+* the settings must be the first run's, except ``--steps``, which may be raised (the one change
+  that keeps every recorded step valid) while the learning rate is constant: a linear or cosine
+  schedule is spread over the planned steps, so more steps would change it under the steps trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from verbatim.engine.reaper import check_no_leftover_engine
+from verbatim.errors import InputError
+from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics
+from verbatim.harness.store import RunLock, read_manifest, read_run
+
+CHECKPOINTS = "checkpoints"
+_STEPS_KEY = "plan.steps"
+
+
+def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
+    """Refuse a used --out without --resume, and a resume that could not go on safely; returns the steps
+    already trained (0 for a new run)."""
+    RunLock.check_free(out)
+    check_no_leftover_engine(out)
+    if not (out / "manifest.json").exists():
+        if resume:
+            raise InputError(f"--resume: {out} holds no run to resume",
+                             hint="check --out, or drop --resume to start a new run")
+        return 0
+    if not resume:
+        raise InputError(f"{out} already holds a run", hint="pass --resume to go on with it, or another --out")
+    previous = read_manifest(out).config
+    if "train" not in previous:
+        raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
+    check_changes(previous.get("train", {}), config.get("train", {}))
+    trained = trained_steps(out)
+    plan = config.get("train", {}).get("plan", {})
+    check_recorded(out, trained, int(plan.get("max_lag", 0)))
+    return trained
+
+
+def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """The settings of the first run, or more --steps under a constant learning rate."""
+    from verbatim.trainer.checkpoint import config_differences
+
+    changed = config_differences(saved, now)
+    before = saved.get("plan", {}).get("steps")
+    after = now.get("plan", {}).get("steps")
+    if isinstance(before, int) and isinstance(after, int) and after > before:
+        changed = [line for line in changed if not line.startswith(f"{_STEPS_KEY}:")]
+        schedule = now.get("learner", {}).get("lr_schedule", "constant")
+        if schedule != "constant" and not changed:
+            raise InputError(f"--resume --steps {after}: the {schedule} learning-rate schedule is spread over the "
+                             f"{before} planned steps, so more steps would change it under the steps trained",
+                             hint=f"extend a run trained with --lr-schedule constant, or keep --steps {before}")
+    if changed:
+        raise InputError(f"--resume with a changed config: {'; '.join(changed)}",
+                         hint="resume with the settings of the first run (only --steps may be raised), "
+                              "or pass another --out")
+
+
+def trained_steps(out: Path) -> int:
+    """The step of the newest complete checkpoint (0 when there is none)."""
+    from verbatim.trainer.checkpoint import checkpoint_steps
+
+    return max(checkpoint_steps(out / CHECKPOINTS), default=0)
+
+
+def check_recorded(out: Path, trained: int, max_lag: int) -> None:
+    """Refuse a run that records steps its newest checkpoint does not hold: a written rollout is never
+    played into the trace twice."""
+    lines = read_metrics(out) if metrics_path(out).is_file() else []
+    beyond = sorted({r["step"] for r in lines if isinstance(r.get("step"), int) and r["step"] > trained})
+    where = METRICS_FILE
+    if not beyond:  # rollouts of steps up to trained + 1 + max_lag may be on disk: the loop plays their rest
+        steps = {r.info.get("step") for r in read_run(out).rollouts}
+        beyond = sorted(s for s in steps if isinstance(s, int) and s > trained + 1 + max_lag)
+        where = "the trace's rollouts"
+    if beyond:
+        held = f"the newest checkpoint is step {trained}" if trained else "there is no checkpoint"
+        raise InputError(f"--resume: {out} records step {beyond[-1]} ({where}) but {held} "
+                         f"(under {out / CHECKPOINTS}): resuming would train recorded steps again and write "
+                         "their rollouts twice",
+                         hint="put the missing checkpoints back, or start a new run with another --out")
