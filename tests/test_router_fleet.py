@@ -229,7 +229,7 @@ def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_toge
     for rollout in rollouts:
         assert len({t.replica for t in rollout.turns}) == 1, rollout.rollout_id  # pinned
         model = rollout.tokens.policy_version[rollout.tokens.source == Source.MODEL]
-        assert set(model.tolist()) == {rollout.info["step"]}, rollout.rollout_id  # sampled by the step's version
+        assert set(model.tolist()) == {rollout.info["step"] - 1}, rollout.rollout_id  # step n samples version n - 1
     groups = {(r.info["step"], r.group_id): set() for r in rollouts}
     for r in rollouts:
         groups[(r.info["step"], r.group_id)].add(r.turns[0].replica)
