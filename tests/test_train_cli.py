@@ -3,6 +3,7 @@ of it before an engine starts or a model loads (reaching either fails the test).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -252,6 +253,9 @@ def test_resuming_a_finished_run_says_it_is_complete_and_starts_nothing(tmp_path
     assert result.exit_code == 0, result.output
     assert f"{out} is complete: all 2 steps are trained" in " ".join(result.output.split())
     assert tree(tmp_path) == before
+    summary = tmp_path / "summary.json"  # a script that always asks for the summary still gets it
+    assert runner.invoke(app, ["train", *args, "--resume", "--summary-json", str(summary)]).exit_code == 0
+    assert json.loads(summary.read_text())["steps"] == 2
 
 
 @pytest.mark.parametrize("schedule,steps,needle", [

@@ -231,7 +231,10 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
         check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before training, not after it
     trained = check(options)
     if options.resume and trained >= options.plan.steps:
-        return _complete(options, trained, console)
+        history = _complete(options, trained, console)
+        if summary_json:
+            write_summary_json(summary_json, summary(history, options, time.perf_counter() - started))
+        return history
     loop = prepare(options)
     loop.on_step = lambda record: console.print(step_line(record, options.plan.steps))
     try:
