@@ -87,7 +87,8 @@ def check(options: TrainOptions) -> int:
 
 
 def prepare(options: TrainOptions) -> TrainLoop:
-    """Resolve every input and build the loop; starts nothing (the engine starts in :func:`execute`)."""
+    """Resolve every input and build the loop, after :func:`check`; starts nothing (the engine starts in
+    :func:`execute`)."""
     from verbatim.cli.run import RunOptions, _make_engine, default_renderer
     from verbatim.envs.registry import default_max_turns, load_env, load_tasks
     from verbatim.harness.preflight import model_vocab_size, preflight
@@ -98,7 +99,6 @@ def prepare(options: TrainOptions) -> TrainLoop:
     out = Path(options.out)
     config = options.config()
     device = trainer_device(options.trainer_device)
-    check(options)
     factory = load_env(options.env, **options.env_args)
     tasks = _task_source(options, factory, load_tasks)
     engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
