@@ -39,23 +39,22 @@ def policy_weights(run_dir: str | Path, rollouts: list[Rollout], version: int | 
                    model: str | None) -> PolicyWeights:
     """The weights to compute π with for ``version`` (default: the newest that sampled a token)."""
     run_dir = Path(run_dir)
-    chosen = sampled_version(rollouts) if version is None else version
-    training = "train" in read_manifest(run_dir).config
+    manifest = read_manifest(run_dir)
+    sampled = sampled_version(rollouts)
+    chosen = sampled if version is None else version
+    training = "train" in manifest.config
     newest = trained_steps(run_dir) if training else None
-    if chosen < 0 or (newest is not None and chosen > max(newest, sampled_version(rollouts))):
+    if chosen < 0 or (newest is not None and chosen > max(newest, sampled)):
         known = f"versions 0 to {newest}" if newest is not None else "versions from 0"
         raise InputError(f"--trainer-version {chosen}: {run_dir} has {known}",
                          hint="pass a version the run trained, or leave it out for the newest that sampled")
     if model is not None:
         return PolicyWeights(chosen, resolve(model), f"--model {model}")
     if chosen == 0 or not training:
-        return PolicyWeights(chosen, _base_model(run_dir), "the base model")
+        recorded = manifest.model
+        return PolicyWeights(chosen, resolve(recorded if recorded and Path(recorded).is_dir() else "default"),
+                             "the base model")
     return PolicyWeights(chosen, _checkpoint(run_dir, chosen), f"checkpoint step-{chosen:06d}")
-
-
-def _base_model(run_dir: Path) -> Path:
-    recorded = read_manifest(run_dir).model
-    return resolve(recorded if recorded and Path(recorded).is_dir() else "default")
 
 
 def _checkpoint(run_dir: Path, version: int) -> Path:
