@@ -10,6 +10,8 @@ then stop (exit 130/143); ``--resume`` goes on from there, as it does after a SI
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import signal
 import time
 import uuid
@@ -23,7 +25,6 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.datamodel import Frozen
-from verbatim.durable import strict_loads
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
@@ -280,13 +281,20 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip().isidentifier():
             raise InputError(f"--env-arg {item!r} must look like KEY=VALUE (e.g. high=5)")
-        if value.strip().lstrip("+-") in ("NaN", "Infinity", "inf", "nan"):
+        if _non_finite(value):  # JSON's NaN/Infinity and float()'s inf/nan alike
             raise InputError(f"--env-arg {item!r}: {value.strip()} is not a finite number")
         try:
-            args[key.strip()] = strict_loads(value)
+            args[key.strip()] = json.loads(value)
         except ValueError:
             args[key.strip()] = value
     return args
+
+
+def _non_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def cache_policy_option(value: str) -> CachePolicy:
