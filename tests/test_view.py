@@ -123,6 +123,21 @@ def test_unknown_ids_and_writes_are_refused(site):
     assert refused.value.code == 405
 
 
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:{port}", "127.0.0.1.attacker.example",
+                                  "localhost:1", ""])
+def test_a_request_for_another_host_name_is_refused(site, host):
+    """DNS rebinding: a page on attacker.example that resolves to 127.0.0.1 sends its own name as Host."""
+    port = site.rsplit(":", 1)[1]
+    request = urllib.request.Request(f"{site}/api/summary", headers={"Host": host.format(port=port)})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 403
+    for name in ("127.0.0.1", "localhost", f"localhost:{port}", f"[::1]:{port}"):
+        with urllib.request.urlopen(urllib.request.Request(f"{site}/api/summary", headers={"Host": name}),
+                                    timeout=10) as answered:
+            assert answered.status == 200
+
+
 def test_opening_reads_columns_and_lints_later_in_the_background(tmp_path, renderer, default_model_dir):
     from verbatim.harness.store import read_run
     from verbatim.harness.summary import summarize

@@ -21,9 +21,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from verbatim.errors import VerbatimError
+from verbatim.loopback import HOST, host_allowed
 from verbatim.view.run_data import RunData, everything
-
-HOST = "127.0.0.1"
 SCRIPTS = ("chart.js", "tokens.js", "view.js")
 ASSETS = {"view.css": "text/css; charset=utf-8", **{name: "text/javascript; charset=utf-8" for name in SCRIPTS}}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -47,6 +46,10 @@ class ViewHandler(BaseHTTPRequestHandler):
     server_version = "verbatim-view"
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if not host_allowed(self.headers.get("Host"), self.server.server_address[1]):
+            self._send(HTTPStatus.FORBIDDEN, b"this page answers only requests to its loopback address",
+                       "text/plain; charset=utf-8")  # a DNS-rebinding page must not read the traces
+            return
         url = urlsplit(self.path)
         query = {key: values[0] for key, values in parse_qs(url.query).items()}
         if url.path == "/":
