@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "verbatim"
 
-DATA = {"datamodel", "errors", "paths", "prefix_cache", "durable"}
+DATA = {"datamodel", "errors", "paths", "prefix_cache", "durable", "loopback"}
 ALLOWED: dict[str, set[str]] = {
     # the data model: plain types, errors and where files are; imports nothing above it
     **{room: DATA for room in DATA},
@@ -23,11 +23,12 @@ ALLOWED: dict[str, set[str]] = {
     "envs": DATA,
     "trainer": DATA,
     "harness": DATA | {"renderers", "engine", "envs", "trainer"},
+    "agents": DATA | {"renderers", "engine", "envs", "harness"},
     "sim": DATA | {"engine", "harness"},
     "lint": DATA | {"engine", "harness"},
     "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint"},
     "view": DATA | {"renderers", "engine", "envs", "trainer", "harness", "lint"},
-    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint", "bench", "view"},
+    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents", "sim", "lint", "bench", "view"},
 }
 THIRD_PARTY = {"vllm": {"engine"}, "torch": {"engine", "trainer", "bench"}}
 

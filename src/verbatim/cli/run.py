@@ -46,7 +46,10 @@ from verbatim.paths import check_output_file, check_run_dir
 class RunOptions(Frozen):
     """Everything `verbatim run` was asked to do (recorded in the manifest)."""
 
-    env: str
+    env: str | None = None
+    agent: str | None = None
+    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
     tasks: str | None = None
     model: str = "default"
     renderer: str | None = None
@@ -96,6 +99,33 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
     return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
 
 
+def episode_source(env: str | None, agent: str | None, env_args: dict[str, Any] | None = None) -> Any:
+    """What the rollouts play: the env factory ``--env`` names, or the agent of ``--agent`` (one of them)."""
+    if (env is None) == (agent is None):
+        raise InputError("give --env NAME or --agent FILE.py:FUNCTION, one of them",
+                         hint="--env plays an environment; --agent calls your OpenAI-client agent per rollout")
+    if agent is not None:
+        if env_args:
+            raise InputError("--env-arg goes with --env, not --agent")
+        from verbatim.agents.loader import load_agent
+
+        return load_agent(agent)
+    from verbatim.envs.registry import load_env
+
+    return load_env(env, **(env_args or {}))
+
+
+def players(agent: str | None, model: str, timeout_s: float) -> Any:
+    """The ``make_player`` of the run's plays: an env's rollout loop, or the agent endpoint's."""
+    if agent is None:
+        from verbatim.harness.rollout import RolloutPlayer
+
+        return RolloutPlayer
+    from verbatim.agents.player import agent_players
+
+    return agent_players(Path(model).name if model not in ("", "default") else DEFAULT_MODEL, timeout_s)
+
+
 def default_renderer(model: str) -> str:
     """The bundled default's renderer, or the family a model folder's chat template is (renderers/detect.py)."""
     if model in ("default", "", DEFAULT_MODEL):
@@ -140,11 +170,10 @@ def _make_engine(options: RunOptions) -> Any:
 
 def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
-    from verbatim.envs.registry import load_env
     from verbatim.renderers.registry import get_renderer
 
     policy = CachePolicy.parse(options.cache_policy)
-    factory = load_env(options.env)
+    factory = episode_source(options.env, options.agent)
     options, tasks = with_tasks(options, factory)
     model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
     renderer_name = options.renderer or default_renderer(options.model)
@@ -165,10 +194,12 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
         config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
                 "plan": plan.model_dump(exclude={"run_id"})},
     )
-    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest)
+    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest,
+              make_player=players(options.agent, options.model, options.agent_timeout_s))
     run.check_out_dir(options.resume)
-    preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
-              max_tokens=options.max_tokens)
+    if options.agent is None:  # an agent's prompts are known only when it asks
+        preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+                  max_tokens=options.max_tokens)
     return run, engine
 
 

@@ -46,7 +46,10 @@ from verbatim.trainer.objective import LossConfig
 class TrainOptions(Frozen):
     """Everything ``verbatim train`` was asked to do (its ``train`` section is the run's config)."""
 
-    env: str
+    env: str | None = None
+    agent: str | None = None
+    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the env's factory (``--env-arg KEY=VALUE``)."""
     tasks: str | None = None
@@ -90,8 +93,8 @@ def check(options: TrainOptions) -> int:
 def prepare(options: TrainOptions) -> TrainLoop:
     """Resolve every input and build the loop, after :func:`check`; starts nothing (the engine starts in
     :func:`execute`)."""
-    from verbatim.cli.run import RunOptions, _make_engine, default_renderer
-    from verbatim.envs.registry import default_max_turns, load_env, load_tasks
+    from verbatim.cli.run import RunOptions, _make_engine, default_renderer, episode_source, players
+    from verbatim.envs.registry import default_max_turns, load_tasks
     from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.learner import Learner
@@ -100,7 +103,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
     out = Path(options.out)
     config = options.config()
     device = trainer_device(options.trainer_device)
-    factory = load_env(options.env, **options.env_args)
+    factory = episode_source(options.env, options.agent, options.env_args)
     tasks = _task_source(options, factory, load_tasks)
     engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
                                 route=options.route, max_model_len=options.max_model_len,
@@ -119,12 +122,15 @@ def prepare(options: TrainOptions) -> TrainLoop:
                                    "cache_policy": options.plan.cache_policy.value,
                                    "urls": config["train"]["urls"], "route": options.route},
                            config=config)
-    first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest)
-    preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
-              max_tokens=options.max_tokens)  # the first step's prompts fit the context with --max-tokens
+    make_player = players(options.agent, options.model, options.agent_timeout_s)
+    first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
+                make_player=make_player)
+    if options.agent is None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
+        preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+                  max_tokens=options.max_tokens)
     learner = Learner(load_model(model_dir).to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
-                     served=options.engine == "http")
+                     served=options.engine == "http", make_player=make_player)
 
 
 def sampling(options: TrainOptions) -> Sampling:

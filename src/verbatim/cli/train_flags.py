@@ -13,10 +13,16 @@ from verbatim.cli.console import console
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
 
+AGENT_HELP = ("Your agent instead of --env: FILE.py:FUNCTION or module:function, called per rollout as "
+              "FUNCTION(task, client) with an OpenAI client of a token-exact endpoint; returns the reward.")
+
 
 def train_flags(
-    env: str = typer.Option(..., "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
-                                                "entry point."),
+    env: str = typer.Option(None, "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
+                                                 "entry point."),
+    agent: str = typer.Option(None, "--agent", help=AGENT_HELP),
+    agent_timeout: float = typer.Option(600.0, "--agent-timeout", min=0.001,
+                                        help="Seconds an --agent rollout may take; past it the rollout is an error."),
     env_arg: list[str] = typer.Option([], "--env-arg", help="KEY=VALUE for the env's factory (repeat), e.g. "
                                                              "--env-arg high=5 for guess; values are JSON or text."),
     task_file: str = typer.Option(None, "--task-file", "--tasks",
@@ -133,7 +139,8 @@ def train_flags(
                                 weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-        options = TrainOptions(env=env, env_args=parse_env_args(env_arg), tasks=task_file, model=model,
+        options = TrainOptions(env=env, agent=agent, agent_timeout_s=agent_timeout,
+                               env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, plan=plan, learner=learner, out=out, engine=engine,
                                urls=tuple(url), route=route,

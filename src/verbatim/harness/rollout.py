@@ -59,15 +59,15 @@ CONTEXT_BUDGET = "context budget"
 """How the reason of a rollout that ran out of context begins (a step that cannot train names it)."""
 
 
-class _Ended(Exception):
-    """Internal: the episode ended with a status and a reason."""
+class Ended(Exception):
+    """The episode ended with a status and a reason (an env's rollout here, an agent's in ``agents/``)."""
 
     def __init__(self, status: str, reason: str) -> None:
         super().__init__(reason)
         self.status, self.reason = status, reason
 
 
-async def _in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
+async def in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """``call()`` in a fresh daemon thread; a timeout abandons the thread, an exception becomes the reason."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
@@ -78,7 +78,7 @@ async def _in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> An
         except Exception as exc:  # noqa: BLE001 - handed to the loop as the rollout's reason
             outcome = (None, exc)
         except BaseException as exc:  # noqa: BLE001 - sys.exit() in an env must not stop the run
-            outcome = (None, _Ended("error", f"{what} raised {type(exc).__name__}: {exc}"))
+            outcome = (None, Ended("error", f"{what} raised {type(exc).__name__}: {exc}"))
         try:
             loop.call_soon_threadsafe(_settle, future, *outcome)
         except RuntimeError:  # the loop closed while this env was hanging: nobody waits any more
@@ -88,13 +88,13 @@ async def _in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> An
     try:
         return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
-        raise _Ended("error", f"{what} timed out after {timeout_s:g}s") from None
-    except _Ended:
+        raise Ended("error", f"{what} timed out after {timeout_s:g}s") from None
+    except Ended:
         raise
     except VerbatimError as exc:
-        raise _Ended("error", f"{what}: {exc.one_line()}") from exc
+        raise Ended("error", f"{what}: {exc.one_line()}") from exc
     except Exception as exc:  # an env's own bug is data, not a crash
-        raise _Ended("error", f"{what} {describe_failure(exc)}") from exc
+        raise Ended("error", f"{what} {describe_failure(exc)}") from exc
 
 
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -121,6 +121,12 @@ class RolloutPlayer:
         self.on_first_request = on_first_request
         self._tokenizing = threading.Lock()  # renderers run off the event loop, one call at a time
 
+    async def __aenter__(self) -> RolloutPlayer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Nothing to release (an agent's player closes its endpoint here)."""
+
     async def play(self, spec: RolloutSpec, env: Env) -> Rollout:
         ledger = Ledger()
         state: dict[str, Any] = {"messages": [], "reward": 0.0, "env_info": {}, "stop": "done"}
@@ -128,7 +134,7 @@ class RolloutPlayer:
         status, reason = "ok", None
         try:
             await self._turns(spec, env, ledger, state, start_version)
-        except _Ended as ended:
+        except Ended as ended:
             status, reason = ended.status, ended.reason
         except VerbatimError as exc:
             status, reason = "error", exc.one_line()
@@ -150,7 +156,7 @@ class RolloutPlayer:
 
     async def _turns(self, spec: RolloutSpec, env: Env, ledger: Ledger, state: dict, start_version: int) -> None:
         timeout = self.config.step_timeout_s
-        reset = checked_reset(await _in_thread(lambda: env.reset(spec.task, spec.seed), timeout, "env.reset"))
+        reset = checked_reset(await in_thread(lambda: env.reset(spec.task, spec.seed), timeout, "env.reset"))
         tools = list(reset.tools) if reset.tools else None
         state["tools"] = tools
         state["messages"].extend(reset.messages)
@@ -170,14 +176,14 @@ class RolloutPlayer:
                 state.setdefault("routes", []).append(completion.extra["route"])
             message = self.renderer.parse_completion(completion.token_ids.tolist())
             state["messages"].append(message)
-            result = checked_step(await _in_thread(lambda m=message: env.step(m), timeout, "env.step"))
+            result = checked_step(await in_thread(lambda m=message: env.step(m), timeout, "env.step"))
             ledger.set_turn_reward(result.reward)
             state["reward"] += float(result.reward)
             state["env_info"] = result.info
             if result.done:
                 return
             if turn == self.config.max_turns - 1:
-                raise _Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
+                raise Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
             what = f"the prompt of turn {turn + 1}"
             self._check_text(result.messages, len(ledger), what)
             bridge = await self._off_loop(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),
@@ -191,7 +197,7 @@ class RolloutPlayer:
         def locked() -> Any:
             with self._tokenizing:
                 return call()
-        return await _in_thread(locked, self.config.step_timeout_s, what)
+        return await in_thread(locked, self.config.step_timeout_s, what)
 
     async def _end_session(self, session_id: str) -> None:
         """Tell a router the session is over, so admission stops counting its context."""
@@ -207,12 +213,12 @@ class RolloutPlayer:
         chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
         room = self.config.context_budget - self.sampling.max_tokens - used
         if chars > max(room, 0) * MAX_CHARS_PER_TOKEN:
-            raise _Ended("truncated", f"{CONTEXT_BUDGET}: {what} adds {chars} characters, more than the "
+            raise Ended("truncated", f"{CONTEXT_BUDGET}: {what} adds {chars} characters, more than the "
                                       f"{max(room, 0)} tokens left in the {self.config.context_budget}-token "
                                       f"context can hold")
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
         need = prompt_tokens + self.sampling.max_tokens
         if need > self.config.context_budget:
-            raise _Ended("truncated", f"{CONTEXT_BUDGET}: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
+            raise Ended("truncated", f"{CONTEXT_BUDGET}: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
                                       f"tokens, over the {self.config.context_budget}-token context")

@@ -115,8 +115,12 @@ class Run:
 
     def __init__(self, plan: RunPlan, loop: LoopConfig, engine: Any, renderer: Any, env: EnvFactory,
                  tasks: Sequence[dict[str, Any]], out: Path, manifest: RunManifest,
-                 failures_to_stop: int = FAILURES_TO_STOP) -> None:
+                 failures_to_stop: int = FAILURES_TO_STOP, make_player: Callable[..., Any] = RolloutPlayer) -> None:
         self.plan, self.loop, self.engine, self.renderer, self.env = plan, loop, engine, renderer, env
+        self.make_player = make_player
+        """Builds the player of a play from (engine, renderer, loop, on_first_request=…): a
+        :class:`RolloutPlayer` for an env, an agent's player (``verbatim.agents``) plays its ``make()``
+        the same way; either is entered as an async context around the play."""
         self.groups = plan_specs(plan, tasks)
         self.out, self.manifest = Path(out), manifest
         self._first_answer: dict[str, asyncio.Event] = {}
@@ -201,18 +205,11 @@ class Run:
         writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)
         limit = asyncio.Semaphore(self.plan.concurrency)
-        player = RolloutPlayer(self.gate, self.renderer, self.loop, on_first_request=self._answered)
         started = time.perf_counter()
-        tasks: dict[asyncio.Task, str] = {}
-        for group in self.groups:
-            todo = [s for s in group if s.rollout_id not in done]
-            self._first_answer[group[0].group_id] = asyncio.Event()
-            for index, spec in enumerate(todo):
-                task = asyncio.create_task(self._one(player, spec, index > 0, limit, batcher))
-                task.add_done_callback(self._crashed)
-                tasks[task] = spec.rollout_id
         try:
-            await self._settle(tasks)
+            async with self.make_player(self.gate, self.renderer, self.loop,
+                                        on_first_request=self._answered) as player:
+                await self._settle(self._start(player, done, limit, batcher))
         finally:
             await batcher.flush()
         rollouts = earlier + batcher.written  # what is on disk, without reading the whole trace again
@@ -225,6 +222,18 @@ class Run:
         if self.stopped:
             raise self._stop_error(len(rollouts))
         return self.summary
+
+    def _start(self, player: Any, done: set[str], limit: asyncio.Semaphore,
+               batcher: _Batcher) -> dict[asyncio.Task, str]:
+        tasks: dict[asyncio.Task, str] = {}
+        for group in self.groups:
+            todo = [s for s in group if s.rollout_id not in done]
+            self._first_answer[group[0].group_id] = asyncio.Event()
+            for index, spec in enumerate(todo):
+                task = asyncio.create_task(self._one(player, spec, index > 0, limit, batcher))
+                task.add_done_callback(self._crashed)
+                tasks[task] = spec.rollout_id
+        return tasks
 
     def _record_block_size(self) -> None:
         """The manifest records the engine's block size as the started engine reports it (an HTTP engine

@@ -50,7 +50,7 @@ from verbatim.envs.base import EnvFactory
 from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rerendered import closed_input, rerendered_input
-from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.rollout import LoopConfig, RolloutPlayer
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
 from verbatim.harness.train_resume import CHECKPOINTS
@@ -94,8 +94,11 @@ class TrainLoop:
 
     def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner, engine: Any, renderer: Any,
                  env: EnvFactory, tasks: Callable[[int], Sequence[dict[str, Any]]], out: Path,
-                 manifest: RunManifest, model_dir: Path, *, served: bool = False) -> None:
+                 manifest: RunManifest, model_dir: Path, *, served: bool = False,
+                 make_player: Callable[..., Any] = RolloutPlayer) -> None:
         self.plan, self.loop, self.learner, self.engine = plan, loop, learner, engine
+        self.make_player = make_player
+        """Each step's :class:`Run` plays with it (an env's rollout loop, or an agent's endpoint)."""
         self.renderer, self.env, self.tasks = renderer, env, tasks
         self.out, self.manifest, self.model_dir, self.served = Path(out), manifest, Path(model_dir), served
         self.history: list[dict[str, Any]] = []
@@ -207,7 +210,8 @@ class TrainLoop:
     def step_run(self, k: int) -> Run:
         """The play of step ``k + 1`` (``k`` steps trained before it)."""
         plan = self.plan.run_plan(self.manifest.run_id, k)
-        run = Run(plan, self.loop, self.engine, self.renderer, self.env, self.tasks(k), self.out, self.manifest)
+        run = Run(plan, self.loop, self.engine, self.renderer, self.env, self.tasks(k), self.out, self.manifest,
+                  make_player=self.make_player)
         run.whole_status = "running"  # the run is complete when its last step is trained (train records it)
         run.on_rollout = self.on_rollout
         return run

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 from verbatim.errors import VerbatimError
 from verbatim.loopback import HOST, host_allowed
 from verbatim.view.run_data import RunData, everything
+
 SCRIPTS = ("chart.js", "tokens.js", "view.js")
 ASSETS = {"view.css": "text/css; charset=utf-8", **{name: "text/javascript; charset=utf-8" for name in SCRIPTS}}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
