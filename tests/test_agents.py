@@ -153,46 +153,56 @@ def test_reasoning_dropped_by_the_client_is_still_the_same_reply(renderer):
 # ---------------------------------------------------------------------------
 
 
-def _break_after_one(edit):
+def _break_after_one(edit, tools=None):
     async def agent(task, client):
         history = [{"role": "system", "content": "S"}, user("hi")]
         first = await client.chat.completions.create(model="smol", messages=history)
         history += [first.choices[0].message.model_dump(exclude_none=True), user("next")]
         history = edit(history)
-        try:
-            await client.chat.completions.create(model="smol", messages=history)
-        except openai.BadRequestError as exc:
-            assert exc.code == "history_rewritten"
-            raise
-        return 1.0
+        extra = {"tools": tools} if tools else {}
+        second = await client.chat.completions.create(model="smol", messages=history, **extra)
+        return {"reward": 1.0, "metrics": {"second_prompt": second.usage.prompt_tokens}}
     return agent
 
 
 @pytest.mark.parametrize("edit,where", [
-    (lambda h: [h[0], {**h[1], "content": "HI"}, *h[2:]], "message 1 (user): content differs"),
-    (lambda h: h[1:], "message 0 (system): role differs"),
-    (lambda h: [h[0], h[1], {**h[2], "content": "summary"}, h[3]], "message 2 (assistant): content differs"),
-    (lambda h: [h[1], h[0], *h[2:]], "message 0 (system): role differs"),
-    (lambda h: h[:3], "no new message after the 3 recorded"),
-    (lambda h: [*h[:3], {"role": "system", "content": "new rules"}], "message 3 (system) was appended"),
+    (lambda h: [h[0], {**h[1], "content": "HI"}, *h[2:]], (1, "user", "content", "message 1 (user): content differs")),
+    (lambda h: h[1:], (0, "system", "role", "message 0 (system): role differs")),
+    (lambda h: [h[0], h[1], {**h[2], "content": "summary"}, h[3]],
+     (2, "assistant", "content", "message 2 (assistant): content differs")),
+    (lambda h: [h[1], h[0], *h[2:]], (0, "system", "role", "message 0 (system): role differs")),
+    (lambda h: h[:3], (None, None, "nothing_new", "no new message after the 3 recorded")),
+    (lambda h: h[:2], (2, "assistant", "dropped", "message 2 (assistant) and after were dropped")),
+    (lambda h: h[:1], (1, "user", "dropped", "message 1 (user) and after were dropped")),
+    (lambda h: [*h[:3], {"role": "system", "content": "new rules"}],
+     (3, "system", "appended", "message 3 (system) was appended")),
 ])
-def test_a_rewritten_history_is_refused_and_recorded_where_it_broke(renderer, edit, where):
-    rollout, engine = play(renderer, _break_after_one(edit))
-    assert rollout.status == "error" and where in rollout.error and "rewrote its history" in rollout.error
-    assert len(engine.prompts) == 1 and len(rollout.turns) == 1  # nothing of the refused request was appended
+def test_a_rewritten_history_goes_on_in_a_new_segment_that_says_where_it_broke(renderer, edit, where):
+    rollout, engine = play(renderer, _break_after_one(edit), replies=("Hello.", "Again."))
+    assert rollout.status == "ok" and rollout.reward == 1.0 and len(rollout.turns) == 2
+    (brk,) = rollout.info["segments"]
+    assert (brk["message"], brk["role"], brk["field"]) == where[:3] and brk["what"].startswith(where[3])
+    first, second = rollout.segments()
+    assert brk["turn"] == 1 and brk["start"] == len(first.tokens) == rollout.turns[1].prompt_start
+    # the new segment is the request's own messages rendered afresh, and the engine saw exactly that prompt
+    from verbatim.agents import messages as chat_messages
+
+    history = edit([{"role": "system", "content": "S"}, user("hi"), {"role": "assistant", "content": "Hello."},
+                    user("next")])
+    fresh = renderer.render([chat_messages.as_message(chat_messages.canonical(m, 0)) for m in history],
+                            add_generation_prompt=True).token_ids
+    assert engine.prompts[1] == list(fresh) == second.tokens.token_id[:second.turns[0].prompt_end].tolist()
+    assert rollout.info["env"]["second_prompt"] == len(fresh)
+    assert second.info["segment"] == 1 and second.turns[0].prompt_start == 0
+    assert [m["content"] for m in second.info["messages"]][-1] == "Again."
+    assert first.tokens.token_id.tolist() + second.tokens.token_id.tolist() == rollout.tokens.token_id.tolist()
 
 
-def test_changed_tools_are_a_break(renderer):
+def test_changed_tools_start_a_new_segment(renderer):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-
-    async def agent(task, client):
-        first = await client.chat.completions.create(model="smol", messages=[user("hi")], tools=tools)
-        history = [user("hi"), first.choices[0].message.model_dump(exclude_none=True), user("x")]
-        await client.chat.completions.create(model="smol", messages=history)
-        return 0
-
-    rollout, _ = play(renderer, agent)
-    assert rollout.status == "error" and "tools differ" in rollout.error
+    rollout, _ = play(renderer, _break_after_one(lambda h: h, tools=tools))
+    (brk,) = rollout.info["segments"]
+    assert brk["field"] == "tools" and brk["tools_changed"] and rollout.info["tools"] is None
 
 
 def test_a_second_request_in_flight_is_409(renderer):
@@ -366,8 +376,10 @@ def test_only_an_extension_passes_and_any_edit_names_its_message(recorded, added
     index = data.draw(st.integers(0, len(recorded) - 1))
     edited = [dict(m) for m in incoming]
     edited[index]["content"] += "!"
-    assert chat.first_difference(recorded, edited) == f"message {index} ({recorded[index]['role']}): content differs"
-    assert chat.first_difference(recorded, incoming[:index]).startswith(f"message {index} ")
+    role = recorded[index]["role"]
+    assert chat.first_difference(recorded, edited) == {"message": index, "role": role, "field": "content",
+                                                       "what": f"message {index} ({role}): content differs"}
+    assert chat.first_difference(recorded, incoming[:index])["field"] == "dropped"
 
 
 def test_canonical_forms_of_what_clients_send():

@@ -14,11 +14,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the trace schema written by this code (rollouts and manifests).
 
 1: first release. 2: turns record the replica that served them and the admission wait.
 3: turns record their sampling settings (:class:`TurnSampling`), the distribution μ describes.
+4: a rollout may hold several segments (an agent that rewrote its history): turns record where their
+prompt starts (``Turn.prompt_start``), and ``info["segments"]`` says where and why each new one began.
 Readers accept every version up to their own."""
 
 
@@ -217,11 +219,13 @@ UNRECORDED_SAMPLING = TurnSampling(temperature=1.0, logprobs="raw")
 class Turn(Frozen):
     """One request/response of a rollout, as offsets into the rollout's token columns.
 
-    The turn's prompt is ``tokens[:prompt_end]``; its completion is
-    ``tokens[prompt_end:completion_end]``.
+    The turn's prompt is ``tokens[prompt_start:prompt_end]``; its completion is
+    ``tokens[prompt_end:completion_end]``. ``prompt_start`` is 0 but in the later segments of a rollout
+    whose agent rewrote its history (:meth:`Rollout.segments`).
     """
 
     index: int = Field(ge=0)
+    prompt_start: int = Field(default=0, ge=0)
     prompt_end: int = Field(ge=0)
     completion_end: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0)
@@ -241,13 +245,15 @@ class Turn(Frozen):
     def _ordered(self) -> Turn:
         if self.completion_end < self.prompt_end:
             raise ValueError("completion_end must not precede prompt_end")
-        if self.cached_tokens > self.prompt_end:
+        if self.prompt_end < self.prompt_start:
+            raise ValueError("prompt_end must not precede prompt_start")
+        if self.cached_tokens > self.prompt_end - self.prompt_start:
             raise ValueError("cached_tokens cannot exceed the prompt length")
         return self
 
     @property
     def prompt_tokens(self) -> int:
-        return self.prompt_end
+        return self.prompt_end - self.prompt_start
 
     @property
     def completion_tokens(self) -> int:
@@ -280,6 +286,10 @@ class Rollout(Frozen):
         for turn in self.turns:
             if turn.completion_end > n:
                 raise ValueError(f"turn {turn.index} ends at {turn.completion_end} beyond {n} tokens")
+        for before, after in zip(self.turns, self.turns[1:]):
+            if after.prompt_start != before.prompt_start and after.prompt_start < before.completion_end:
+                raise ValueError(f"turn {after.index} starts a segment at {after.prompt_start}, inside turn "
+                                 f"{before.index} (which ends at {before.completion_end})")
         if self.status in ("error", "truncated", "interrupted") and not self.error:
             raise ValueError(f"a rollout with status {self.status!r} needs a reason in 'error'")
         if self.reward is not None and math.isnan(self.reward):
@@ -291,6 +301,35 @@ class Rollout(Frozen):
         schema 3 (turns record none), raw logprobs at temperature 1; None for settings that differ."""
         found = {turn.sampling or UNRECORDED_SAMPLING for turn in self.turns}
         return found.pop() if len(found) == 1 else None if found else UNRECORDED_SAMPLING
+
+    def segments(self) -> tuple[Rollout, ...]:
+        """The rollout as the token sequences it holds: itself, or one rollout per segment when its agent
+        rewrote its history (each with its own tokens, turns counted from its start, the messages of that
+        segment in ``info["messages"]`` and its number in ``info["segment"]``). A trainer trains each as
+        its own sequence; the cache and extension rules hold within each."""
+        starts = sorted({0, *(turn.prompt_start for turn in self.turns)})
+        if len(starts) == 1:
+            return (self,)
+        ends = [*starts[1:], len(self.tokens)]
+        breaks = list(self.info.get("segments") or ())
+        pieces = []
+        for k, (start, end) in enumerate(zip(starts, ends)):
+            turns = tuple(t.model_copy(update={"prompt_start": 0, "prompt_end": t.prompt_end - start,
+                                               "completion_end": t.completion_end - start})
+                          for t in self.turns if start <= t.prompt_start < end)
+            tokens = TokenColumns(**{name: column[start:end] for name, column in self.tokens.as_dict().items()})
+            messages = self.info.get("messages") if k == 0 else (breaks[k - 1].get("messages")
+                                                                 if k - 1 < len(breaks) else None)
+            info = {**self.info, "segment": k, "messages": messages or []}
+            pieces.append(self.model_copy(update={"tokens": tokens, "turns": turns, "info": info}))
+        return tuple(pieces)
+
+    @property
+    def row_id(self) -> str:
+        """The id of this sequence as a trainer's row: the rollout's, with ``#k`` for segment k ≥ 1 of
+        :meth:`segments`."""
+        segment = self.info.get("segment") or 0
+        return self.rollout_id if not segment else f"{self.rollout_id}#{segment}"
 
     def same_as(self, other: Rollout) -> bool:
         """Equality that compares token columns exactly (NaN == NaN)."""

@@ -123,16 +123,22 @@ def openai_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def first_difference(recorded: Sequence[dict[str, Any]], incoming: Sequence[dict[str, Any]]) -> str | None:
-    """Where ``incoming`` stops extending ``recorded``: ``"message 2 (user): content differs"``; None if it does."""
+def first_difference(recorded: Sequence[dict[str, Any]], incoming: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where ``incoming`` stops extending ``recorded`` (None where it does): the message's index and role, the
+    first field that differs (``dropped`` for a message left out) and a line saying so."""
     for index, (mine, theirs) in enumerate(zip(recorded, incoming)):
         field = _differing_field(mine, theirs)
         if field is not None:
-            return f"message {index} ({mine['role']}): {field} differs"
+            return where_broken(index, mine["role"], field, f"message {index} ({mine['role']}): {field} differs")
     if len(incoming) < len(recorded):
         index = len(incoming)
-        return f"message {index} ({recorded[index]['role']}) and after were dropped"
+        role = recorded[index]["role"]
+        return where_broken(index, role, "dropped", f"message {index} ({role}) and after were dropped")
     return None
+
+
+def where_broken(index: int | None, role: str | None, field: str, text: str) -> dict[str, Any]:
+    return {"message": index, "role": role, "field": field, "what": text}
 
 
 def _differing_field(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:

@@ -3,9 +3,10 @@
 The rollout is what the endpoint recorded (:class:`~verbatim.agents.session.AgentSession`): the opening
 prompt, each completion as sampled and the bridged messages between them. Its reward is what the function
 returned. An agent that raises, runs past ``--agent-timeout`` or returns something that is not a result is
-a rollout with status ``error`` and that reason; so is one whose history break or engine failure ended it,
-and one that never called the model. A request refused for the context or ``--max-turns`` makes the
-rollout ``truncated`` (with the reward the agent still returned).
+a rollout with status ``error`` and that reason; so is one whose engine failure ended it, and one that never
+called the model. A history break is no error: the rollout goes on in a new segment (``info["segments"]``).
+A request refused for the context or ``--max-turns`` makes the rollout ``truncated``, with the reward the
+agent still returned (none if it raised on the refusal).
 """
 
 from __future__ import annotations
@@ -97,17 +98,21 @@ class AgentPlayer(RolloutPlayer):
             status, reason = "error", "the agent returned without asking the model for a completion"
         if result is not None and session.ledger.turns:
             session.ledger.set_turn_reward(result.reward)
+        conversations = [*session.conversations, session.recorded]
         env_info: dict[str, Any] = dict(result.metrics) if result else {}
         if result is not None and result.solved is not None:
             env_info["solved"] = result.solved
         info = {"session_id": spec.rollout_id, "seed": spec.seed, "start_version": session.start_version,
                 "stop_reason": reason or "done", "env": env_info,
-                "messages": [_message(m) for m in session.recorded], "tools": session.tools,
+                "messages": [_message(m) for m in conversations[0]], "tools": session.first_tools,
                 "agent": {"requests": session.requests, "ignored_fields": dict(sorted(session.ignored.items()))}}
         if spec.step is not None:
             info["step"] = spec.step
         if session.routes:
             info["routes"] = session.routes
+        if session.breaks:  # each later segment: where the agent broke its history, and its own conversation
+            info["segments"] = [{**brk, "messages": [_message(m) for m in conversation]}
+                                for brk, conversation in zip(session.breaks, conversations[1:])]
         return session.ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
                                          task=jsonable(spec.task), reward=reward,
                                          status=status, error=reason, info=jsonable(info))

@@ -5,12 +5,15 @@ repeat the conversation as recorded — the earlier messages as the agent sent t
 returned them — and add new user or tool messages at the end: those alone are appended, through
 ``Renderer.bridge``, and the completion's sampled tokens follow as sampled. Nothing is re-rendered.
 
-A request that does not extend the conversation (an agent that dropped, edited or reordered earlier
-messages, changed its tools or appended a system or assistant message) is a history break: the endpoint
-answers 400 (``history_rewritten``) naming the message, the role and the first differing field, and the
-rollout records the break as its error. A request while another of the same rollout is in flight is 409; one
-whose prompt and ``--max-tokens`` exceed the context is 400 naming the limit, and so is one past
-``--max-turns`` requests; neither appends anything.
+A request that does not extend the conversation (an agent that dropped, edited, summarised or reordered
+earlier messages, changed its tools, appended a system or assistant message, or resent a request) is a
+history break, never hidden: the request is answered from a new **segment**, a prompt rendered from its
+messages and appended after everything recorded (:meth:`~verbatim.harness.ledger.Ledger.start_segment`),
+and the break is recorded — the message index, its role and the first differing field, the turn and token
+where the segment starts — for ``lint trace``, the summary, the viewer and the trainer, which trains each
+segment as its own sequence. A request while another of the same rollout is in flight is 409; one whose
+prompt and ``--max-tokens`` exceed the context is 400 naming the limit, and so is one past ``--max-turns``
+requests; neither appends anything.
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def read_request(body: Any) -> ChatRequest:
                        include_usage=isinstance(options, dict) and bool(options.get("include_usage")))
 
 
+@dataclass(frozen=True)
+class Addition:
+    """What a request adds to the ledger, decided before anything is appended."""
+
+    source: str
+    """``prompt`` (the first request), ``segment`` (a new one after a history break) or ``env`` (bridged)."""
+    ids: list[int]
+    messages: list[dict[str, Any]]
+    """The messages those tokens hold: all of the request's for a prompt, the new ones for ``env``."""
+    tools: list[dict[str, Any]] | None = None
+    broken: dict[str, Any] | None = None
+
+
 class AgentSession:
     """The conversation, ledger and outcome of one agent rollout (``player`` holds what rollouts share)."""
 
@@ -84,6 +100,8 @@ class AgentSession:
         self.ledger = Ledger()
         self.recorded: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None
+        """The current segment's tools (``first_tools``: the first segment's)."""
+        self.first_tools: list[dict[str, Any]] | None = None
         self.ignored: Counter[str] = Counter()
         self.start_version = player.engine.version
         self.requests = 0
@@ -92,6 +110,11 @@ class AgentSession:
         self.truncated: str | None = None
         """A request refused for the context or --max-turns: the rollout is ``truncated``."""
         self.routes: list[Any] = []
+        self.breaks: list[dict[str, Any]] = []
+        """Each history break: where the agent's request stopped extending the conversation, the turn and token
+        where the new segment starts (``info["segments"]``)."""
+        self.conversations: list[list[dict[str, Any]]] = []
+        """The conversations of the segments before the current one (``recorded``)."""
         self._lock = asyncio.Lock()
 
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
@@ -112,39 +135,40 @@ class AgentSession:
 
     # -- the prompt ---------------------------------------------------------------
 
-    async def _prompt(self, request: ChatRequest) -> tuple[str, list[int], list[dict[str, Any]]]:
-        """What this request adds to the ledger (not yet appended): ``prompt`` or ``env`` tokens, and the
-        messages they hold."""
-        if not self.recorded:
-            self._check_text(request.messages, 0, "the opening prompt")
+    async def _prompt(self, request: ChatRequest) -> Addition:
+        """What this request adds (not yet appended): a prompt rendered from all its messages (the first request,
+        or a new segment after a history break), or the tokens bridging its new messages."""
+        broken = self._where_broken(request) if self.recorded else None
+        if not self.recorded or broken is not None:
+            self._check_text(request.messages, 0, "the opening prompt" if broken is None else "the new segment")
             rendered = await self.player._off_loop(lambda: self.player.renderer.render(
                 [chat.as_message(m) for m in request.messages], tools=request.tools,
                 add_generation_prompt=True), "render")
-            self.tools = request.tools
-            return "prompt", list(rendered.token_ids), request.messages
-        self._check_extends(request)
+            return Addition("prompt" if broken is None else "segment", list(rendered.token_ids), request.messages,
+                            request.tools, broken)
         added = request.messages[len(self.recorded):]
-        self._check_text(added, len(self.ledger), "the new messages")
+        self._check_text(added, len(self.ledger.view()), "the new messages")
         ids = await self.player._off_loop(lambda: self.player.renderer.bridge(
             self.ledger.view(), [chat.as_message(m) for m in added], tools=self.tools), "bridge")
-        return "env", list(ids), added
+        return Addition("env", list(ids), added, self.tools)
 
-    def _check_extends(self, request: ChatRequest) -> None:
-        where = chat.first_difference(self.recorded, request.messages)
-        if where is None and request.tools != self.tools:
-            where = "the tools differ from the first request's"
+    def _where_broken(self, request: ChatRequest) -> dict[str, Any] | None:
+        """Why ``request`` does not extend the conversation (None when it does): the break a new segment records."""
+        broken = chat.first_difference(self.recorded, request.messages)
+        if broken is None and request.tools != self.tools:
+            broken = chat.where_broken(None, None, "tools", "the tools differ from the segment's first request's")
         added = request.messages[len(self.recorded):]
-        if where is None and not added:
-            where = f"no new message after the {len(self.recorded)} recorded"
+        if broken is None and not added:
+            broken = chat.where_broken(None, None, "nothing_new",
+                                       f"no new message after the {len(self.recorded)} recorded (a request resent)")
         roles = getattr(self.player.renderer, "bridge_roles", ("user", "tool"))
         for offset, message in enumerate(added):
-            if where is None and message["role"] not in roles:
-                where = (f"message {len(self.recorded) + offset} ({message['role']}) was appended; only "
-                         f"{' and '.join(roles)} messages can follow a reply")
-        if where is not None:
-            self.failure = f"the agent rewrote its history: {where}"
-            raise Refusal(400, f"{self.failure}; verbatim keeps a rollout's history token-exact and does not "
-                               "re-render it", "invalid_request_error", "history_rewritten")
+            if broken is None and message["role"] not in roles:
+                index = len(self.recorded) + offset
+                broken = chat.where_broken(index, message["role"], "appended",
+                                           f"message {index} ({message['role']}) was appended; only "
+                                           f"{' and '.join(roles)} messages can follow a reply")
+        return broken
 
     def _check_text(self, messages: list[dict[str, Any]], used: int, what: str) -> None:
         chars = sum(len(m["content"]) + len(m.get("reasoning") or "") for m in messages)
@@ -160,17 +184,22 @@ class AgentSession:
 
     # -- the completion -------------------------------------------------------------
 
-    async def _generate(self, new: tuple[str, list[int], list[dict[str, Any]]]) -> dict[str, Any]:
-        source, ids, added = new
+    async def _generate(self, new: Addition) -> dict[str, Any]:
         budget, max_tokens = self.player.config.context_budget, self.player.sampling.max_tokens
-        if len(self.ledger) + len(ids) + max_tokens > budget:
-            self._truncate(f"{CONTEXT_BUDGET}: this request needs {len(self.ledger) + len(ids)} + {max_tokens} "
+        prompt = len(new.ids) + (len(self.ledger.view()) if new.source == "env" else 0)
+        if prompt + max_tokens > budget:
+            self._truncate(f"{CONTEXT_BUDGET}: this request needs {prompt} + {max_tokens} "
                            f"tokens, over the {budget}-token context (--max-model-len)")
-        if source == "prompt":
-            self.ledger.append_prompt(ids)
+        if new.source == "prompt":
+            self.ledger.append_prompt(new.ids)
+        elif new.source == "segment":
+            self._begin_segment(new)
         else:
-            self.ledger.append_observation(ids)
-        self.recorded.extend(added)
+            self.ledger.append_observation(new.ids)
+        if new.source == "prompt":
+            self.first_tools = new.tools
+        self.tools = new.tools
+        self.recorded.extend(new.messages)
         completion = await self._sample()
         turn = self.ledger.append_completion(completion, sampling=self.player.recorded_sampling)
         message = self.player.renderer.parse_completion(completion.token_ids.tolist())
@@ -184,6 +213,14 @@ class AgentSession:
                  "total_tokens": completion.prompt_tokens + len(completion.token_ids),
                  "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}
         return {"message": answer, "finish_reason": finish, "usage": usage, "index": turn.index}
+
+    def _begin_segment(self, new: Addition) -> None:
+        """The request rewrote the history: what was recorded stays, and a new segment starts from its messages."""
+        start = self.ledger.start_segment(new.ids)
+        self.breaks.append({**(new.broken or {}), "turn": len(self.ledger.turns), "start": start,
+                            "tools_changed": new.tools != self.tools})
+        self.conversations.append(self.recorded)
+        self.recorded = []
 
     async def _sample(self) -> Completion:
         player, spec = self.player, self.spec

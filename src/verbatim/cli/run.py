@@ -340,7 +340,7 @@ async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSu
 
         def tick(rollout: Rollout) -> None:
             for turn in rollout.turns:
-                stats["prompt"] += turn.prompt_end
+                stats["prompt"] += turn.prompt_tokens
                 stats["cached"] += turn.cached_tokens
                 stats["generated"] += turn.completion_tokens
             elapsed = progress.tasks[0].elapsed or 1e-9

@@ -1,6 +1,7 @@
 """Trainer-ready files from a run directory: ``verbatim export``.
 
-One row per rollout in every format. ``parquet`` and ``jsonl`` are the native
+One row per rollout in every format (one per segment of a rollout whose agent rewrote its history, in the
+trainer formats: ``rollout_id`` ``r#1``, ``r#2``, … for the later ones). ``parquet`` and ``jsonl`` are the native
 trace in one file (every rollout, every column, lossless). ``verl``, ``trl`` and
 ``prime`` hold each rollout up to its last sampled token in the field
 names and meanings of one trainer's own rollout record (``TRAINERS`` says which
@@ -141,8 +142,9 @@ def trainable(rollouts: Sequence[Rollout]) -> tuple[list[Rollout], dict[str, int
             left_out[f"status {r.status}"] += 1
         elif not r.turns or not r.tokens.loss_mask.any():
             left_out["no sampled token"] += 1
-        else:
-            kept.append(r)
+        else:  # a rewritten history: one row per segment, each a sequence the sampler saw (ids r#1, r#2, …)
+            kept.extend(piece if piece is r else piece.model_copy(update={"rollout_id": piece.row_id})
+                        for piece in r.segments() if piece.tokens.loss_mask.any())
     return kept, dict(left_out)
 
 
@@ -200,7 +202,7 @@ def _lists(arrays: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 
 
 def _identity(rollouts: list[Rollout]) -> dict[str, pa.Array]:
-    sizes = Counter(r.group_id for r in rollouts)
+    sizes = Counter(group for group, _ in {(r.group_id, r.rollout_id.split("#")[0]) for r in rollouts})
     return {
         "run_id": pa.array([r.run_id for r in rollouts], pa.string()),
         "group_id": pa.array([r.group_id for r in rollouts], pa.string()),

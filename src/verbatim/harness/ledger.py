@@ -1,7 +1,10 @@
 """The append-only token ledger of one rollout.
 
 A rollout is one token sequence that only ever grows: the rendered prompt, then
-for each turn the completion exactly as sampled and the rendered observation.
+for each turn the completion exactly as sampled and the rendered observation. An agent
+that rewrites its history starts a new *segment* (:meth:`Ledger.start_segment`): a fresh
+prompt appended after everything recorded, which the following turns extend; nothing
+recorded before it changes.
 Per-token columns are NumPy arrays with amortised O(1) appends; ``view()``
 hands out read-only views (no copy), so the next turn's prompt is the ledger
 itself. Nothing can overwrite or drop a token once appended.
@@ -30,13 +33,14 @@ def _locked(array: np.ndarray) -> np.ndarray:
 class Ledger:
     """Append-only per-token columns plus the turn records of one rollout."""
 
-    __slots__ = ("_buffers", "_size", "_turns")
+    __slots__ = ("_buffers", "_size", "_turns", "_segment_start")
 
     def __init__(self, capacity: int = 256) -> None:
         capacity = max(int(capacity), 16)
         self._buffers = {name: _locked(np.empty(capacity, dtype)) for name, dtype in COLUMN_DTYPES.items()}
         self._size = 0
         self._turns: list[Turn] = []
+        self._segment_start = 0
 
     # -- reading --------------------------------------------------------------
 
@@ -53,9 +57,15 @@ class Ledger:
         view.flags.writeable = False
         return view
 
+    @property
+    def segment_start(self) -> int:
+        """Where the current segment's tokens begin (0 until an agent rewrites its history)."""
+        return self._segment_start
+
     def view(self) -> np.ndarray:
-        """The whole token sequence so far, read-only and without a copy: the next prompt."""
-        return self.column("token_id")
+        """The current segment's tokens so far (the whole sequence unless a segment was started), read-only and
+        without a copy: the next prompt."""
+        return self.column("token_id")[self._segment_start:]
 
     def columns(self) -> TokenColumns:
         """A snapshot of all columns (copied once, read-only)."""
@@ -69,6 +79,16 @@ class Ledger:
             raise LedgerError("prompt tokens can only be appended before the first completion")
         self._append(token_ids, Source.PROMPT)
 
+    def start_segment(self, token_ids: Any) -> int:
+        """Begin a new segment with a freshly rendered prompt (after at least one completion); the next
+        completion is sampled for it alone. Returns where the segment starts."""
+        if not self._turns or self._turns[-1].completion_end != self._size:
+            raise LedgerError("a new segment starts right after a completion")
+        start = self._size
+        self._append(token_ids, Source.PROMPT)
+        self._segment_start = start
+        return start
+
     def append_observation(self, token_ids: Any) -> None:
         """Append rendered environment tokens (observation + next generation prompt)."""
         if not self._turns:
@@ -80,10 +100,11 @@ class Ledger:
         """Append a completion exactly as sampled and record its turn (with the settings it was sampled at)."""
         if self._size == 0:
             raise LedgerError("a completion needs a prompt before it")
-        if completion.prompt_tokens != self._size:
+        if completion.prompt_tokens != self._size - self._segment_start:
             raise LedgerError(
                 f"completion was sampled for a {completion.prompt_tokens}-token prompt, "
-                f"but the ledger holds {self._size} tokens"
+                f"but the ledger holds {self._size - self._segment_start} tokens"
+                + (f" in its segment from {self._segment_start}" if self._segment_start else "")
             )
         if len(self._turns) >= _MAX_TURNS:
             raise LedgerError(f"a rollout holds at most {_MAX_TURNS} turns")
@@ -96,6 +117,7 @@ class Ledger:
         self._append(completion.token_ids, Source.MODEL, completion.logprobs, versions)
         turn = Turn(
             index=len(self._turns),
+            prompt_start=self._segment_start,
             prompt_end=prompt_end,
             completion_end=self._size,
             cached_tokens=completion.cached_tokens,

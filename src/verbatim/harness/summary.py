@@ -53,6 +53,10 @@ class RunSummary(Frozen):
     """Turns the router sent to another replica than the session's previous turn."""
     migration_lost_tokens: int = 0
     """Cached context those migrations gave up (the expected cache loss)."""
+    history_breaks: int = 0
+    """New segments that agents started by rewriting their history (``lint trace`` says where)."""
+    broken_rollouts: int = 0
+    """Rollouts holding at least one history break."""
     turns_per_replica: dict[str, int] = Field(default_factory=dict)
 
     @property
@@ -68,7 +72,7 @@ def solved_flags(rollouts: Sequence[Rollout]) -> list[bool]:
 
 def request_prompts(rollout: Rollout) -> list[Sequence[int]]:
     ids = rollout.tokens.token_id
-    return [ids[: turn.prompt_end] for turn in rollout.turns]
+    return [ids[turn.prompt_start: turn.prompt_end] for turn in rollout.turns]
 
 
 def sampled(rollout: Rollout) -> list[Sequence[int]]:
@@ -119,7 +123,8 @@ def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
 def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0.0,
               renderer: Any = None) -> RunSummary:
     turns = [t for r in rollouts for t in r.turns]
-    prompt = sum(t.prompt_end for t in turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    breaks = [len(r.segments()) - 1 for r in rollouts]
     cached = sum(t.cached_tokens for t in turns)
     statuses: dict[str, int] = {}
     for r in rollouts:
@@ -128,7 +133,8 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
     flags = solved_flags(rollouts)
     rerender = None
     if renderer is not None:
-        rerender = min_prefill(pair for r in rollouts for pair in zip(rerendered_prompts(r, renderer), sampled(r)))
+        rerender = min_prefill(pair for r in rollouts for piece in r.segments()
+                               for pair in zip(rerendered_prompts(piece, renderer), sampled(piece)))
     return RunSummary(
         rollouts=len(rollouts), turns=len(turns), prompt_tokens=prompt, cached_tokens=cached,
         prefill_tokens=prompt - cached,
@@ -137,5 +143,6 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
         solved=sum(flags) if flags else None, success_rate=sum(flags) / len(flags) if flags else None,
+        history_breaks=sum(breaks), broken_rollouts=sum(1 for b in breaks if b),
         **routing_totals(rollouts),
     )

@@ -18,6 +18,7 @@ from verbatim.errors import TraceFormatError
 
 _TURN_TYPE = pa.struct([
     ("index", pa.int32()),
+    ("prompt_start", pa.int64()),
     ("prompt_end", pa.int64()),
     ("completion_end", pa.int64()),
     ("cached_tokens", pa.int64()),

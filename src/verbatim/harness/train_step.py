@@ -9,6 +9,9 @@ reported; :mod:`verbatim.harness.train` does the I/O.
 * A group trains when at least two of its rollouts are trained; its advantages are
   group-relative (:func:`~verbatim.trainer.advantages.group_advantages`). Only model tokens
   (``source == MODEL``) are in the loss: prompt and observation tokens never are.
+* A rollout whose agent rewrote its history trains as one row per segment
+  (:meth:`~verbatim.datamodel.Rollout.segments`), each with the rollout's advantage: every row is a
+  context the sampler really saw.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
             skipped += 1
             continue
         start = len(columns)
-        columns.extend(r.tokens for r in trained)
-        ids.extend(r.rollout_id for r in trained)
-        advantages.extend(group_advantages([float(r.reward) for r in trained], how).tolist())
+        for rollout, advantage in zip(trained, group_advantages([float(r.reward) for r in trained], how).tolist()):
+            for piece in rollout.segments():  # a rewritten history trains as its sequences, each with its own μ
+                columns.append(piece.tokens)
+                ids.append(piece.row_id)
+                advantages.append(advantage)
         groups.append(list(range(start, len(columns))))
     if not groups:
         raise _nothing_to_train(rollouts)
@@ -56,7 +61,7 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
     info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
             "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
             "zero_advantage_groups": sum(1 for g in groups if not np.any(values[g]))}
-    trained = set(ids)
+    trained = {row.split("#")[0] for row in ids}
     sampling = step_sampling([r for r in rollouts if r.rollout_id in trained], allow_truncated)
     if sampling.truncated:
         info["truncated_sampling"] = _mask_text(sampling)

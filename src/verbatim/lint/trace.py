@@ -17,6 +17,10 @@ rollout:
   size the manifest records); a shortfall names its likely cause
   (:func:`verbatim.lint.findings.miss_cause`).
 * **duplicates** — a rollout id appears once in the run.
+* **history breaks** — an agent that rewrote its history left a rollout of several segments
+  (:meth:`~verbatim.datamodel.Rollout.segments`): each break is a ``history_break`` naming the message,
+  its role and the first field that changed, and what it cost (the new segment's first request prefilled
+  its prompt again); every check above then runs within each segment.
 
 First turns are not checked against other rollouts of their group: a group's
 first requests run concurrently and the engine cannot reuse blocks that a
@@ -86,7 +90,15 @@ def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings) -> TraceRepo
 
 
 def lint_rollout(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
-    """Every problem of one rollout, in check order."""
+    """Every problem of one rollout, in check order (each segment's in turn, after its history breaks)."""
+    pieces = rollout.segments()
+    problems = check_breaks(rollout, pieces) if len(pieces) > 1 else []
+    for piece in pieces:
+        problems += _lint_sequence(piece, settings)
+    return problems
+
+
+def _lint_sequence(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
     problems = check_extension(rollout)
     if not problems:  # spans are only meaningful when the offsets are
         problems += check_spans(rollout)
@@ -94,6 +106,23 @@ def lint_rollout(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
     problems += check_version_order(rollout)
     if not any(p.kind == "extension" for p in problems):
         problems += check_cache(rollout, settings)
+    return problems
+
+
+def check_breaks(rollout: Rollout, pieces: tuple[Rollout, ...]) -> list[Problem]:
+    """One ``history_break`` per later segment: where the agent's history changed, and the prefill it cost."""
+    records = list(rollout.info.get("segments") or ())
+    problems = []
+    for k, piece in enumerate(pieces[1:]):
+        record = records[k] if k < len(records) and isinstance(records[k], dict) else {}
+        first = piece.turns[0] if piece.turns else None
+        what = record.get("what") or "the trace does not say what changed"
+        cost = (f"; its first request prefilled {first.prompt_tokens - first.cached_tokens} of its "
+                f"{first.prompt_tokens} prompt tokens again" if first is not None else "")
+        start = rollout.turns[first.index].prompt_start if first is not None else record.get("start", "?")
+        problems.append(Problem("history_break", first.index if first else None,
+                                f"the agent rewrote its history: {what}; segment {k + 1} starts at token "
+                                f"{start}{cost}"))
     return problems
 
 
@@ -106,10 +135,11 @@ def check_extension(rollout: Rollout) -> list[Problem]:
     """Turn indices in order; each prompt extends the previous turn's full sequence."""
     problems = []
     previous_end = 0
+    first = rollout.turns[0].index if rollout.turns and rollout.info.get("segment") else 0
     for position, turn in enumerate(rollout.turns):
-        if turn.index != position:
+        if turn.index != first + position:
             problems.append(Problem("extension", turn.index, f"turn at position {position} has index "
-                                    f"{turn.index}; turns must be numbered 0, 1, … in order"))
+                                    f"{turn.index}; turns must be numbered {first}, {first + 1}, … in order"))
         if position == 0 and turn.prompt_end == 0:
             problems.append(Problem("extension", turn.index, "the first turn has an empty prompt"))
         if turn.prompt_end < previous_end:
@@ -125,13 +155,15 @@ def expected_spans(rollout: Rollout) -> list[tuple[int, int, Source, int, str]]:
     turns, n = rollout.turns, len(rollout.tokens)
     if not turns:
         return [(0, n, Source.PROMPT, 0, "the prompt")]
-    spans = [(0, turns[0].prompt_end, Source.PROMPT, 0, "the prompt")]
+    first = turns[0].index  # a later segment's turns go on counting from the rollout's
+    spans = [(0, turns[0].prompt_end, Source.PROMPT, first, "the prompt")]
     for k, turn in enumerate(turns):
         if k:
-            spans.append((turns[k - 1].completion_end, turn.prompt_end, Source.ENV, k,
-                          f"the env tokens before turn {k}"))
-        spans.append((turn.prompt_end, turn.completion_end, Source.MODEL, k, f"turn {k}'s completion"))
-    spans.append((turns[-1].completion_end, n, Source.ENV, len(turns), "the env tokens after the last turn"))
+            spans.append((turns[k - 1].completion_end, turn.prompt_end, Source.ENV, turn.index,
+                          f"the env tokens before turn {turn.index}"))
+        spans.append((turn.prompt_end, turn.completion_end, Source.MODEL, turn.index,
+                      f"turn {turn.index}'s completion"))
+    spans.append((turns[-1].completion_end, n, Source.ENV, turns[-1].index + 1, "the env tokens after the last turn"))
     return spans
 
 
@@ -140,7 +172,7 @@ def check_spans(rollout: Rollout) -> list[Problem]:
     problems = []
     source, turn_column = rollout.tokens.source, rollout.tokens.turn
     for start, end, expected, turn_value, label in expected_spans(rollout):
-        where = min(turn_value, max(len(rollout.turns) - 1, 0))
+        where = min(turn_value, rollout.turns[-1].index if rollout.turns else 0)
         wrong = np.flatnonzero(source[start:end] != expected)
         if len(wrong):
             at = start + int(wrong[0])

@@ -53,7 +53,7 @@ def replay_check(run_dir: Path, *, kv_blocks: int | None = None, route: str | No
                                           costs=CostModel(**fit_costs(rollouts)),
                                           concurrency=options.get("concurrency")), record_turns=True)
     real = {(r.rollout_id, t.index): t.cached_tokens for r in rollouts for t in r.turns}
-    prompt = sum(t.prompt_end for r in rollouts for t in r.turns)
+    prompt = sum(t.prompt_tokens for r in rollouts for t in r.turns)
     sim_served = Counter(replica for _, _, replica, _, _ in result.turn_cached)
     return ReplayCheck(route=config.label, replicas=replicas, turns=len(real),
                        real_hit_rate=sum(real.values()) / prompt if prompt else 0.0, sim_hit_rate=result.hit_rate,

@@ -19,6 +19,7 @@ from verbatim.lint.findings import Problem
 
 DEFAULT_HYBRID_WINDOW = 32
 CACHE_MISS = "cache_shortfall"
+HISTORY_BREAK = "history_break"
 
 
 def _finite(value: float) -> float | None:
@@ -73,7 +74,8 @@ def pin(problem: Problem, rollout: Rollout) -> int | None:
     turn = next((t for t in rollout.turns if t.index == problem.turn), None)
     if turn is None:
         return None
-    position = turn.cached_tokens if problem.kind == CACHE_MISS else turn.prompt_end
+    position = (turn.prompt_start + turn.cached_tokens if problem.kind == CACHE_MISS
+                else turn.prompt_start if problem.kind == HISTORY_BREAK else turn.prompt_end)
     return min(position, max(len(rollout.tokens) - 1, 0))
 
 
@@ -96,8 +98,10 @@ def rollout_detail(rollout: Rollout, problems: Sequence[Problem], texts: list[st
             "prefills": prefill_counts(rollout).tolist(),
         },
         "trainer": trainer_columns(rollout, trainer),
-        "turns": [{"index": t.index, "prompt_end": t.prompt_end, "completion_end": t.completion_end,
-                   "cached": t.cached_tokens, "prefilled": t.prompt_end - t.cached_tokens,
+        "turns": [{"index": t.index, "prompt_start": t.prompt_start, "prompt_end": t.prompt_end,
+                   "completion_end": t.completion_end, "segment": segment_of(rollout, t.index),
+                   "opens_segment": t.prompt_start > 0 and rollout.turns[t.index - 1].prompt_start != t.prompt_start,
+                   "cached": t.cached_tokens, "prefilled": t.prompt_tokens - t.cached_tokens,
                    "finish_reason": t.finish_reason, "replica": t.replica, "reward": t.reward,
                    "miss": t.index in missed} for t in rollout.turns],
         "problems": [{**p.as_json(), "position": pin(p, rollout)} for p in problems],
@@ -108,8 +112,14 @@ def prefill_counts(rollout: Rollout) -> np.ndarray:
     """How many requests computed each token (prefill or sampling): 1 is ideal, more is a cache miss."""
     counts = np.zeros(len(rollout.tokens), dtype=np.int32)
     for turn in rollout.turns:
-        counts[turn.cached_tokens:turn.completion_end] += 1
+        counts[turn.prompt_start + turn.cached_tokens:turn.completion_end] += 1
     return counts
+
+
+def segment_of(rollout: Rollout, index: int) -> int:
+    """The segment turn ``index`` belongs to: 0, or k ≥ 1 after the agent's k-th history break."""
+    starts = sorted({t.prompt_start for t in rollout.turns} | {0})
+    return starts.index(rollout.turns[index].prompt_start)
 
 
 def shared_prefix(sequences: Sequence[np.ndarray]) -> int:

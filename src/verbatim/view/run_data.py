@@ -155,7 +155,7 @@ class RunData:
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the pass (the page would wait forever)
             batch.problem = f"{batch.path.name}: not linted ({type(exc).__name__}: {brief(exc)})"
             return
-        requests = [(r.tokens.token_id[:t.prompt_end], r.tokens.token_id[t.prompt_end:t.completion_end])
+        requests = [(r.tokens.token_id[t.prompt_start:t.prompt_end], r.tokens.token_id[t.prompt_end:t.completion_end])
                     for r in rollouts for t in r.turns]
         with self._lock:
             batch.requests, batch.lint = requests, lint

@@ -71,8 +71,8 @@ def index_batch(path: Path) -> BatchIndex:
         rollouts, batch.problem = _read_jsonl(path)
         batch.rollouts = rollouts
         batch.rows = [rollout_row_of(r) for r in rollouts]
-        batch.turn_totals = _totals([[(t.prompt_end, t.cached_tokens, t.completion_end) for t in r.turns]
-                                     for r in rollouts])
+        batch.turn_totals = _totals([[(t.prompt_start, t.prompt_end, t.cached_tokens, t.completion_end)
+                                      for t in r.turns] for r in rollouts])
         return batch
     try:
         table = pq.ParquetFile(path).read(columns=LIST_COLUMNS, use_threads=False)
@@ -91,22 +91,25 @@ def _rows_of(table: pa.Table) -> tuple[list[dict[str, Any]], dict[str, int]]:
     turns = table.column("turns").combine_chunks()
     counts = pc.list_value_length(turns).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(turns)
+    names = {flat.type.field(k).name for k in range(flat.type.num_fields)}
     bounds = {name: pc.struct_field(flat, name).to_numpy(zero_copy_only=False).astype(np.int64)
-              for name in ("prompt_end", "cached_tokens", "completion_end")}
+              if name in names else np.zeros(len(flat), np.int64)  # prompt_start: trace schema 4 on
+              for name in ("prompt_start", "prompt_end", "cached_tokens", "completion_end")}
     lengths = pc.list_value_length(table.column("token_id").combine_chunks()).to_numpy(zero_copy_only=False)
     rows = [{"id": meta["rollout_id"][i], "group": meta["group_id"][i], "status": meta["status"][i],
              "reward": meta["reward"][i], "turns": int(counts[i]), "tokens": int(lengths[i]),
              "error": meta["error"][i]} for i in range(table.num_rows)]
-    prompt, cached, end = bounds["prompt_end"], bounds["cached_tokens"], bounds["completion_end"]
-    totals = {"turns": int(len(prompt)), "prompt_tokens": int(prompt.sum()), "cached_tokens": int(cached.sum()),
-              "generated_tokens": int((end - prompt).sum())}
+    start, prompt, cached, end = (bounds[k] for k in ("prompt_start", "prompt_end", "cached_tokens",
+                                                        "completion_end"))
+    totals = {"turns": int(len(prompt)), "prompt_tokens": int((prompt - start).sum()),
+              "cached_tokens": int(cached.sum()), "generated_tokens": int((end - prompt).sum())}
     return rows, totals
 
 
-def _totals(turns: list[list[tuple[int, int, int]]]) -> dict[str, int]:
+def _totals(turns: list[list[tuple[int, int, int, int]]]) -> dict[str, int]:
     flat = [t for ts in turns for t in ts]
-    return {"turns": len(flat), "prompt_tokens": sum(t[0] for t in flat), "cached_tokens": sum(t[1] for t in flat),
-            "generated_tokens": sum(t[2] - t[0] for t in flat)}
+    return {"turns": len(flat), "prompt_tokens": sum(t[1] - t[0] for t in flat),
+            "cached_tokens": sum(t[2] for t in flat), "generated_tokens": sum(t[3] - t[1] for t in flat)}
 
 
 def rollout_row_of(rollout: Rollout) -> dict[str, Any]:

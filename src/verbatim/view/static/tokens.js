@@ -92,11 +92,14 @@
 
   function turnRow(turn, problems) {
     const row = document.createElement("div");
-    row.className = `turn${turn.miss ? " miss" : ""}`;
+    const opens = Boolean(turn.opens_segment);  // the first request after the agent rewrote its history
+    row.className = `turn${turn.miss ? " miss" : ""}${opens ? " break" : ""}`;
     row.dataset.turn = String(turn.index);
     const cached = `cached ${turn.cached} · prefilled ${turn.prefilled}`;
     const said = problems.filter((p) => p.turn === turn.index).map((p) => `${p.kind}: ${p.detail}`);
-    row.textContent = `request ${turn.index}: prompt ${turn.prompt_end} tokens (${cached}) · ` +
+    const prompt = turn.prompt_end - (turn.prompt_start || 0);
+    row.textContent = (opens ? `HISTORY BREAK · segment ${turn.segment} · ` : "") +
+      `request ${turn.index}: prompt ${prompt} tokens (${cached}) · ` +
       `completion ${turn.completion_end - turn.prompt_end} tokens, ${turn.finish_reason}` +
       (turn.replica ? ` · replica ${turn.replica}` : "") + (turn.miss ? " · CACHE MISS" : "") +
       (said.length ? ` · ${said.join(" | ")}` : "");
