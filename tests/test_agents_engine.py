@@ -1,0 +1,117 @@
+"""Bring your own agent on the real engine: `verbatim run --agent` and `verbatim train --agent`.
+
+The agents are written against clients nobody here wrote: the official ``openai`` package (async, a
+three-request tool loop, streamed requests) and the OpenAI Agents SDK running its own loop over chat
+completions (tests/agent_modes.py), and the example in examples/ (the sync ``openai.OpenAI`` client). One
+run plays every mode on one in-process engine; what each agent was told (usage, cached tokens) is held
+against what the trace recorded, later requests must hit the prefix cache, and an agent that drops its
+oldest exchange leaves a second segment that lint, the summary and the trainer's export all see.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from subprocess_cli import cli
+
+from verbatim.datamodel import Source
+from verbatim.harness.store import read_manifest, read_run
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = [{"mode": "tools", "question": "What is 17 + 25? Use the add tool.", "answer": 42},
+         {"mode": "stream", "question": "Name three colours."},
+         {"mode": "framework", "question": "What is 2 + 3?", "answer": 5},
+         {"mode": "rewrite", "question": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("agents")
+    tasks = folder / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    out = folder / "run"
+    done = cli("run", "--agent", str(ROOT / "tests" / "agent_modes.py") + ":play", "--tasks", str(tasks),
+               "--group-size", "2", "--max-tokens", "24", "--max-turns", "4", "--max-model-len", "2048",
+               "--kv-cache-gib", "1", "--out", str(out), "--summary-json", str(folder / "summary.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def by_mode(run: Path) -> dict[str, list]:
+    found: dict[str, list] = {}
+    for rollout in read_run(run).rollouts:
+        found.setdefault(rollout.task["mode"], []).append(rollout)
+    return found
+
+
+def test_every_agent_mode_played_and_said_what_it_was_told(agent_run):
+    modes = by_mode(agent_run)
+    assert sorted(modes) == ["framework", "rewrite", "stream", "tools"] and all(len(v) == 2 for v in modes.values())
+    for rollouts in modes.values():
+        for rollout in rollouts:
+            assert rollout.status == "ok", (rollout.rollout_id, rollout.error)
+            assert rollout.info["agent"]["requests"] == len(rollout.turns)
+    for rollout in modes["tools"] + modes["stream"]:
+        told = rollout.info["env"]
+        for turn in rollout.turns:  # the usage each request returned is the engine's own account
+            assert told[f"cached_{turn.index}"] == turn.cached_tokens
+        for turn in rollout.turns[1:]:  # each later request extended the last and found it cached
+            assert turn.cached_tokens >= rollout.turns[turn.index - 1].prompt_end - 16, turn
+    for rollout in modes["tools"]:
+        assert len(rollout.turns) == 3 and rollout.info["tools"][0]["function"]["name"] == "add"
+        assert [rollout.info["env"][f"prompt_{k}"] for k in range(3)] == [t.prompt_tokens for t in rollout.turns]
+    for rollout in modes["framework"]:
+        assert rollout.info["env"]["solved"] is False and rollout.info["tools"][0]["function"]["name"] == "add"
+
+
+def test_the_sampled_tokens_are_kept_as_sampled_with_their_logprobs(agent_run):
+    manifest = read_manifest(agent_run)
+    assert manifest.status == "completed" and manifest.config["options"]["agent"].endswith("agent_modes.py:play")
+    for rollout in read_run(agent_run).rollouts:
+        model = rollout.tokens.source == Source.MODEL
+        assert model.any() and (rollout.tokens.logprob[model] <= 0).all()
+        assert set(rollout.tokens.policy_version[model].tolist()) == {0}
+
+
+def test_a_rewritten_history_is_a_second_segment_that_every_reader_sees(agent_run, tmp_path):
+    for rollout in by_mode(agent_run)["rewrite"]:
+        (brk,) = rollout.info["segments"]
+        assert (brk["message"], brk["role"], brk["field"]) == (0, "user", "content") and brk["turn"] == 2
+        first, second = rollout.segments()
+        assert len(first.turns) == 2 and len(second.turns) == 1
+        assert rollout.info["env"]["last_prompt"] == second.turns[0].prompt_tokens
+    summary = json.loads((agent_run.parent / "summary.json").read_text())
+    assert summary["history_breaks"] == 2 and summary["broken_rollouts"] == 2
+    lint = cli("lint", "trace", str(agent_run), "--json")
+    verdicts = [json.loads(line) for line in lint.stdout.splitlines() if line.strip()]
+    problems = [p for v in verdicts for p in v.get("problems", ())]
+    assert lint.returncode == 1 and {p["kind"] for p in problems} == {"history_break"}, problems
+    assert all("message 0 (user): content differs" in p["detail"] and "prefilled" in p["detail"] for p in problems)
+    export = cli("export", str(agent_run), "--format", "verl", "--out", str(tmp_path / "verl.parquet"))
+    assert export.returncode == 0, export.stdout + export.stderr
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(tmp_path / "verl.parquet").column("rollout_id").to_pylist()
+    assert sum(i.endswith("#1") for i in ids) == 2 and len(ids) == 10
+
+
+def test_train_runs_the_example_agent_for_real_steps(tmp_path):
+    out = tmp_path / "train"
+    done = cli("train", "--agent", str(ROOT / "examples" / "calculator_agent.py") + ":solve", "--tasks",
+               str(ROOT / "examples" / "calculator_tasks.jsonl"), "--steps", "2", "--groups", "2", "--group-size",
+               "2", "--max-turns", "3", "--max-tokens", "24", "--lr", "1e-5", "--max-model-len", "2048",
+               "--kv-cache-gib", "1", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and [x["version"] for x in lines] == [1, 2]
+    assert read_manifest(out).status == "completed"
+    for rollout in read_run(out).rollouts:
+        assert rollout.status in ("ok", "truncated"), rollout.error
+        model = rollout.tokens.source == Source.MODEL
+        assert set(rollout.tokens.policy_version[model].tolist()) == {rollout.info["step"] - 1}
+    lint = cli("lint", "trace", str(out))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
