@@ -321,6 +321,50 @@ def test_an_agent_that_raises_times_out_or_returns_garbage_is_an_error_rollout(r
     assert rollout.status == "ok" and rollout.reward == len("Hello.")
 
 
+COMMAND_AGENT = """
+import json, sys
+from openai import OpenAI
+task = json.load(sys.stdin)
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from verbatim
+reply = client.chat.completions.create(model="any", messages=[{"role": "user", "content": task["q"]}])
+print("some log line")
+print(json.dumps({"reward": len(reply.choices[0].message.content), "solved": True}))
+"""
+
+
+@pytest.mark.parametrize("script,status,words", [
+    (COMMAND_AGENT, "ok", None),
+    ("import sys; sys.stderr.write('no such tool\\n'); sys.exit(3)", "error", "exited with 3: no such tool"),
+    ("print('done, no result')", "error", "last line is not JSON"),
+    ("pass", "error", "printed no result"),
+    ("import time, subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+     "time.sleep(60)", "error", "timed out after 2s"),
+])
+def test_an_agent_command_gets_the_endpoint_in_its_environment_and_the_task_on_stdin(
+        renderer, tmp_path, script, status, words):
+    import shlex
+    import sys
+
+    from verbatim.agents.loader import load_agent_command
+
+    path = tmp_path / "agent.py"
+    path.write_text(script)
+    agent = load_agent_command(f"{shlex.quote(sys.executable)} {shlex.quote(str(path))}").make()
+    engine = ScriptedEngine(renderer, ("Hello.",))
+
+    async def go():
+        async with AgentPlayer(engine, renderer, LoopConfig(), timeout_s=2.0) as player:
+            spec = RolloutSpec(run_id="run", group_id="g0000", rollout_id="g0000-r00", task={"q": "hi"}, seed=0)
+            return await player.play(spec, agent)
+
+    rollout = asyncio.run(go())
+    assert rollout.status == status, rollout.error
+    if words is None:
+        assert rollout.reward == len("Hello.") and rollout.info["env"]["solved"] is True and len(rollout.turns) == 1
+    else:
+        assert words in rollout.error
+
+
 @pytest.mark.parametrize("value,reward", [(1, 1.0), (0.5, 0.5), ({"reward": -2}, -2.0),
                                           ({"reward": 1, "solved": False, "metrics": {"steps": 3}}, 1.0)])
 def test_results_an_agent_may_return(value, reward):
@@ -392,3 +436,30 @@ def test_canonical_forms_of_what_clients_send():
                                                                         "arguments": '{"x": 1}'}]}
     with pytest.raises(chat.BadRequest, match="only text parts"):
         chat.canonical({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, 0)
+
+
+# ---------------------------------------------------------------------------
+# The command line: one of --env, --agent, --agent-cmd, before any work
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("extra,needle", [
+    ([], "give one of --env NAME, --agent FILE.py:FUNCTION or --agent-cmd"),
+    (["--env", "guess", "--agent", "x.py:f"], "not --env and --agent"),
+    (["--agent", "x.py:f", "--agent-cmd", "node a.js"], "not --agent and --agent-cmd"),
+    (["--agent", "nowhere/x.py:f"], "nowhere/x.py is not a file"),
+    (["--agent-cmd", " "], "--agent-cmd is empty"),
+    (["--agent", "operator:add"], "has no task generator"),
+])
+def test_the_agent_flags_are_checked_before_anything_starts(tmp_path, command, extra, needle):
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    out = tmp_path / "never"
+    result = CliRunner().invoke(app, [command, *extra, "--out", str(out)])
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    assert not out.exists()

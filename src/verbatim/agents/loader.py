@@ -39,11 +39,12 @@ class AgentFactory:
     """What a :class:`~verbatim.harness.run.Run` plays an agent from: ``make()`` is the agent, tasks come from
     ``--tasks`` (an agent has no task generator)."""
 
-    def __init__(self, agent: AgentCall) -> None:
+    def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.name = agent.name
 
-    def make(self) -> AgentCall:
+    def make(self) -> Any:
+        """The agent (an :class:`AgentCall`, or a :class:`~verbatim.agents.command.CommandAgent`)."""
         return self.agent
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
@@ -68,6 +69,15 @@ def load_agent(spec: str) -> AgentFactory:
     except ValueError:  # no signature to read: the call decides
         pass
     return AgentFactory(AgentCall(name=spec.strip(), function=function))
+
+
+def load_agent_command(command: str) -> AgentFactory:
+    """``--agent-cmd``: the command line run once per rollout (:mod:`verbatim.agents.command`)."""
+    from verbatim.agents.command import CommandAgent
+
+    if not command.strip():
+        raise InputError("--agent-cmd is empty", hint='give the command that runs your agent, e.g. "node agent.js"')
+    return AgentFactory(CommandAgent(command.strip()))
 
 
 def _module_of_file(where: str) -> Any:

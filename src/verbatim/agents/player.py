@@ -15,6 +15,7 @@ import asyncio
 from functools import partial
 from typing import Any
 
+from verbatim.agents.command import CommandAgent
 from verbatim.agents.endpoint import Endpoint
 from verbatim.agents.loader import AgentCall
 from verbatim.agents.messages import as_message
@@ -48,7 +49,7 @@ class AgentPlayer(RolloutPlayer):
     async def __aexit__(self, *exc: object) -> None:
         await self.endpoint.close()
 
-    async def play(self, spec: RolloutSpec, env: AgentCall) -> Rollout:
+    async def play(self, spec: RolloutSpec, env: AgentCall | CommandAgent) -> Rollout:
         session = AgentSession(spec, self)
         self.endpoint.sessions[spec.rollout_id] = session
         result: AgentResult | None = None
@@ -65,10 +66,12 @@ class AgentPlayer(RolloutPlayer):
             await self._end_session(spec.rollout_id)
         return self._rollout(spec, session, result, error)
 
-    async def _call(self, agent: AgentCall, spec: RolloutSpec) -> Any:
+    async def _call(self, agent: AgentCall | CommandAgent, spec: RolloutSpec) -> Any:
         import openai
 
         url, key, task = self.endpoint.url(spec.rollout_id), self.endpoint.key, jsonable(spec.task)
+        if isinstance(agent, CommandAgent):
+            return await agent.run(task, url, key, self.timeout_s)
         if not agent.is_async:
             def call() -> Any:
                 with openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=self.timeout_s) as client:

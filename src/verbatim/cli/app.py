@@ -26,7 +26,7 @@ from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
 from verbatim.cli.show import show_command
-from verbatim.cli.train_flags import AGENT_HELP, train_flags
+from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
@@ -267,6 +267,7 @@ def run(
     env: str = typer.Option(None, "--env",
                             help="Built-in env (tools, guess, longdoc, python), module:Class, or entry point."),
     agent: str = typer.Option(None, "--agent", help=AGENT_HELP),
+    agent_cmd: str = typer.Option(None, "--agent-cmd", help=AGENT_CMD_HELP),
     agent_timeout: float = typer.Option(600.0, "--agent-timeout", min=0.001,
                                         help="Seconds an --agent rollout may take; past it the rollout is an error."),
     tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator; "
@@ -308,8 +309,8 @@ def run(
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
     from verbatim.cli.run import RunOptions, run_command
 
-    options = RunOptions(env=env, agent=agent, agent_timeout_s=agent_timeout, tasks=tasks, model=model,
-                         renderer=renderer, groups=groups,
+    options = RunOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout, tasks=tasks,
+                         model=model, renderer=renderer, groups=groups,
                          group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
                          temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
                          route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,

@@ -49,6 +49,8 @@ class RunOptions(Frozen):
     env: str | None = None
     agent: str | None = None
     """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_cmd: str | None = None
+    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
     agent_timeout_s: float = Field(default=600.0, gt=0)
     tasks: str | None = None
     model: str = "default"
@@ -99,24 +101,31 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
     return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
 
 
-def episode_source(env: str | None, agent: str | None, env_args: dict[str, Any] | None = None) -> Any:
-    """What the rollouts play: the env factory ``--env`` names, or the agent of ``--agent`` (one of them)."""
-    if (env is None) == (agent is None):
-        raise InputError("give --env NAME or --agent FILE.py:FUNCTION, one of them",
-                         hint="--env plays an environment; --agent calls your OpenAI-client agent per rollout")
-    if agent is not None:
-        if env_args:
-            raise InputError("--env-arg goes with --env, not --agent")
-        from verbatim.agents.loader import load_agent
+def episode_source(env: str | None, agent: str | None, env_args: dict[str, Any] | None = None,
+                   agent_cmd: str | None = None) -> Any:
+    """What the rollouts play: the env factory ``--env`` names, the agent of ``--agent``, or the command of
+    ``--agent-cmd`` (one of them)."""
+    given = [name for name, value in (("--env", env), ("--agent", agent), ("--agent-cmd", agent_cmd)) if value]
+    if len(given) != 1:
+        raise InputError(f"give one of --env NAME, --agent FILE.py:FUNCTION or --agent-cmd \"CMD\""
+                         f"{', not ' + ' and '.join(given) if given else ''}",
+                         hint="--env plays an environment; --agent and --agent-cmd run your OpenAI-client agent")
+    if env is None and env_args:
+        raise InputError("--env-arg goes with --env")
+    from verbatim.agents.loader import load_agent, load_agent_command
 
+    if agent is not None:
         return load_agent(agent)
+    if agent_cmd is not None:
+        return load_agent_command(agent_cmd)
     from verbatim.envs.registry import load_env
 
     return load_env(env, **(env_args or {}))
 
 
 def players(agent: str | None, model: str, timeout_s: float) -> Any:
-    """The ``make_player`` of the run's plays: an env's rollout loop, or the agent endpoint's."""
+    """The ``make_player`` of the run's plays: an env's rollout loop, or (``agent``: an --agent or --agent-cmd
+    was given) the agent endpoint's."""
     if agent is None:
         from verbatim.harness.rollout import RolloutPlayer
 
@@ -173,7 +182,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     from verbatim.renderers.registry import get_renderer
 
     policy = CachePolicy.parse(options.cache_policy)
-    factory = episode_source(options.env, options.agent)
+    factory = episode_source(options.env, options.agent, agent_cmd=options.agent_cmd)
     options, tasks = with_tasks(options, factory)
     model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
     renderer_name = options.renderer or default_renderer(options.model)
@@ -195,9 +204,9 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
                 "plan": plan.model_dump(exclude={"run_id"})},
     )
     run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest,
-              make_player=players(options.agent, options.model, options.agent_timeout_s))
+              make_player=players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s))
     run.check_out_dir(options.resume)
-    if options.agent is None:  # an agent's prompts are known only when it asks
+    if options.env is not None:  # an agent's prompts are known only when it asks
         preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
                   max_tokens=options.max_tokens)
     return run, engine

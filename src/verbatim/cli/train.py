@@ -49,6 +49,8 @@ class TrainOptions(Frozen):
     env: str | None = None
     agent: str | None = None
     """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_cmd: str | None = None
+    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
     agent_timeout_s: float = Field(default=600.0, gt=0)
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the env's factory (``--env-arg KEY=VALUE``)."""
@@ -103,7 +105,7 @@ def prepare(options: TrainOptions) -> TrainLoop:
     out = Path(options.out)
     config = options.config()
     device = trainer_device(options.trainer_device)
-    factory = episode_source(options.env, options.agent, options.env_args)
+    factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     tasks = _task_source(options, factory, load_tasks)
     engine_options = RunOptions(env=options.env, model=options.model, engine=options.engine, urls=options.urls,
                                 route=options.route, max_model_len=options.max_model_len,
@@ -122,10 +124,10 @@ def prepare(options: TrainOptions) -> TrainLoop:
                                    "cache_policy": options.plan.cache_policy.value,
                                    "urls": config["train"]["urls"], "route": options.route},
                            config=config)
-    make_player = players(options.agent, options.model, options.agent_timeout_s)
+    make_player = players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s)
     first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
                 make_player=make_player)
-    if options.agent is None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
+    if options.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
         preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
                   max_tokens=options.max_tokens)
     learner = Learner(load_model(model_dir).to(device), options.learner)

@@ -15,12 +15,15 @@ from verbatim.envs.registry import FALLBACK_MAX_TURNS
 
 AGENT_HELP = ("Your agent instead of --env: FILE.py:FUNCTION or module:function, called per rollout as "
               "FUNCTION(task, client) with an OpenAI client of a token-exact endpoint; returns the reward.")
+AGENT_CMD_HELP = ("Your agent as a command in any language, run per rollout with OPENAI_BASE_URL and OPENAI_API_KEY "
+                  "set and the task as JSON on stdin; its last stdout line is the reward or {\"reward\": …}.")
 
 
 def train_flags(
     env: str = typer.Option(None, "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
                                                  "entry point."),
     agent: str = typer.Option(None, "--agent", help=AGENT_HELP),
+    agent_cmd: str = typer.Option(None, "--agent-cmd", help=AGENT_CMD_HELP),
     agent_timeout: float = typer.Option(600.0, "--agent-timeout", min=0.001,
                                         help="Seconds an --agent rollout may take; past it the rollout is an error."),
     env_arg: list[str] = typer.Option([], "--env-arg", help="KEY=VALUE for the env's factory (repeat), e.g. "
@@ -139,7 +142,7 @@ def train_flags(
                                 weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-        options = TrainOptions(env=env, agent=agent, agent_timeout_s=agent_timeout,
+        options = TrainOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
                                env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, plan=plan, learner=learner, out=out, engine=engine,
