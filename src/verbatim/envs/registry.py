@@ -51,10 +51,28 @@ def load_env(spec: str, **options: Any) -> EnvFactory:
     that does not import, an object that is not an env, or options it does not take.
     """
     spec = spec.strip()
+    library = _library_env(spec, options)
+    if library is not None:
+        return library
     target = BUILTIN_ENVS.get(spec) or _entry_points().get(spec)
     if target is None and ":" not in spec:
         raise InputError(f"unknown env {spec!r}", hint=_suggestion(spec))
     return _as_factory(_import(target or spec), options, spec)
+
+
+def _library_env(spec: str, options: dict[str, Any]) -> EnvFactory | None:
+    """``skyrl:ID`` and ``textarena:ID``: an environment library's env, imported only now."""
+    if spec.startswith("skyrl:"):
+        from verbatim.envs.skyrl_envs import SkyRLFactory
+
+        if options:
+            raise InputError("skyrl envs take their settings from each task (env_config, extras), not --env-arg")
+        return SkyRLFactory(spec.removeprefix("skyrl:"))
+    if spec.startswith("textarena:"):
+        from verbatim.envs.textarena_games import TextArenaFactory
+
+        return TextArenaFactory(spec.removeprefix("textarena:"), **options)
+    return None
 
 
 def default_max_turns(factory: EnvFactory, tasks: Sequence[dict[str, Any]]) -> int:
