@@ -309,6 +309,39 @@ def test_a_run_being_written_updates_the_page(page, tmp_path, renderer, default_
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_history_break_shows_where_the_new_segment_opens(page, tmp_path, renderer, default_model_dir):
+    rollout = view_runs.segmented(renderer)
+    pieces = rollout.segments()
+    run = view_runs.write_run(tmp_path / "agent", renderer, str(default_model_dir), [[rollout]])
+    import dataclasses
+
+    from verbatim.trainer.logprob_files import step_file, write_logprobs
+
+    rows = [dataclasses.replace(view_runs.trainer_logprobs(piece), rollout_id=piece.row_id) for piece in pieces]
+    write_logprobs(step_file(run, 0), rows, {"writer": "train", "step": 0, "trainer_version": 0})
+    server, url = serving(run)
+    try:
+        _, _, detail = get(f"{url}/api/rollout?id=a0-r0")
+        assert [t["opens_segment"] for t in detail["turns"]] == [False, False, True]
+        assert detail["trainer"] is not None and len(detail["trainer"]["keep"]) == len(rollout.tokens)
+        open_page(page, url)
+        page.click(".row[data-id='a0-r0'] .c-id")
+        page.wait_for_selector("#tokens .tok")
+        opened = page.locator(".turn.break")
+        assert opened.count() == 1 and opened.get_attribute("data-turn") == "2"
+        assert "HISTORY BREAK · segment 1" in opened.inner_text() and "message 0 (user)" in opened.inner_text()
+        assert "break" not in page.locator(".turn[data-turn='1']").get_attribute("class")
+        pinned = page.locator(".tok.pinned").evaluate_all("cs => cs.map(c => c.dataset.pos)")
+        assert str(len(pieces[0].tokens)) in pinned  # the history_break, pinned where the segment opens
+        page.select_option("#mode", "mask")
+        assert page.locator("#tokens .tok.masked").count() and page.locator("#tokens .tok.keep").count()
+        assert page.errors == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_chromium_is_debians(browser):
     """The browser the tests drive is the system's, never one Playwright downloaded."""
     assert Path(CHROMIUM).resolve().is_file() and shutil.which("chromium")

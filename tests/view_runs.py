@@ -64,6 +64,25 @@ def rollouts(renderer) -> list[Rollout]:
     return [r0, r1, evil]
 
 
+def segmented(renderer) -> Rollout:
+    """An agent's rollout that dropped its first exchange before its third request: two segments."""
+    first = play(renderer, "a0-r0", "a0", ["50", "25"], ["Lower."], reward=0.5)
+    ledger = Ledger()
+    ledger.append_prompt(first.tokens.token_id[:first.turns[0].prompt_end])
+    for k, turn in enumerate(first.turns):
+        ledger.append_completion(_completion(renderer, ["50", "25"][k], turn.prompt_end, turn.cached_tokens))
+        if k == 0:
+            ledger.append_observation(first.tokens.token_id[turn.completion_end:first.turns[1].prompt_end])
+    fresh = renderer.render([Message(role="user", content="Lower."), Message(role="assistant", content="25"),
+                             Message(role="user", content="Higher.")], add_generation_prompt=True).token_ids
+    start = ledger.start_segment(fresh)
+    ledger.append_completion(_completion(renderer, "37", len(fresh), 0))
+    brk = {"message": 0, "role": "user", "field": "content", "what": "message 0 (user): content differs",
+           "turn": 2, "start": start, "tools_changed": False, "messages": []}
+    return ledger.to_rollout(run_id="run", group_id="a0", rollout_id="a0-r0", reward=0.5,
+                             info={"segments": [brk]})
+
+
 def trainer_logprobs(rollout: Rollout) -> RolloutLogprobs:
     """log π off from μ by +2 on every third token (the correction masks those: e² > 5), by 0.001 elsewhere."""
     mu = rollout.tokens.logprob.astype(np.float64)

@@ -44,9 +44,10 @@ class MismatchReport:
 
 
 def usable_rollouts(rollouts: list[Rollout]) -> list[Rollout]:
-    """Rollouts with at least one sampled token that carries a finite logprob."""
+    """Rollouts with at least one sampled token that carries a finite logprob, as the sequences the sampler saw
+    (one per segment of a rollout whose agent rewrote its history: π is computed in each segment's context)."""
     usable = []
-    for rollout in rollouts:
+    for rollout in (piece for whole in rollouts for piece in whole.segments()):
         model = rollout.tokens.source == Source.MODEL
         if model.any() and np.isfinite(rollout.tokens.logprob[model]).all():
             usable.append(rollout)
@@ -90,7 +91,7 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
     return MismatchReport(rollouts=len(rollouts), model_tokens=int(batch.loss_mask.sum()), trainer_version=version,
                           mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
                           metrics=result.metrics.as_dict(),
-                          per_rollout=per_rollout([r.rollout_id for r in rollouts], logp_pi, batch.loss_mask,
+                          per_rollout=per_rollout([r.row_id for r in rollouts], logp_pi, batch.loss_mask,
                                                   batch.lengths, result.keep))
 
 

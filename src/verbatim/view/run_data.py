@@ -293,7 +293,7 @@ class RunData:
             rollout, problems, texts, specials,
             block_size=self.settings.block_size if self.settings else None,
             hybrid_window=int(correction.get("hybrid_window") or detail.DEFAULT_HYBRID_WINDOW),
-            trainer=self.trainer.find(rollout_id, len(rollout.tokens)))
+            trainer=self.trainer.find_rollout(rollout))
 
     def group(self, group_id: str) -> dict[str, Any]:
         self.refresh()

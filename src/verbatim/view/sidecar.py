@@ -12,6 +12,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from verbatim.datamodel import Rollout
 from verbatim.errors import TraceFormatError
 from verbatim.trainer.logprob_files import RolloutLogprobs, logprob_files, read_ids, read_logprobs, read_meta
 
@@ -64,6 +67,16 @@ class TrainerLogprobs:
             return {"logprob": row.logprob, "keep": row.keep, "source": str(path.relative_to(self.run_dir)),
                     "meta": meta}
         return None
+
+    def find_rollout(self, rollout: Rollout) -> dict[str, Any] | None:
+        """:meth:`find` for a whole rollout: a rollout of several segments is trained as one row per segment
+        (``r``, ``r#1``, …), joined here in token order; None unless every segment's row is there."""
+        pieces = rollout.segments()
+        found = [self.find(piece.row_id, len(piece.tokens)) for piece in pieces]
+        if len(found) == 1 or any(f is None for f in found):
+            return found[0] if len(found) == 1 else None
+        return {**found[0], "logprob": np.concatenate([f["logprob"] for f in found]),
+                "keep": np.concatenate([f["keep"] for f in found])}
 
     def _holds(self, key: tuple[Path, tuple[int, int]]) -> set[str]:
         with self._lock:
