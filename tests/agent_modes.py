@@ -1,10 +1,10 @@
 """Agents for tests/test_agents_engine.py, written as users write them: against the ``openai`` client.
 
 ``play(task, client)`` runs the mode ``task["mode"]`` names: ``tools`` (a tool-calling loop of three
-requests, not streamed), ``stream`` (streamed requests with usage), ``framework`` (the OpenAI Agents SDK's
-own tool loop over chat completions) and ``rewrite`` (an agent that drops its oldest exchange before its
-third request: a history break). Each returns what its requests were told in ``metrics``, so the test can
-hold the answers against the trace.
+requests, not streamed), ``stream`` (streamed requests with usage, asking for a temperature the run
+ignores), ``framework`` (the OpenAI Agents SDK's own tool loop over chat completions) and ``rewrite`` (an
+agent that drops its oldest exchange before its third request: a history break). Each returns what its
+requests were told in ``metrics``, so the test can hold the answers against the trace.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ async def streamed(task, client):
     history = [{"role": "user", "content": task["question"]}]
     metrics = {}
     for k in range(2):
-        stream = await client.chat.completions.create(model="smol", messages=history, stream=True,
+        stream = await client.chat.completions.create(model="smol", messages=history, stream=True, temperature=0.2,
                                                       stream_options={"include_usage": True})
         text, usage = "", None
         async for chunk in stream:

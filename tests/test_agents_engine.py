@@ -38,6 +38,7 @@ def agent_run(tmp_path_factory) -> Path:
                "--group-size", "2", "--max-tokens", "24", "--max-turns", "4", "--max-model-len", "2048",
                "--kv-cache-gib", "1", "--out", str(out), "--summary-json", str(folder / "summary.json"))
     assert done.returncode == 0, done.stdout + done.stderr
+    (folder / "stdout.txt").write_text(done.stdout)
     return out
 
 
@@ -66,6 +67,15 @@ def test_every_agent_mode_played_and_said_what_it_was_told(agent_run):
         assert [rollout.info["env"][f"prompt_{k}"] for k in range(3)] == [t.prompt_tokens for t in rollout.turns]
     for rollout in modes["framework"]:
         assert rollout.info["env"]["solved"] is False and rollout.info["tools"][0]["function"]["name"] == "add"
+
+
+def test_sampling_fields_an_agent_sets_are_ignored_counted_and_reported_once(agent_run):
+    summary = json.loads((agent_run.parent / "summary.json").read_text())
+    assert summary["ignored_request_fields"] == {"temperature": 4}  # 2 streamed rollouts × 2 requests
+    stdout = " ".join((agent_run.parent / "stdout.txt").read_text().split())
+    assert stdout.count("warning: the agent's requests set temperature (4×)") == 1
+    for rollout in by_mode(agent_run)["stream"]:
+        assert {t.sampling.temperature for t in rollout.turns} == {1.0}  # μ is the run's distribution
 
 
 def test_the_sampled_tokens_are_kept_as_sampled_with_their_logprobs(agent_run):

@@ -373,8 +373,17 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
             _write_summary(run.summary, summary_json)
         raise
     console.print(summary_table(summary, run.out))
+    warn_ignored_fields(summary.ignored_request_fields, console)
     _write_summary(summary, summary_json)
     return summary
+
+
+def warn_ignored_fields(fields: dict[str, int], console: Console) -> None:
+    """One line, once per run, for request fields the run's sampling settings overrode."""
+    if fields:
+        listed = ", ".join(f"{name} ({count}×)" for name, count in fields.items())
+        console.print(f"warning: the agent's requests set {listed}; the run's sampling settings govern every "
+                      "request (μ describes the run's policy), so these were ignored")
 
 
 def _write_summary(summary: RunSummary, path: str | None) -> None:

@@ -232,7 +232,8 @@ def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float,
 
 
 def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
-    from verbatim.cli.run import write_summary_json
+    from verbatim.cli.run import warn_ignored_fields, write_summary_json
+    from verbatim.harness.summary import summed
 
     started = time.perf_counter()
     check_run_dir(options.out)
@@ -251,6 +252,7 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
     finally:
         if loop.history:
             console.print(reward_table(loop.history, Path(options.out)))
+            warn_ignored_fields(summed(r.get("ignored_request_fields") for r in loop.history), console)
         if summary_json and loop.history:
             write_summary_json(summary_json, summary(loop.history, options, time.perf_counter() - started,
                                                      loop.engine_start_s))

@@ -13,7 +13,7 @@ the run's manifest records it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import Field
@@ -57,6 +57,8 @@ class RunSummary(Frozen):
     """New segments that agents started by rewriting their history (``lint trace`` says where)."""
     broken_rollouts: int = 0
     """Rollouts holding at least one history break."""
+    ignored_request_fields: dict[str, int] = Field(default_factory=dict)
+    """Fields agents set on their requests that the run's sampling settings override, and how often."""
     turns_per_replica: dict[str, int] = Field(default_factory=dict)
 
     @property
@@ -102,6 +104,21 @@ def rerendered_prompts(rollout: Rollout, renderer: Any) -> list[Sequence[int]]:
     return prompts
 
 
+def ignored_fields(rollouts: Sequence[Rollout]) -> dict[str, int]:
+    """Request fields an agent's endpoint ignored (``info["agent"]["ignored_fields"]``), summed over rollouts."""
+    agents = [r.info.get("agent") for r in rollouts]
+    return summed(a.get("ignored_fields") for a in agents if isinstance(a, dict))
+
+
+def summed(counts: Iterable[dict[str, int] | None]) -> dict[str, int]:
+    """Counts by name, added up (a missing dict counts nothing), sorted by name."""
+    total: dict[str, int] = {}
+    for each in counts:
+        for name, count in (each or {}).items():
+            total[name] = total.get(name, 0) + int(count)
+    return dict(sorted(total.items()))
+
+
 def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
     """Admission wait, migrations and their lost context, and turns per replica, from the turns and routes."""
     per_replica: dict[str, int] = {}
@@ -144,5 +161,6 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
         solved=sum(flags) if flags else None, success_rate=sum(flags) / len(flags) if flags else None,
         history_breaks=sum(breaks), broken_rollouts=sum(1 for b in breaks if b),
+        ignored_request_fields=ignored_fields(rollouts),
         **routing_totals(rollouts),
     )

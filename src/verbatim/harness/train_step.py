@@ -163,7 +163,10 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
     if summary is not None:
         record |= {"prompt_tokens": summary.prompt_tokens, "cached_tokens": summary.cached_tokens,
                    "prefill_tokens": summary.prefill_tokens, "min_prefill_tokens": summary.min_prefill_tokens,
-                   "generated_tokens": summary.generated_tokens, "cache_hit_rate": summary.cache_hit_rate}
+                   "generated_tokens": summary.generated_tokens, "cache_hit_rate": summary.cache_hit_rate,
+                   "history_breaks": summary.history_breaks}
+        if summary.ignored_request_fields:
+            record["ignored_request_fields"] = summary.ignored_request_fields
     record |= {f"{name}_s": round(value, 3) for name, value in times.items()}
     record |= peak_rss_mib()
     return record
