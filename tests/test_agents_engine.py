@@ -94,6 +94,9 @@ def test_a_rewritten_history_is_a_second_segment_that_every_reader_sees(agent_ru
         first, second = rollout.segments()
         assert len(first.turns) == 2 and len(second.turns) == 1
         assert rollout.info["env"]["last_prompt"] == second.turns[0].prompt_tokens
+        shown = cli("show", str(agent_run), rollout.rollout_id)
+        assert shown.returncode == 0 and "══ history break before turn 2: the agent rewrote its history (message 0 " \
+            "(user): content differs); a new segment starts here" in " ".join(shown.stdout.split()), shown.stdout
     summary = json.loads((agent_run.parent / "summary.json").read_text())
     assert summary["history_breaks"] == 2 and summary["broken_rollouts"] == 2
     lint = cli("lint", "trace", str(agent_run), "--json")

@@ -141,3 +141,13 @@ def test_the_viewer_marks_where_a_segment_opens():
     assert [t["segment"] for t in detail["turns"]] == [0, 0, 1]
     assert detail["problems"][0]["position"] == 22
     assert prefill_counts(rollout)[22:].tolist() == [1] * 10  # the new segment was computed once, by turn 2
+
+
+def test_show_marks_the_history_break_where_the_segment_opens():
+    from verbatim.cli.show import transcript
+
+    lines = [line.plain for line in transcript(segmented(), None)]
+    mark = next(k for k, line in enumerate(lines) if line.startswith("══ history break"))
+    assert lines[mark] == ("══ history break before turn 2: the agent rewrote its history (message 1 (user): "
+                           "content differs); a new segment starts here")
+    assert "tokens 22–28 (7)" in lines[mark + 1]  # the segment's freshly rendered prompt follows

@@ -88,7 +88,13 @@ def rollout_list(rollouts: Sequence[Rollout], run_dir: str) -> Table:
 def transcript(rollout: Rollout, decode: Decode | None) -> list[Text]:
     """The rollout's heading, each part's heading and text, and how it ended."""
     lines = [Text(f"rollout {rollout.rollout_id} · group {rollout.group_id}", style="bold")]
+    opens = {turn.prompt_start: turn.index for turn in rollout.turns if turn.prompt_start}
+    breaks = {b.get("start"): b for b in rollout.info.get("segments") or () if isinstance(b, dict)}
     for part in parts(rollout):
+        if part.source is Source.PROMPT and part.start in opens:
+            what = (breaks.get(part.start) or {}).get("what", "the trace does not say what changed")
+            lines.append(Text(f"══ history break before turn {opens[part.start]}: the agent rewrote its history "
+                              f"({what}); a new segment starts here", style="bold yellow"))
         lines.append(Text(part_heading(part), style=f"bold {STYLES.get(part.source, 'red')}"))
         body = decode(part.token_ids) if decode is not None else " ".join(map(str, part.token_ids))
         lines.append(Text(body, style=STYLES.get(part.source, "red")))
