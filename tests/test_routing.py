@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -304,3 +306,37 @@ def test_decisions_are_healthy_and_moves_are_always_recorded(policy, steps):
             assert decision.lost_tokens == (50 if moved else 0)
             if cfg.policy is RoutePolicy.STICKY_LEAST_LOADED and moved:
                 assert decision.reason.startswith("migrate:")
+
+
+class _Replica:
+    """A replica stand-in for the router's own bookkeeping (its stats take a moment, like a real poll)."""
+
+    block_size = 16
+    version = 0
+
+    async def stats(self):
+        from verbatim.engine.protocol import EngineStats
+
+        await asyncio.sleep(0.02)
+        return EngineStats(capacity_tokens=100_000)
+
+    async def generate(self, prompt_ids, sampling=None, **route):
+        from verbatim.datamodel import Completion
+
+        await asyncio.sleep(0.05)
+        return Completion(token_ids=np.array([1]), logprobs=np.array([-0.1]), versions=np.array([0]),
+                          finish_reason="stop", prompt_tokens=len(prompt_ids), cached_tokens=0)
+
+
+@pytest.mark.parametrize("route", ["sticky_least_loaded+group", "sticky_least_loaded", "least_loaded"])
+def test_two_first_requests_at_once_go_to_different_idle_replicas(route):
+    """Each new rollout polls its replica before it is placed; the decision is made again after the poll, so
+    the second of two simultaneous first requests sees the first one placed (both used to land on r0)."""
+    from verbatim.engine.router import Router
+
+    async def go():
+        router = Router([_Replica(), _Replica()], RouteConfig.parse(route))
+        first = [router.generate(np.arange(40) + k, session_id=f"s{k}", group_id=f"g{k}") for k in range(2)]
+        return [c.replica for c in await asyncio.gather(*first)]
+
+    assert sorted(asyncio.run(go())) == ["r0", "r1"]

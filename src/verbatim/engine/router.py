@@ -136,9 +136,13 @@ class Router:
         waited = 0.0
         while True:
             decision = route(self.config, self.pins, self._states(), request)
-            replica = self._by_name(decision.replica)
             if request.new_session:
-                await self._poll(replica, fresh=True)
+                await self._poll(self._by_name(decision.replica), fresh=True)
+                # Decide again on what is known now, with nothing awaited until the pin: a rollout that was
+                # placed while this one waited for the poll counts (two first requests at once used to both
+                # see every replica idle and land on the same one).
+                decision = route(self.config, self.pins, self._states(), request)
+            replica = self._by_name(decision.replica)
             others_live = any(s != request.session_id for s in replica.live.contexts)
             admitted = admit(self.config, replica.state(), request, others_live=others_live)
             if admitted or waited >= self.admission_timeout_s:
