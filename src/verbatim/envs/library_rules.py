@@ -10,6 +10,7 @@ calls that give them away, and refuses the environment with the reason and the f
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,9 @@ def _imported(root: Path, top: str, path: Path,
               names: frozenset[str] | None) -> list[tuple[Path, frozenset[str] | None]]:
     """The library files ``path`` imports from (only those binding ``names``, when given) and what it takes."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        with warnings.catch_warnings():  # a library's own invalid escapes are not the user's concern
+            warnings.simplefilter("ignore")
+            tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
         return []
     found: list[tuple[Path, frozenset[str] | None]] = []
