@@ -29,7 +29,7 @@ from verbatim.datamodel import Completion
 from verbatim.engine.protocol import cache_salt
 from verbatim.errors import VerbatimError
 from verbatim.harness.ledger import Ledger
-from verbatim.harness.rollout import CONTEXT_BUDGET, MAX_CHARS_PER_TOKEN, RolloutSpec
+from verbatim.harness.rollout import CONTEXT_BUDGET, RolloutSpec
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "logit_bias", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "max_completion_tokens",
@@ -106,7 +106,7 @@ class AgentSession:
         self.start_version = player.engine.version
         self.requests = 0
         self.failure: str | None = None
-        """Why the endpoint could not go on (a history break, the engine): the rollout's error."""
+        """Why the endpoint could not go on (the engine, or a bug of ours): the rollout's error."""
         self.truncated: str | None = None
         """A request refused for the context or --max-turns: the rollout is ``truncated``."""
         self.routes: list[Any] = []
@@ -147,7 +147,7 @@ class AgentSession:
             return Addition("prompt" if broken is None else "segment", list(rendered.token_ids), request.messages,
                             request.tools, broken)
         added = request.messages[len(self.recorded):]
-        self._check_text(added, len(self.ledger.view()), "the new messages")
+        self._check_text(added, len(self.ledger.view()), "this request's new text")
         ids = await self.player._off_loop(lambda: self.player.renderer.bridge(
             self.ledger.view(), [chat.as_message(m) for m in added], tools=self.tools), "bridge")
         return Addition("env", list(ids), added, self.tools)
@@ -172,10 +172,9 @@ class AgentSession:
 
     def _check_text(self, messages: list[dict[str, Any]], used: int, what: str) -> None:
         chars = sum(len(m["content"]) + len(m.get("reasoning") or "") for m in messages)
-        room = max(self.player.config.context_budget - self.player.sampling.max_tokens - used, 0)
-        if chars > room * MAX_CHARS_PER_TOKEN:
-            self._truncate(f"{CONTEXT_BUDGET}: {what} add {chars} characters, more than the {room} tokens left "
-                           f"in the {self.player.config.context_budget}-token context can hold")
+        reason = self.player.text_overrun(chars, used, what)
+        if reason is not None:
+            self._truncate(reason)
 
     def _truncate(self, reason: str) -> None:
         self.truncated = reason
@@ -185,11 +184,10 @@ class AgentSession:
     # -- the completion -------------------------------------------------------------
 
     async def _generate(self, new: Addition) -> dict[str, Any]:
-        budget, max_tokens = self.player.config.context_budget, self.player.sampling.max_tokens
         prompt = len(new.ids) + (len(self.ledger.view()) if new.source == "env" else 0)
-        if prompt + max_tokens > budget:
-            self._truncate(f"{CONTEXT_BUDGET}: this request needs {prompt} + {max_tokens} "
-                           f"tokens, over the {budget}-token context (--max-model-len)")
+        reason = self.player.budget_overrun(prompt, "this request")
+        if reason is not None:
+            self._truncate(f"{reason} (--max-model-len)")
         if new.source == "prompt":
             self.ledger.append_prompt(new.ids)
         elif new.source == "segment":

@@ -211,14 +211,27 @@ class RolloutPlayer:
     def _check_text(self, messages: Any, used: int, what: str) -> None:
         """End before tokenizing text that cannot fit whatever the tokenizer (an enormous observation)."""
         chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
-        room = self.config.context_budget - self.sampling.max_tokens - used
-        if chars > max(room, 0) * MAX_CHARS_PER_TOKEN:
-            raise Ended("truncated", f"{CONTEXT_BUDGET}: {what} adds {chars} characters, more than the "
-                                      f"{max(room, 0)} tokens left in the {self.config.context_budget}-token "
-                                      f"context can hold")
+        reason = self.text_overrun(chars, used, what)
+        if reason is not None:
+            raise Ended("truncated", reason)
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
-        need = prompt_tokens + self.sampling.max_tokens
-        if need > self.config.context_budget:
-            raise Ended("truncated", f"{CONTEXT_BUDGET}: {what} needs {prompt_tokens} + {self.sampling.max_tokens} "
-                                      f"tokens, over the {self.config.context_budget}-token context")
+        reason = self.budget_overrun(prompt_tokens, what)
+        if reason is not None:
+            raise Ended("truncated", reason)
+
+    def text_overrun(self, chars: int, used: int, what: str) -> str | None:
+        """Why ``chars`` of new text cannot fit after ``used`` tokens (None when they may): the one rule of a
+        rollout's context, for an env's observations and an agent's messages alike."""
+        room = max(self.config.context_budget - self.sampling.max_tokens - used, 0)
+        if chars <= room * MAX_CHARS_PER_TOKEN:
+            return None
+        return (f"{CONTEXT_BUDGET}: {what} adds {chars} characters, more than the {room} tokens left in the "
+                f"{self.config.context_budget}-token context can hold")
+
+    def budget_overrun(self, prompt_tokens: int, what: str) -> str | None:
+        """Why a request of ``prompt_tokens`` cannot be sampled with ``max_tokens`` (None when it can)."""
+        if prompt_tokens + self.sampling.max_tokens <= self.config.context_budget:
+            return None
+        return (f"{CONTEXT_BUDGET}: {what} needs {prompt_tokens} + {self.sampling.max_tokens} tokens, over the "
+                f"{self.config.context_budget}-token context")

@@ -42,13 +42,14 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
     by_group: dict[str, list[Rollout]] = {}
     for rollout in sorted(rollouts, key=lambda r: r.rollout_id):
         by_group.setdefault(rollout.group_id, []).append(rollout)
-    columns, ids, advantages, groups, skipped = [], [], [], [], 0
+    columns, ids, advantages, groups, skipped, trained_ids = [], [], [], [], 0, set()
     for members in by_group.values():
         trained = [r for r in members if r.status in TRAINED_STATUSES and r.reward is not None and len(r.turns)]
         if len(trained) < 2:
             skipped += 1
             continue
         start = len(columns)
+        trained_ids.update(r.rollout_id for r in trained)
         for rollout, advantage in zip(trained, group_advantages([float(r.reward) for r in trained], how).tolist()):
             for piece in rollout.segments():  # a rewritten history trains as its sequences, each with its own μ
                 columns.append(piece.tokens)
@@ -61,8 +62,7 @@ def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
     info = {"groups_trained": len(groups), "groups_skipped": skipped, "rows": len(columns),
             "advantage_std": float(values.std()), "advantage_abs_mean": float(np.abs(values).mean()),
             "zero_advantage_groups": sum(1 for g in groups if not np.any(values[g]))}
-    trained = {row.split("#")[0] for row in ids}
-    sampling = step_sampling([r for r in rollouts if r.rollout_id in trained], allow_truncated)
+    sampling = step_sampling([r for r in rollouts if r.rollout_id in trained_ids], allow_truncated)
     if sampling.truncated:
         info["truncated_sampling"] = _mask_text(sampling)
     truncation = (sampling.top_p, sampling.top_k) if sampling.top_p < 1 or sampling.top_k else None
