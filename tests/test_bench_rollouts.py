@@ -106,3 +106,41 @@ def test_logprob_agreement_table_has_a_row_per_dtype_and_names_its_command():
     assert lines[2] == "| float32 | 152 | 5.6e-06 | 3.2e-05 | 6.6e-05 |"
     assert lines[3] == "| bfloat16 | 160 | 0.036 | 0.16 | 0.21 |"
     assert "`verbatim bench logprobs --dtype float32 --dtype bfloat16`" in table and "smollm2" in table
+
+
+def test_a_benchmark_over_failed_rollouts_is_an_error_that_names_them():
+    from verbatim.bench.failures import require_clean
+    from verbatim.errors import BenchmarkError
+
+    require_clean("group, verbatim: rollouts", [None, None])
+    with pytest.raises(BenchmarkError) as caught:
+        require_clean("group, verbatim: rollouts", [None, "bridge: no token '<think>'", "bridge: no token '<think>'",
+                                                    "engine down"])
+    line = caught.value.message
+    assert line.startswith("group, verbatim: rollouts: 3 of 4 failed, so no table:")
+    assert "bridge: no token '<think>' (×2)" in line and "engine down" in line
+
+
+def test_the_baseline_records_a_failed_rollout_instead_of_raising():
+    from verbatim.bench.baseline import baseline_run
+    from verbatim.errors import EngineError
+    from verbatim.harness.rollout import LoopConfig
+    from verbatim.harness.run import RunPlan, plan_specs
+    from verbatim.renderers.registry import get_renderer
+
+    class Broken:
+        async def generate(self, *args, **kwargs):
+            raise EngineError("vLLM request failed: boom")
+
+    factory = DialogueFactory(turns=2)
+    groups = plan_specs(RunPlan(run_id="b", groups=1, group_size=2, seed=0), factory.tasks(1, 0))
+    renderer = get_renderer("qwen3")
+    loop = LoopConfig(max_turns=2, context_budget=4096, sampling=Sampling(max_tokens=4))
+    rollouts = asyncio.run(baseline_run(Broken(), renderer, factory, groups, loop, concurrency=4))
+    assert [r.error for r in rollouts] == ["vLLM request failed: boom"] * 2
+    assert all(not r.requests for r in rollouts)
+
+
+def test_the_reasoning_workload_plays_on_its_own_familys_tokenizer():
+    reasoning = [s for s in SCENARIOS if s.think_regex]
+    assert reasoning and all(s.tiny_family == "qwen3" and s.renderer == "qwen3" for s in reasoning)

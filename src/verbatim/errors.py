@@ -73,6 +73,10 @@ class EngineError(VerbatimError):
     """The inference engine failed or refused a request."""
 
 
+class BenchmarkError(VerbatimError):
+    """A benchmark's work failed (an errored rollout, a failed request): no table is printed or written."""
+
+
 class RenderError(VerbatimError):
     """A renderer cannot produce or continue a token sequence."""
 

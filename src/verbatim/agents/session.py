@@ -224,14 +224,13 @@ class AgentSession:
         player, spec = self.player, self.spec
         salt = cache_salt(player.config.cache_policy, player.engine.version, self.start_version)
         try:
-            completion = await player.engine.generate(self.ledger.view(), player.sampling,
-                                                      session_id=spec.rollout_id, group_id=spec.group_id,
-                                                      cache_salt=salt)
+            with player.first_request(spec.group_id, not self.ledger.turns):
+                completion = await player.engine.generate(self.ledger.view(), player.sampling,
+                                                          session_id=spec.rollout_id, group_id=spec.group_id,
+                                                          cache_salt=salt)
         except VerbatimError as exc:
             self.failure = exc.one_line()
             raise Refusal(503, f"the engine failed: {self.failure}", "server_error", "engine_failed") from exc
-        if not self.ledger.turns and player.on_first_request:
-            player.on_first_request(spec.group_id)
         if "route" in completion.extra:
             self.routes.append(completion.extra["route"])
         return completion

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Frozen, Message
 from verbatim.envs.base import EnvFactory
+from verbatim.errors import VerbatimError
 from verbatim.harness.rollout import LoopConfig, RolloutSpec
 
 
@@ -34,6 +35,8 @@ class BaselineRollout(Frozen):
     requests: tuple[BaselineRequest, ...]
     messages: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...] | None = None
+    error: str | None = None
+    """Why the rollout stopped early (a failed request, a render or env error); None when it played out."""
 
 
 async def baseline_rollout(engine: Any, renderer: Any, factory: EnvFactory, spec: RolloutSpec,
@@ -65,11 +68,15 @@ async def baseline_rollout(engine: Any, renderer: Any, factory: EnvFactory, spec
 
 async def baseline_run(engine: Any, renderer: Any, factory: EnvFactory, groups: list[list[RolloutSpec]],
                        loop: LoopConfig, concurrency: int) -> list[BaselineRollout]:
-    """Every rollout at once (bounded by ``concurrency``), as a message-level harness sends them."""
+    """Every rollout at once (bounded by ``concurrency``), as a message-level harness sends them. A rollout
+    that fails is returned with its ``error`` (and no requests), as verbatim records one."""
     limit = asyncio.Semaphore(concurrency)
 
     async def one(spec: RolloutSpec) -> BaselineRollout:
         async with limit:
-            return await baseline_rollout(engine, renderer, factory, spec, loop)
+            try:
+                return await baseline_rollout(engine, renderer, factory, spec, loop)
+            except VerbatimError as exc:
+                return BaselineRollout(rollout_id=spec.rollout_id, requests=(), messages=(), error=str(exc))
 
     return list(await asyncio.gather(*(one(s) for group in groups for s in group)))

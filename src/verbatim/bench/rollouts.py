@@ -15,6 +15,8 @@ from typing import Any
 
 from verbatim.bench import docsection, machine
 from verbatim.bench.baseline import baseline_run
+from verbatim.bench.engines import Say, engine_log, quiet, started
+from verbatim.bench.failures import require_clean
 from verbatim.bench.think_first import EngineCall, ThinkFirst, call_counts
 from verbatim.bench.training_view import baseline_view, verbatim_view
 from verbatim.datamodel import Frozen, Message
@@ -24,6 +26,7 @@ from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, plan_specs
 from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.tiny_models import write_tiny_model
 
 
 class HarnessResult(Frozen):
@@ -56,18 +59,21 @@ class Scenario(Frozen):
     renderer: str = "smollm2"
     think_regex: str | None = None
     """Make every reply open with a think block matching this (see bench/think_first.py)."""
+    tiny_family: str | None = None
+    """Play on a small random model of this family (``verbatim models tiny``: its real tokenizer), not the
+    benchmark's model: a renderer needs its own family's tokenizer."""
 
 
 SCENARIOS = (
     Scenario(name="group of 16 sharing one long prompt", env="longdoc", groups=1, group_size=16, max_turns=1,
              max_tokens=16, env_options={"words": 2000}),
     Scenario(name="rollouts of 10 turns", env="dialogue", groups=2, group_size=2, max_turns=10, max_tokens=24),
-    # The Qwen3 chat format over the default model's tokenizer; a regex makes the small model open every reply
-    # with a think block, as a reasoning model does; the answer after it is sampled freely. The template
-    # strips earlier reasoning on re-render.
-    Scenario(name="Qwen3-style template, reasoning in every turn", env="dialogue", groups=2, group_size=2,
+    # The Qwen3 chat format on a small random Qwen3 model with Qwen's own tokenizer (its <think> tokens); a
+    # regex makes every reply open with a think block, as a reasoning model does; the answer after it is
+    # sampled freely. The template strips earlier reasoning on re-render.
+    Scenario(name="Qwen3 template, reasoning in every turn", env="dialogue", groups=2, group_size=2,
              max_turns=4, max_tokens=64, env_options={"turns": 4}, renderer="qwen3",
-             think_regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n"),
+             think_regex=r"<think>\n[a-z ,.]{10,80}\n</think>\n\n", tiny_family="qwen3"),
 )
 
 
@@ -120,8 +126,11 @@ async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
               RunManifest(run_id="bench", engine={"block_size": engine.block_size}))
     summary = await run.play()
+    rollouts = read_run(out).rollouts
+    require_clean(f"{scenario.name}, verbatim: rollouts", [r.error if r.status == "error" else None
+                                                          for r in rollouts])
     skip = getattr(engine, "constrained", None)
-    view = await asyncio.to_thread(verbatim_view, read_run(out).rollouts, trainer_model, skip)
+    view = await asyncio.to_thread(verbatim_view, rollouts, trainer_model, skip)
     counts = {"requests": summary.turns, "prompt_tokens": summary.prompt_tokens,
               "cached_tokens": summary.cached_tokens, "prefill_tokens": summary.prefill_tokens,
               "min_prefill_tokens": summary.min_prefill_tokens}
@@ -137,6 +146,7 @@ async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     started = time.perf_counter()
     rollouts = await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
     wall_s = time.perf_counter() - started
+    require_clean(f"{scenario.name}, re-render baseline: rollouts", [r.error for r in rollouts])
     requests = [r for rollout in rollouts for r in rollout.requests]
     counts = call_counts(EngineCall(r.prompt_ids, r.completion_ids, r.cached_tokens) for r in requests)
     view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
@@ -151,8 +161,9 @@ def engine_counts(engine: Any, harness_counts: dict[str, int]) -> dict[str, int]
     return call_counts(engine.calls) if isinstance(engine, ThinkFirst) else harness_counts
 
 
-async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
-                  scenarios=SCENARIOS) -> list[tuple[Scenario, list[HarnessResult]]]:
+async def measure(engine: Any, tokenizer: Any, trainer_model: Any, scenarios=SCENARIOS,
+                  say: Say = quiet) -> list[tuple[Scenario, list[HarnessResult]]]:
+    """Both harnesses on each scenario, on ``engine`` (cold prefix cache for each)."""
     from verbatim.renderers.registry import get_renderer
 
     results = []
@@ -162,9 +173,11 @@ async def measure(engine: Any, tokenizer: Any, trainer_model: Any,
             loop = LoopConfig(max_turns=scenario.max_turns, context_budget=engine.config.max_model_len,
                               sampling=Sampling(max_tokens=scenario.max_tokens, temperature=1.0, seed=7))
             await engine.reset_prefix_cache()
+            say(f"{scenario.name}: verbatim…")
             mine = await _verbatim(_wrap(engine, scenario, renderer), renderer, scenario, loop, Path(tmp) / f"run{i}",
                                    trainer_model)
             await engine.reset_prefix_cache()
+            say(f"{scenario.name}: re-render baseline…")
             theirs = await _baseline(_wrap(engine, scenario, renderer), renderer, scenario, loop, trainer_model)
             results.append((scenario, [mine, theirs]))
     return results
@@ -190,7 +203,29 @@ def markdown(results: list[tuple[Scenario, list[HarnessResult]]]) -> str:
     return "\n".join(lines)
 
 
-def run_bench(model: str = "default", command: str = "verbatim bench rollouts") -> str:
+def run_bench(model: str = "default", command: str = "verbatim bench rollouts", say: Say = quiet,
+              scenarios: tuple[Scenario, ...] = SCENARIOS) -> str:
+    """Every scenario on its model (the benchmark's, or a tiny family's), one engine per model at a time."""
+    results: list[tuple[Scenario, list[HarnessResult]]] = []
+    names = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in dict.fromkeys(s.tiny_family for s in scenarios):
+            mine = tuple(s for s in scenarios if s.tiny_family == family)
+            folder = model if family is None else str(write_tiny_model(family, Path(tmp) / family, seed=0))
+            found, name = asyncio.run(_on_model(folder, mine, say, family or "engine"))
+            results += found
+            names.append(name if family is None else f"a random tiny {family} for its workload")
+    order = {s.name: i for i, s in enumerate(scenarios)}
+    table = markdown(sorted(results, key=lambda r: order[r[0].name]))
+    note = (f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {', '.join(names)}, fp32; temperature 1, "
+            "each harness on a cold prefix cache, one run). Requests, prompt, cached and prefill tokens count engine "
+            "calls: the reasoning workload makes two per turn (the think block, then the answer, whose prompt holds "
+            "the think block).")
+    return table + note
+
+
+async def _on_model(model: str, scenarios: tuple[Scenario, ...], say: Say,
+                    label: str) -> tuple[list[tuple[Scenario, list[HarnessResult]]], str]:
     from transformers import AutoTokenizer
 
     from verbatim.engine.inproc import InprocEngine
@@ -200,17 +235,9 @@ def run_bench(model: str = "default", command: str = "verbatim bench rollouts") 
     engine = InprocEngine(EngineConfig(model=model, kv_cache_gib=2, max_model_len=4096))
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     trainer_model = load_model(engine.model_dir)
-
-    async def go() -> str:
-        async with engine:
-            return markdown(await measure(engine, tokenizer, trainer_model))
-
-    table = asyncio.run(go())
-    note = (f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {engine.model_dir.name}, fp32, "
-            f"block size {engine.block_size}; temperature 1, each harness on a cold prefix cache, one run). "
-            "Requests, prompt, cached and prefill tokens count engine calls: the reasoning workload makes two per "
-            "turn (the think block, then the answer, whose prompt holds the think block).")
-    return table + note
+    async with started(engine, engine_log("rollouts"), say, label):
+        found = await measure(engine, tokenizer, trainer_model, scenarios, say)
+    return found, f"{engine.model_dir.name} (block size {engine.block_size})"
 
 
 SECTION = "bench-rollouts"

@@ -53,7 +53,9 @@ def bench_rollouts(
 
     if write is not None:
         docsection.require_section(write, SECTION)
-    table = run_bench(model, _command("rollouts", model=model, write=write))
+    with err_console.status("bench rollouts…") as status:
+        table = run_bench(model, _command("rollouts", model=model, write=write),
+                          say=lambda text: status.update(f"bench rollouts: {text}"))
     console.print(table)
     if write is not None:
         write_section(write, table)

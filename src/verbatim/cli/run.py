@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,9 +30,10 @@ from verbatim.engine.models import DEFAULT_MODEL, resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED, log_root_cause, with_root_cause
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
-from verbatim.errors import EngineError, InputError, VerbatimError
+from verbatim.engine.start_log import start_logged
+from verbatim.errors import InputError, VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
@@ -298,7 +297,7 @@ def _local(engine: Any) -> bool:
 
 async def _start_showing_progress(engine: Any, console: Console, log: Path | None) -> None:
     where = f" (its output: {log})" if log is not None else ""
-    with console.status(f"starting engine…{where}") as status, _stderr_into(log):
+    with console.status(f"starting engine…{where}") as status:
         began = time.perf_counter()
 
         async def tick() -> None:
@@ -307,36 +306,10 @@ async def _start_showing_progress(engine: Any, console: Console, log: Path | Non
                 status.update(f"starting engine… {time.perf_counter() - began:.0f} s{where}")
 
         ticker = asyncio.ensure_future(tick())
-        offset = log.stat().st_size if log is not None and log.exists() else 0  # a --resume appends
         try:
-            await engine.start()
-        except EngineError as exc:  # vLLM's own words are in the log: name its root cause in the one line
-            if log is None:
-                raise
-            sys.stderr.flush()
-            message = with_root_cause(exc.message, log_root_cause(log, offset))
-            raise EngineError(message, hint=exc.hint or f"the engine's traceback is in {log}") from exc
+            await start_logged(engine, log)
         finally:
             ticker.cancel()
-
-
-@contextlib.contextmanager
-def _stderr_into(log: Path | None) -> Any:
-    """While the engine starts, file descriptor 2 is ``log``: the processes it starts keep writing there."""
-    if log is None:
-        yield
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(log, "ab") as handle:
-            os.dup2(handle.fileno(), 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:

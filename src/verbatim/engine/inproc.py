@@ -26,7 +26,7 @@ from verbatim.datamodel import Completion
 from verbatim.engine.checkpoints import state_dict_checkpoint
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource
+from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource, prefilled
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
 from verbatim.errors import EngineError, InputError
@@ -197,6 +197,7 @@ class InprocEngine:
                 if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
                     seen["first_token_s"] = time.perf_counter() - started
                     self._prefilled(output, prompt, cache_salt, request_id, seen)
+                    prefilled()
                 seen["final"] = output
 
         try:  # a timeout cancels the stream, and vLLM aborts a request whose stream is cancelled

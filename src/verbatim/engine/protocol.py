@@ -7,9 +7,11 @@ version), so a trace can always say which cache namespace a turn read.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
@@ -111,3 +113,31 @@ class Engine(Protocol):
     async def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
+
+
+# -- the first token of a request ---------------------------------------------------------------------
+
+_PREFILLED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("verbatim_prefilled",
+                                                                                      default=None)
+
+
+@contextlib.contextmanager
+def when_prefilled(callback: Callable[[], None]) -> Iterator[None]:
+    """Requests sent inside the block call ``callback`` once their prompt is prefilled (their first token),
+    where the engine streams; an engine that does not leaves the caller to act on the completion.
+
+    A context variable, not a ``generate`` argument: it passes through every wrapper (gate, router,
+    benchmark wrappers) unchanged, and tasks those create inherit it. A group leader's first request
+    uses it so that the followers start as soon as the shared prompt is in the prefix cache."""
+    token = _PREFILLED.set(callback)
+    try:
+        yield
+    finally:
+        _PREFILLED.reset(token)
+
+
+def prefilled() -> None:
+    """Called by an engine at a request's first token: runs the caller's :func:`when_prefilled` callback."""
+    callback = _PREFILLED.get()
+    if callback is not None:
+        callback()

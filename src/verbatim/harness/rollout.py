@@ -15,14 +15,16 @@ env returns is checked (:mod:`.env_output`) before it is used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from pydantic import Field
 
 from verbatim.datamodel import Frozen, Rollout
-from verbatim.engine.protocol import CachePolicy, Engine, Sampling, cache_salt
+from verbatim.engine.protocol import CachePolicy, Engine, Sampling, cache_salt, when_prefilled
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.envs.base import Env
 from verbatim.errors import VerbatimError
@@ -124,6 +126,19 @@ class RolloutPlayer:
     async def __aenter__(self) -> RolloutPlayer:
         return self
 
+    @contextlib.contextmanager
+    def first_request(self, group_id: str, first: bool = True) -> Iterator[None]:
+        """Around a rollout's first request: it releases the group's followers (``on_first_request``) at its
+        first token where the engine streams (the shared prompt is in the prefix cache then), else once
+        answered. Other requests pass through."""
+        if not first or self.on_first_request is None:
+            yield
+            return
+        release = partial(self.on_first_request, group_id)
+        with when_prefilled(release):
+            yield
+        release()
+
     async def __aexit__(self, *exc: object) -> None:
         """Nothing to release (an agent's player closes its endpoint here)."""
 
@@ -167,10 +182,9 @@ class RolloutPlayer:
         ledger.append_prompt(prompt.token_ids)
         for turn in range(self.config.max_turns):
             salt = cache_salt(self.config.cache_policy, self.engine.version, start_version)
-            completion = await self.engine.generate(ledger.view(), self.sampling, session_id=spec.rollout_id,
-                                                    group_id=spec.group_id, cache_salt=salt)
-            if turn == 0 and self.on_first_request:
-                self.on_first_request(spec.group_id)
+            with self.first_request(spec.group_id, turn == 0):
+                completion = await self.engine.generate(ledger.view(), self.sampling, session_id=spec.rollout_id,
+                                                        group_id=spec.group_id, cache_salt=salt)
             ledger.append_completion(completion, sampling=self.recorded_sampling)
             if "route" in completion.extra:
                 state.setdefault("routes", []).append(completion.extra["route"])

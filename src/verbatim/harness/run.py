@@ -1,8 +1,9 @@
 """A run: groups of rollouts over tasks, played concurrently, written crash-safe, resumable.
 
 Group members share their task prompt. The first member of a group sends its
-first request alone; the others start once it has been answered, so the shared
-prompt is prefilled once and every other member reads it from the prefix cache.
+first request alone; the others start once its prompt is prefilled (its first
+token, where the engine streams; else once it is answered), so the shared prompt
+is prefilled once and every other member reads it from the prefix cache.
 
 Stopping (:meth:`Run.stop`: a signal, or an engine that fails every request): no
 new rollout starts; those playing get ``grace_s`` to finish, then their engine
