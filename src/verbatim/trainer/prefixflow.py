@@ -170,8 +170,7 @@ def suffix_backward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, 
     p, b = group.prefix_len, len(rows)
     suffix_ids, suffix_masks = _pad([group.suffixes[i] for i in rows],
                                     [group.loss_masks[i][p:] for i in rows])
-    past = [(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in state.kv]
-    hidden, _ = lm.hidden_states(suffix_ids, start=p, past=past)
+    hidden, _ = lm.hidden_states(suffix_ids, start=p, past=state.kv)  # one prefix copy serves every row
     # predictor states: column 0 of a suffix is predicted by the boundary (position P-1)
     states = torch.cat([state.boundary.expand(b, 1, -1), hidden[:, :-1]], dim=1)
     r, s = torch.nonzero(suffix_masks, as_tuple=True)
