@@ -28,20 +28,22 @@ ADAPTERS: dict[str, Callable[..., PrefixCausalLM]] = {
 TrainerPath = Literal["prefixflow", "plain"]
 
 
-def prefix_lm(model: nn.Module, temperature: float = 1.0) -> PrefixCausalLM:
-    """The PrefixFlow adapter of a Hugging Face causal LM, by its ``config.model_type``."""
+def prefix_lm(model: nn.Module, temperature: float = 1.0, checkpoint_layers: bool = False) -> PrefixCausalLM:
+    """The PrefixFlow adapter of a Hugging Face causal LM, by its ``config.model_type``; ``checkpoint_layers``
+    recomputes each decoder layer in the backward (:mod:`.layer_checkpoint`)."""
     kind = model_type(model)
     if kind not in ADAPTERS:
         raise TrainerError(f"PrefixFlow has no adapter for model type {kind!r} (supported: "
                          f"{', '.join(sorted(ADAPTERS))})",
                          hint="drop --prefixflow: without an adapter a model trains through the plain forward")
-    return ADAPTERS[kind](model, temperature=temperature)
+    return ADAPTERS[kind](model, temperature=temperature, checkpoint_layers=checkpoint_layers)
 
 
-def trainer_lm(model: nn.Module, prefixflow: bool | None = None,
-               temperature: float = 1.0) -> tuple[PrefixCausalLM, TrainerPath]:
+def trainer_lm(model: nn.Module, prefixflow: bool | None = None, temperature: float = 1.0,
+               checkpoint_layers: bool = False) -> tuple[PrefixCausalLM, TrainerPath]:
     """The model's adapter and its path: ``prefixflow`` True requires an adapter, False takes the plain path,
-    None (auto) takes PrefixFlow where the family has an adapter."""
+    None (auto) takes PrefixFlow where the family has an adapter. ``checkpoint_layers`` applies to the
+    PrefixFlow adapters (the plain path runs the model's own forward as it is)."""
     if prefixflow is False or (prefixflow is None and model_type(model) not in ADAPTERS):
         return PlainCausalLM(model, temperature=temperature), "plain"
-    return prefix_lm(model, temperature), "prefixflow"
+    return prefix_lm(model, temperature, checkpoint_layers), "prefixflow"
