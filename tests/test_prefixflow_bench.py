@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from verbatim.bench.prefixflow import KEYS, Case, markdown_table, peak_rss_mb
+from verbatim.bench.prefixflow import KEYS, Case, flop_ideal_speedup, markdown_table, peak_rss_mb
 from verbatim.cli.app import app
 
 from .test_prefixflow import tiny_llama
@@ -40,6 +40,7 @@ def test_json_objects_have_the_issue_keys_and_exact_gradients(tiny_model_dir):
         assert r["prefix_tokens"] + r["suffix_tokens"] == 40
         p, s = r["prefix_tokens"], r["suffix_tokens"]
         assert r["ideal_speedup"] == pytest.approx(3 * (p + s) / (p + 3 * s), abs=1e-3)
+        assert 1 < r["flop_ideal_speedup"] < r["ideal_speedup"] and 2 <= r["phase_b_rows"] <= 3
         assert r["baseline_s"] > 0 and r["prefixflow_s"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_s"] / r["prefixflow_s"], rel=2e-2)
         assert 0 <= r["grad_max_rel_err"] <= 1e-5
@@ -61,6 +62,18 @@ def test_case_geometry_and_ideal_speedup():
     assert Case(0.999, 2, 10).suffix_tokens == 1  # every suffix keeps a token
 
 
+def test_flop_ideal_of_the_default_model_at_the_target():
+    """SmolLM2-135M's shape: prefix attention and the output layer put the FLOP ideal near 86 % of the token ideal."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3)
+    case = Case(0.83, 8, 1024)
+    flops = flop_ideal_speedup(case, config)
+    assert 3.1 < flops < 3.2 and 0.84 < flops / case.ideal_speedup < 0.88
+    assert flop_ideal_speedup(Case(0.5, 1, 1024), config) == pytest.approx(1.0)
+
+
 def test_peak_memory_sees_a_large_allocation():
     with peak_rss_mb() as peak:
         block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
@@ -79,7 +92,7 @@ def test_write_puts_the_timings_into_the_named_section(tmp_path, tiny_model_dir)
     assert result.exit_code == 0, result.output
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench-prefixflow-small:end -->\n\nkeep\n")
-    assert "| 0.5 | 2 | 20 | 20 |" in text and "Machine (detected): " in text and "torch " in text
+    assert "| 0.5 | 2 | 20 | 20 | 2 |" in text and "Machine (detected): " in text and "torch " in text
     assert (f"`verbatim bench prefixflow --prefix-ratio 0.5 --group-size 2 --seq-len 40 --micro-batch 2 --repeats 1 "
             f"--model {tiny_model_dir} --no-offload --write {doc} --section bench-prefixflow-small`") in text
 

@@ -4,9 +4,18 @@ For each (prefix ratio r, group size G) on a sequence length N: P = round(r·N) 
 tokens, G suffixes of S = N − P tokens, the loss on the suffix tokens (an RL-style
 policy-gradient loss with per-sequence advantages). One forward + backward of the G
 whole sequences (the baseline, in microbatches of M sequences) and one PrefixFlow pass
-over the same group from the same weights, its phase B in microbatches of the same token
-budget (as many suffixes as fit in M·N tokens, at least M); the maximum per-parameter relative gradient error
-between them; and the ideal speedup G(P+S)/(P+G·S), the ratio of tokens processed.
+over the same group from the same weights; the maximum per-parameter relative gradient error
+between them; and two ideal speedups:
+
+* the token ideal G(P+S)/(P+G·S), the ratio of tokens processed;
+* the FLOP ideal (:func:`flop_ideal_speedup`), the ratio of the two passes' floating-point
+  operations on this model: the linear layers per token, the attention per (query, key) pair
+  (a suffix token attends over the whole prefix) and the output layer on every loss token
+  (the same in both passes), so tokens are not equal.
+
+Phase B's microbatches get the memory budget of a baseline microbatch, not its token count
+(:func:`suffixes_per_microbatch`): the bytes autograd saves for the backward of one baseline
+microbatch's forward, measured, over those of one more suffix row (at least M rows).
 
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
 resident size at the start of the pass, after glibc has handed its free memory back
@@ -26,13 +35,22 @@ from pathlib import Path
 import torch
 
 from verbatim.trainer.adapters import prefix_lm
+from verbatim.trainer.causal_lm import PrefixCausalLM
 from verbatim.trainer.prefix_offload import Offload
-from verbatim.trainer.prefixflow import LossFn, PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
+from verbatim.trainer.prefixflow import (
+    LossFn,
+    PrefixGroup,
+    PrefixState,
+    encode_prefix,
+    full_sequence_backward,
+    microbatches,
+    prefixflow_backward,
+)
 from verbatim.trainer.reference import load_model
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
-        "speedup", "ideal_speedup", "grad_max_rel_err", "peak_mb_baseline", "peak_mb_prefixflow",
-        "peak_mb_prefixflow_offload")
+        "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "grad_max_rel_err", "peak_mb_baseline",
+        "peak_mb_prefixflow", "peak_mb_prefixflow_offload")
 """The keys of one result object, in order (the last one is offload to disk)."""
 
 
@@ -54,6 +72,32 @@ class Case:
     def ideal_speedup(self) -> float:
         p, s, g = self.prefix_tokens, self.suffix_tokens, self.group_size
         return g * (p + s) / (p + g * s)
+
+
+def flop_ideal_speedup(case: Case, config: object) -> float:
+    """Full training's FLOPs over PrefixFlow's for a dense decoder's ``config`` (the backward, about twice
+    the forward in both, cancels): linear layers per token, attention per causal (query, key) pair, the
+    output layer per loss token (the suffix tokens, in both)."""
+    p, s, g = case.prefix_tokens, case.suffix_tokens, case.group_size
+    linear, pair, output = _flops_per_token(config)
+
+    def pairs(n: int) -> int:
+        return n * (n + 1) // 2
+
+    full = g * ((p + s) * linear + pairs(p + s) * pair + s * output)
+    flow = p * linear + pairs(p) * pair + g * (s * linear + (s * p + pairs(s)) * pair + s * output)
+    return full / flow
+
+
+def _flops_per_token(config: object) -> tuple[float, float, float]:
+    """(linear layers per token, attention per (query, key) pair, output layer per loss token), forward."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    projections = attention + 3 * hidden * config.intermediate_size  # gate, up, down
+    return 2.0 * layers * projections, 4.0 * layers * heads * head_dim, 2.0 * hidden * config.vocab_size
 
 
 def bench_group(case: Case, vocab_size: int, seed: int = 0) -> tuple[PrefixGroup, LossFn]:
@@ -83,7 +127,8 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool
     lm = prefix_lm(model)
     group, loss_fn = bench_group(case, model.config.vocab_size)
     splits = microbatches(case.group_size, micro_batch)
-    flow_splits = microbatches(case.group_size, suffixes_per_microbatch(case, micro_batch))
+    rows = suffixes_per_microbatch(lm, group, micro_batch)
+    flow_splits = microbatches(case.group_size, rows)
 
     def baseline() -> float:
         return full_sequence_backward(lm, group, loss_fn, splits)
@@ -104,14 +149,57 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool
         "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
         "baseline_s": round(baseline_s, 6), "prefixflow_s": round(flow_s, 6),
         "speedup": round(baseline_s / flow_s, 4), "ideal_speedup": round(case.ideal_speedup, 3),
+        "flop_ideal_speedup": round(flop_ideal_speedup(case, model.config), 3), "phase_b_rows": rows,
         "grad_max_rel_err": err, "peak_mb_baseline": peak_base, "peak_mb_prefixflow": peak_flow,
         "peak_mb_prefixflow_offload": peak_offload,
     }
 
 
-def suffixes_per_microbatch(case: Case, micro_batch: int) -> int:
-    """Phase B gets the token budget of a baseline microbatch: micro_batch × N tokens of suffixes."""
-    return max(micro_batch, micro_batch * case.seq_len // case.suffix_tokens)
+def suffixes_per_microbatch(lm: PrefixCausalLM, group: PrefixGroup, micro_batch: int) -> int:
+    """Phase B gets the memory budget of a baseline microbatch: as many suffix rows as fit in the bytes one
+    baseline microbatch's forward saves for its backward, measured (rows beyond the first cost what the
+    second adds; at least ``micro_batch``, at most the group). The group's sequences are of one length, as here."""
+    if group.size == 1:
+        return 1
+    budget = saved_bytes(lm, lambda: _full_forward(lm, group, list(range(min(micro_batch, group.size)))))
+    state = encode_prefix(lm, group)
+    try:
+        one = saved_bytes(lm, lambda: _suffix_forward(lm, group, state, [0]))
+        two = saved_bytes(lm, lambda: _suffix_forward(lm, group, state, [0, 1]))
+    finally:
+        state.store.close()
+    row = max(two - one, 1)
+    fits = 1 + (budget - one) // row if budget >= one else 1
+    return int(min(group.size, max(micro_batch, fits)))
+
+
+def saved_bytes(lm: PrefixCausalLM, step: Callable[[], object]) -> int:
+    """Bytes autograd saves for the backward while ``step`` runs: distinct storages, parameters left out."""
+    parameters = {param.untyped_storage().data_ptr() for param in lm.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(seen.values())
+
+
+def _full_forward(lm: PrefixCausalLM, group: PrefixGroup, rows: list[int]) -> torch.Tensor:
+    ids = torch.stack([group.sequence(i) for i in rows])
+    hidden, _ = lm.hidden_states(ids)
+    p = group.prefix_len
+    return lm.token_logprobs(hidden[:, p - 1:-1].reshape(-1, hidden.shape[-1]), ids[:, p:].reshape(-1))
+
+
+def _suffix_forward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, rows: list[int]) -> torch.Tensor:
+    ids = torch.stack([group.suffixes[i] for i in rows])
+    hidden, _ = lm.hidden_states(ids, start=group.prefix_len, past=state.kv)
+    return lm.token_logprobs(hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1))
 
 
 def warm_up(model: torch.nn.Module) -> None:
@@ -205,15 +293,18 @@ def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq
 
 
 def markdown_table(results: list[dict]) -> str:
-    head = ("| r | G | P | S | full (s) | PrefixFlow (s) | speedup | ideal | % of ideal | grad max rel err "
-            "| peak MB full | peak MB PrefixFlow | peak MB PrefixFlow, disk offload |")
-    lines = [head, "|" + "---:|" * 13]
+    head = ("| r | G | P | S | phase B rows | full (s) | PrefixFlow (s) | speedup | token ideal | % of token ideal "
+            "| FLOP ideal | % of FLOP ideal | grad max rel err | peak MB full | peak MB PrefixFlow "
+            "| peak MB PrefixFlow, disk offload |")
+    lines = [head, "|" + "---:|" * 16]
     for r in results:
         share = 100 * r["speedup"] / r["ideal_speedup"]
+        flop_share = 100 * r["speedup"] / r["flop_ideal_speedup"]
         lines.append(
             f"| {r['prefix_ratio']} | {r['group_size']} | {r['prefix_tokens']} | {r['suffix_tokens']} "
-            f"| {r['baseline_s']:.2f} | {r['prefixflow_s']:.2f} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x "
-            f"| {share:.0f}% | {r['grad_max_rel_err']:.1e} | {_mb(r['peak_mb_baseline'])} "
+            f"| {r['phase_b_rows']} | {r['baseline_s']:.2f} | {r['prefixflow_s']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['ideal_speedup']:.2f}x | {share:.0f}% | {r['flop_ideal_speedup']:.2f}x | {flop_share:.0f}% "
+            f"| {r['grad_max_rel_err']:.1e} | {_mb(r['peak_mb_baseline'])} "
             f"| {_mb(r['peak_mb_prefixflow'])} | {_mb(r['peak_mb_prefixflow_offload'])} |")
     return "\n".join(lines)
 
