@@ -91,7 +91,8 @@ def step_rollouts(out: Path, step: int) -> int:
 
 def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_path):
     out = tmp_path / "run"
-    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3"]
+    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3",
+            "--checkpoint-every", "1"]
 
     first = Trainer(tmp_path, "1", args)  # killed during step 2's rollouts
     first.kill_when(lambda: "step-000001" in checkpoints(out))
@@ -129,6 +130,48 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
 
     changed = CliRunner().invoke(app, ["train", *args, "--resume", "--lr", "2e-5"])
     assert changed.exit_code == 2 and "lr: 1e-05 -> 2e-05" in changed.output, changed.output
+
+
+def metric_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_checkpoints_every_k_steps_a_kill_loses_the_steps_since_and_a_stop_checkpoints_where_it_ends(
+        vllm_server, tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3",
+            "--checkpoint-every", "3"]
+
+    first = Trainer(tmp_path, "1", args)  # killed after two trained steps, neither checkpointed
+    first.kill_when(lambda: len(metric_steps(out)) == 2)
+    assert checkpoints(out) == []
+
+    second = Trainer(tmp_path, "2", [*args, "--resume"])  # SIGINT once step 1 is trained again
+    deadline = time.monotonic() + 300
+    while metric_steps(out) != [1] and time.monotonic() < deadline and second.alive():
+        time.sleep(0.01)
+    os.kill(second.proc.pid, signal.SIGINT)
+    assert second.wait(300) == 130, second.err()
+    stopped_at = metric_steps(out)[-1]
+    assert checkpoints(out) == [f"step-{stopped_at:06d}"]  # not a multiple of 3: the stop checkpointed it
+    discarded = out / "discarded" / "after-step-000000"
+    assert [json.loads(line)["step"] for line in (discarded / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (discarded / "trainer_logprobs").iterdir()) == ["step-000001.parquet",
+                                                                                  "step-000002.parquet"]
+    assert list(discarded.glob("rollouts-*"))  # step 2's rollouts (sampled by version 1) moved
+
+    last = Trainer(tmp_path, "3", [*args, "--resume"])
+    assert last.wait(600) == 0, last.err()
+    assert metric_steps(out) == list(range(1, STEPS + 1))
+    assert checkpoints(out)[-2:] == ["step-000003", f"step-{STEPS:06d}"]
+    trace = read_run(out)
+    counts = Counter(r.rollout_id for r in trace.rollouts)
+    assert set(counts.values()) == {1} and len(counts) == STEPS * GROUPS * SIZE
+    for rollout in trace.rollouts:  # nothing sampled by the weights the kill lost
+        assert rollout.tokens.policy_version.max() <= rollout.info["step"] - 1
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert lint.exit_code == 0, lint.output[-3000:]
 
 
 class Rewardless:

@@ -90,6 +90,10 @@ def train_flags(
                                          "whole sequences."),
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every",
+                                         help="Steps between checkpoints (the last step and a stopped run's "
+                                              "last step always get one); a resume trains the steps after the "
+                                              "newest checkpoint again. 1 checkpoints every step."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
                              help="Seed of the env's tasks, sampling and the trainer."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
@@ -130,7 +134,8 @@ def train_flags(
     with flag_errors():  # a value a settings model refuses: one line naming the option
         plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
                          advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
-                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, concurrency=concurrency,
+                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, checkpoint_every=checkpoint_every,
+                         concurrency=concurrency,
                          allow_truncated_sampling=allow_truncated_sampling)
         correction = CorrectionConfig(token_tis_cap=token_tis_cap or None,
                                       sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),

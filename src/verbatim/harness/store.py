@@ -217,12 +217,16 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunTrace:
     for path in sorted(run_dir.glob(f"{_TMP_PREFIX}*")):
         trace.problems.append(f"{path.name}: an unfinished write (interrupted run); ignored")
     for _, path in batch_files(run_dir):
-        reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
-        rollouts, problem = reader(path)
+        rollouts, problem = read_batch(path)
         trace.rollouts.extend(rollouts)
         if problem:
             trace.problems.append(problem)
     return trace
+
+
+def read_batch(path: Path) -> tuple[list[Rollout], str | None]:
+    """One batch file's intact rollouts, and what was wrong with it (None when nothing)."""
+    return (_read_parquet if path.suffix == ".parquet" else _read_jsonl)(path)
 
 
 def _read_parquet(path: Path) -> tuple[list[Rollout], str | None]:

@@ -10,8 +10,9 @@ Steps are counted from 1 (in the console, the files and the docs). Step ``n``:
 3. the new weights into the engine under the cache policy, as version ``n`` (served replicas
    reload a folder published atomically under ``RUN_DIR/weights/``; the router updates every
    replica before the version is used);
-4. an atomic checkpoint ``RUN_DIR/checkpoints/step-{n:06d}`` (weights, optimizer, RNG, version,
-   config, the metrics so far, and the model's config and tokenizer files: a loadable model folder),
+4. every ``checkpoint_every`` steps, at the last planned step and at the step a stopped run ends on,
+   an atomic checkpoint ``RUN_DIR/checkpoints/step-{n:06d}`` (weights, optimizer, RNG, version,
+   config, the metrics so far, and the model's config and tokenizer files: a loadable model folder);
    then the step's line ``"step": n`` in ``RUN_DIR/metrics.jsonl``.
 
 The manifest says ``running`` while steps remain, ``completed`` once the last planned step is
@@ -24,9 +25,10 @@ update lands mid-rollout). No token is more than L versions behind the trainer; 
 correction's version-lag rule masks any that would be.
 
 Resume (``resume=True``): the newest complete checkpoint's weights, optimizer, RNG and version
-are loaded, the engine gets those weights before any rollout, ``metrics.jsonl`` is cut back to
-the checkpointed steps, and the first unfinished step plays only its missing rollouts (the
-written ones were sampled by the checkpoint's version, or by versions the trace records).
+are loaded, the engine gets those weights before any rollout, what steps past it recorded is moved
+to ``RUN_DIR/discarded/`` (their metrics lines, logprob files and the rollouts sampled by their
+versions: they are trained again), and the first unfinished step plays only its missing rollouts
+(the written ones were sampled by the checkpoint's version, or by versions the trace records).
 A step is counted once: its checkpoint is the commit. What a resume may go on from (and the one
 setting it may change, ``--steps``) is checked before the engine starts (harness/train_resume.py).
 """
@@ -53,7 +55,7 @@ from verbatim.harness.rerendered import closed_input, rerendered_input
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
-from verbatim.harness.train_resume import CHECKPOINTS
+from verbatim.harness.train_resume import CHECKPOINTS, set_aside, trained_steps
 from verbatim.harness.train_step import step_input, step_logprobs, step_record
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -74,6 +76,10 @@ class TrainPlan(Frozen):
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     max_lag: int = Field(default=0, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
+    checkpoint_every: int = Field(default=10, ge=1)
+    """Steps between checkpoints (weights, optimizer, RNG). The last planned step and the last step a
+    stopped run trained are always checkpointed; a crash loses at most ``checkpoint_every − 1`` steps,
+    which a resume trains again (harness/train_resume.py)."""
     concurrency: int = Field(default=16, ge=1)
     allow_truncated_sampling: bool = False
     """Train on rollouts sampled under top-p < 1, top-k or a regex, masks the trainer's π does not reproduce
@@ -107,6 +113,7 @@ class TrainLoop:
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         self.on_rollout: Callable[[Rollout], None] | None = None
         self._trained = 0
+        self._checkpointed = 0
         self._progress = asyncio.Condition()
         self._runs: set[Run] = set()
         self.stopped: StopRequest | None = None
@@ -136,7 +143,7 @@ class TrainLoop:
         return self.history
 
     async def _steps(self, start: int) -> None:
-        self._trained = start
+        self._trained = self._checkpointed = start
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(start, queue))
         try:
@@ -147,6 +154,9 @@ class TrainLoop:
                     raise RunInterrupted(f"{self.stopped.reason}: stopped after step {k + 1} of "
                                          f"{self.plan.steps}", exit_code=self.stopped.exit_code,
                                          hint="rerun the same command with --resume to go on")
+        except RunInterrupted:
+            await self._keep_last_step()
+            raise
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
@@ -168,6 +178,7 @@ class TrainLoop:
             rewrite_metrics(self.out, [])
             return 0
         latest = latest_checkpoint(self.checkpoints)
+        set_aside(self.out, trained_steps(self.out), self.plan.max_lag)  # steps trained past it: trained again
         if latest is None:
             rewrite_metrics(self.out, [])
             return 0
@@ -241,17 +252,34 @@ class TrainLoop:
         times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s}
         record = step_record(n, self.learner.version, rollouts, summary, row_info, learned, times)
         self.history.append(record)
-        state = {"version": self.learner.version, "config": self.manifest.config, "metrics": self.history}
-        began = time.perf_counter()
-        await asyncio.to_thread(save_checkpoint, self.checkpoints, n, self.learner.model, self.learner.optimizer,
-                                state, self.plan.keep_checkpoints, model_files(self.model_dir))
-        record["checkpoint_s"] = round(time.perf_counter() - began, 3)
+        record["checkpoint_s"] = 0.0
+        if n % self.plan.checkpoint_every == 0 or n == self.plan.steps or self.stopped is not None:
+            record["checkpoint_s"] = await self._checkpoint(n)
         append_metrics(self.out, record)
         async with self._progress:
             self._trained = n
             self._progress.notify_all()
         if self.on_step:
             self.on_step(record)
+
+    async def _keep_last_step(self) -> None:
+        """A stopped run checkpoints the last step it trained, where the interval skipped it (not a step the
+        stop cut short: the learner must hold exactly what that step's metrics line records)."""
+        n = self._trained
+        if n <= self._checkpointed or not self.history:
+            return
+        last = self.history[-1]
+        if last.get("step") == n and last.get("version") == self.learner.version:
+            await self._checkpoint(n)
+
+    async def _checkpoint(self, n: int) -> float:
+        """Commit step ``n`` (the learner after it, the metrics so far) as a checkpoint; returns the seconds."""
+        state = {"version": self.learner.version, "config": self.manifest.config, "metrics": self.history}
+        began = time.perf_counter()
+        await asyncio.to_thread(save_checkpoint, self.checkpoints, n, self.learner.model, self.learner.optimizer,
+                                state, self.plan.keep_checkpoints, model_files(self.model_dir))
+        self._checkpointed = n
+        return round(time.perf_counter() - began, 3)
 
     async def _push(self, policy: CachePolicy) -> None:
         """The learner's weights into the engine as its version (a folder the servers read, if served)."""

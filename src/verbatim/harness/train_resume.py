@@ -9,23 +9,31 @@ commits ``checkpoints/step-{n:06d}`` (version ``n``), then its line ``"step": n`
   begun) is refused: resuming would train those steps again from older weights and write their
   rollouts into the trace a second time;
 * a finished run (its checkpoint is the last planned step) is reported complete, not replayed;
-* the settings must be the first run's, except ``--steps``, which may be raised (the one change
-  that keeps every recorded step valid) while the learning rate is constant: a linear or cosine
-  schedule is spread over the planned steps, so more steps would change it under the steps trained.
+* the settings must be the first run's, except ``--checkpoint-every`` and ``--steps``, which may be
+  raised (the one change that keeps every recorded step valid) while the learning rate is constant: a
+  linear or cosine schedule is spread over the planned steps, so more steps would change it under the
+  steps trained;
+* a run checkpointing every K steps may have trained up to K − 1 steps past its newest checkpoint:
+  the resume sets their records aside (:func:`set_aside`) and trains them again; more than that is
+  refused, as a lost checkpoint.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.errors import InputError
-from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics
-from verbatim.harness.store import RunLock, read_manifest, read_run
+from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics, rewrite_metrics
+from verbatim.harness.store import RunLock, batch_files, read_batch, read_manifest, read_run
 
 CHECKPOINTS = "checkpoints"
 _STEPS_KEY = "plan.steps"
+_EVERY_KEY = "plan.checkpoint_every"
+"""How often a run checkpoints may change on a resume: it changes no step's result."""
 
 
 def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
@@ -45,8 +53,8 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
         raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
     check_changes(previous.get("train", {}), config.get("train", {}))
     trained = trained_steps(out)
-    plan = config.get("train", {}).get("plan", {})
-    check_recorded(out, trained, int(plan.get("max_lag", 0)))
+    plan = previous.get("train", {}).get("plan", {})
+    check_recorded(out, trained, int(plan.get("max_lag", 0)), int(plan.get("checkpoint_every", 1)))
     return trained
 
 
@@ -54,7 +62,7 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """The settings of the first run, or more --steps under a constant learning rate."""
     from verbatim.trainer.checkpoint import config_differences
 
-    changed = config_differences(saved, now)
+    changed = [line for line in config_differences(saved, now) if not line.startswith(f"{_EVERY_KEY}:")]
     before = saved.get("plan", {}).get("steps")
     after = now.get("plan", {}).get("steps")
     if isinstance(before, int) and isinstance(after, int) and after > before:
@@ -77,15 +85,16 @@ def trained_steps(out: Path) -> int:
     return max(checkpoint_steps(out / CHECKPOINTS), default=0)
 
 
-def check_recorded(out: Path, trained: int, max_lag: int) -> None:
-    """Refuse a run that records steps its newest checkpoint does not hold: a written rollout is never
-    played into the trace twice."""
+def check_recorded(out: Path, trained: int, max_lag: int, every: int = 1) -> None:
+    """Refuse a run that records steps its newest checkpoint could not have left behind (checkpoints
+    every ``every`` steps: up to ``every − 1`` trained steps past it, which a resume sets aside), so that a
+    lost checkpoint is named, not silently trained again."""
     lines = read_metrics(out) if metrics_path(out).is_file() else []
-    beyond = sorted({r["step"] for r in lines if isinstance(r.get("step"), int) and r["step"] > trained})
+    beyond = sorted({r["step"] for r in lines if isinstance(r.get("step"), int) and r["step"] > trained + every - 1})
     where = METRICS_FILE
-    if not beyond:  # rollouts of steps up to trained + 1 + max_lag may be on disk: the loop plays their rest
+    if not beyond:  # rollouts of steps up to trained + every + max_lag may be on disk
         steps = {r.info.get("step") for r in read_run(out).rollouts}
-        beyond = sorted(s for s in steps if isinstance(s, int) and s > trained + 1 + max_lag)
+        beyond = sorted(s for s in steps if isinstance(s, int) and s > trained + every + max_lag)
         where = "the trace's rollouts"
     if beyond:
         held = f"the newest checkpoint is step {trained}" if trained else "there is no checkpoint"
@@ -93,3 +102,64 @@ def check_recorded(out: Path, trained: int, max_lag: int) -> None:
                          f"(under {out / CHECKPOINTS}): resuming would train recorded steps again and write "
                          "their rollouts twice",
                          hint="put the missing checkpoints back, or start a new run with another --out")
+
+
+DISCARDED = "discarded"
+
+
+def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
+    """Move what steps past the newest checkpoint (``trained``) recorded into ``out/discarded/after-step-N/``
+    (nothing is deleted); returns that folder, or None when there was nothing.
+
+    A resume trains those steps again from the checkpoint's weights, so their records describe weights
+    that no longer exist: their ``metrics.jsonl`` lines, their trainer logprob files, and every batch file
+    holding a rollout that the resumed run could not have played (a step past ``trained + 1 + max_lag``,
+    or a token sampled by a version past ``trained``). The rollouts it could have played (sampled by the
+    checkpoint's version or earlier) stay in the trace, and the loop plays only the missing ones."""
+    from verbatim.datamodel import Source
+    from verbatim.trainer.logprob_files import STEP_DIR
+
+    moved = []
+    for _, path in batch_files(out):
+        rollouts, _ = read_batch(path)
+        if any(_stale(r, trained, max_lag, Source.MODEL) for r in rollouts):
+            moved.append(path)
+    lines = read_metrics(out) if metrics_path(out).is_file() else []
+    later = [r for r in lines if isinstance(r.get("step"), int) and r["step"] > trained]
+    files = sorted(p for p in (out / STEP_DIR).glob("step-*.parquet") if _step_of(p) > trained)
+    if not (moved or later or files):
+        return None
+    folder = _new_folder(out / DISCARDED / f"after-step-{trained:06d}")
+    (folder / STEP_DIR).mkdir(parents=True)
+    if later:
+        (folder / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in later))
+        rewrite_metrics(out, [r for r in lines if r not in later])
+    for path in files:
+        os.replace(path, folder / STEP_DIR / path.name)
+    for path in moved:
+        os.replace(path, folder / path.name)
+    return folder
+
+
+def _new_folder(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``… where an earlier resume set aside steps after the same checkpoint."""
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
+def _stale(rollout: Any, trained: int, max_lag: int, model: int) -> bool:
+    step = rollout.info.get("step")
+    if isinstance(step, int) and step > trained + 1 + max_lag:
+        return True
+    sampled = rollout.tokens.policy_version[rollout.tokens.source == model]
+    return bool(sampled.size) and int(sampled.max()) > trained
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.stem.removeprefix("step-"))
+    except ValueError:
+        return -1
