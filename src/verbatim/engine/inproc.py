@@ -2,7 +2,8 @@
 
 A request is a token-ID prompt; a response is the sampled token IDs with the
 sampler's logprob and the policy version of each. Weight updates pause the
-scheduler with running requests frozen in place, reload the weights, stamp the
+scheduler with running requests frozen in place, reload the weights (a state dict
+through shared memory, engine/weight_push.py; a folder from disk), stamp the
 new version into vLLM, apply the cache policy and resume: vLLM labels every
 sampled token with the weights version that produced it, so a generation that
 spans an update is split exactly at the update.
@@ -23,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from verbatim.datamodel import Completion
-from verbatim.engine.checkpoints import state_dict_checkpoint
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource, prefilled
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
+from verbatim.engine.weight_push import RECEIVER, WeightChannel
 from verbatim.errors import EngineError, InputError
 
 __all__ = ["InprocEngine", "Sampling"]
@@ -91,6 +92,7 @@ class InprocEngine:
         self._update_lock = asyncio.Lock()
         self._kv = KvProvenance(self.block_size)
         self._weights_dirs: list[Path] = []
+        self._channel = WeightChannel()
 
     # -- life cycle -------------------------------------------------------------
 
@@ -108,6 +110,7 @@ class InprocEngine:
             max_num_batched_tokens=self.config.batched_tokens,
             num_gpu_blocks_override=self.config.kv_blocks,
             seed=self.config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE,
+            worker_extension_cls=RECEIVER,
         )
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
@@ -148,6 +151,7 @@ class InprocEngine:
         for folder in self._weights_dirs:
             shutil.rmtree(folder, ignore_errors=True)
         self._weights_dirs.clear()
+        self._channel.close()
 
     def _require_started(self) -> Any:
         if self._llm is None:
@@ -253,19 +257,26 @@ class InprocEngine:
         policy = CachePolicy.parse(policy)
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
-        folder, temporary = await asyncio.to_thread(self._weights_folder, source)  # writing takes a while
+        if isinstance(source, dict):  # in memory: through the shared buffer, no file
+            weights = untie_state_dict(source) if serves_untied(self.model_dir) else source
+            path, slots = await asyncio.to_thread(self._channel.stage, weights)
+            await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)
+            return
+        folder, temporary = await asyncio.to_thread(self._weights_folder, source)
         try:
-            await self._reload(llm, folder, version, policy)
+            await self._reload(llm, "reload_weights", {"weights_path": str(folder)}, version, policy)
         finally:
             if temporary:  # our own copy: the reload has read it
                 shutil.rmtree(folder, ignore_errors=True)
                 self._weights_dirs.remove(folder)
 
-    async def _reload(self, llm: Any, folder: Path, version: int, policy: CachePolicy) -> None:
+    async def _reload(self, llm: Any, method: str, kwargs: dict[str, Any], version: int,
+                      policy: CachePolicy) -> None:
+        """Pause, reload the weights through the workers' ``method``, apply ``policy``, resume."""
         async with self._update_lock:
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+                await llm.collective_rpc(method, kwargs=kwargs)
                 await llm.update_weight_version(str(version))
                 if policy is CachePolicy.FLUSH:
                     await llm.reset_prefix_cache(reset_running_requests=True)
@@ -279,21 +290,14 @@ class InprocEngine:
                 await llm.resume_generation()
 
     def _weights_folder(self, source: WeightSource) -> tuple[Path, bool]:
-        """The folder vLLM reloads from, and whether it is a temporary copy of ours.
-
-        A state dict is written to a temporary folder; for an untied serving copy, a state dict
-        or folder without the output layer gets it spelled out (engine/untied.py)."""
-        untied = serves_untied(self.model_dir)
-        if isinstance(source, dict):
-            weights = untie_state_dict(source) if untied else source
-            folder = state_dict_checkpoint(weights, like=self.serving_dir)
-        else:
-            folder = Path(source)
-            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-                raise InputError(f"{folder} is not a checkpoint folder with .safetensors weights")
-            if not (untied and needs_untying(folder)):
-                return folder, False
-            folder = untied_folder(folder)
+        """The folder vLLM reloads from, and whether it is a temporary copy of ours: for an untied serving
+        copy, a folder without the output layer gets it spelled out (engine/untied.py)."""
+        folder = Path(source)
+        if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+            raise InputError(f"{folder} is not a checkpoint folder with .safetensors weights")
+        if not (serves_untied(self.model_dir) and needs_untying(folder)):
+            return folder, False
+        folder = untied_folder(folder)
         self._weights_dirs.append(folder)
         return folder, True
 
