@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from verbatim.bench.engines import engine_log, started
 from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy, Sampling
@@ -67,6 +68,10 @@ class LearnRun(Frozen):
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     correction: bool = True
     context: Literal["traced", "rerendered", "closed"] = "traced"
+    sync: Literal["memory", "folder"] = "memory"
+    """How the weights reach the engine: the in-process push (shared memory), or a published folder the
+    engine reloads from disk (the served path; ``bench step``'s "before")."""
+    checkpoint_every: int = 10
 
 
 class LearnSettings(Frozen):
@@ -115,7 +120,8 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule,
                                                             lr_final=settings.lr_final, correction=correction))
     plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
-                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context)
+                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
+                     checkpoint_every=run.checkpoint_every)
     loop = LoopConfig(max_turns=settings.max_turns, context_budget=2048, cache_policy=run.cache_policy,
                       sampling=Sampling(max_tokens=settings.max_tokens, temperature=1.0))
     engine = InprocEngine(EngineConfig(model=str(model_dir), max_model_len=2048, kv_cache_gib=1, seed=run.seed))
@@ -125,12 +131,9 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
                                              "settings": settings.model_dump(mode="json")}})
     tasks = lambda k: list(factory.tasks(settings.groups, run.seed * 100_003 + k))  # noqa: E731
     trainer = TrainLoop(plan, loop, learner, engine, get_renderer("smollm2", model_dir=model_dir), factory, tasks,
-                        out, manifest, model_dir)
-    await engine.start()
-    try:
+                        out, manifest, model_dir, served=run.sync == "folder")
+    async with started(engine, engine_log("learn")):
         return await trainer.train()
-    finally:
-        engine.close()
 
 
 def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:

