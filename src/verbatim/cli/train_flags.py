@@ -89,6 +89,17 @@ def train_flags(
                                          "(docs/trainer.md); --prefixflow requires one, --no-prefixflow trains "
                                          "whole sequences."),
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
+    trainer_dtype: str = typer.Option("fp32", "--trainer-dtype",
+                                      help="fp32 | bf16: bf16 runs the trainer's forward under bfloat16 autocast "
+                                           "over fp32 weights and fp32 AdamW state (log π in fp32). On a CPU it "
+                                           "saves memory, not time (docs/trainer.md)."),
+    activation_checkpointing: bool = typer.Option(
+        False, "--activation-checkpointing",
+        help="Recompute each decoder layer's activations in the backward instead of keeping them: less "
+             "memory, about one more forward of time."),
+    logprob_chunk: int = typer.Option(512, "--logprob-chunk",
+                                      help="Tokens whose logits (over the whole vocabulary) the trainer computes "
+                                           "at once, forward and backward; 0: all of a microbatch's at once."),
     keep_checkpoints: int = typer.Option(2, "--keep-checkpoints", help="Checkpoints kept under RUN_DIR."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every",
                                          help="Steps between checkpoints (the last step and a stopped run's "
@@ -131,6 +142,8 @@ def train_flags(
     from verbatim.trainer.learner import LearnerConfig
     from verbatim.trainer.objective import LossConfig
 
+    dtype = trainer_dtype_option(trainer_dtype)
+
     with flag_errors():  # a value a settings model refuses: one line naming the option
         plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
                          advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
@@ -146,6 +159,8 @@ def train_flags(
         learner = LearnerConfig(lr=lr, lr_schedule=lr_schedule_option(lr_schedule), lr_final=lr_final,
                                 weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
+                                dtype=dtype, checkpoint_layers=activation_checkpointing,
+                                logprob_chunk=logprob_chunk,
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
         options = TrainOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
                                env_args=parse_env_args(env_arg), tasks=task_file, model=model,
@@ -155,3 +170,12 @@ def train_flags(
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                trainer_device=trainer_device, resume=resume)
     train_command(options, console, summary_json)
+
+
+def trainer_dtype_option(value: str) -> str:
+    """``--trainer-dtype``: fp32 or bf16, else one line."""
+    from verbatim.errors import InputError
+
+    if value not in ("fp32", "bf16"):
+        raise InputError(f"unknown --trainer-dtype {value!r}", hint="use fp32 or bf16")
+    return value

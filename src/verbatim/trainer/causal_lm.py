@@ -13,6 +13,11 @@ included (:func:`target_logprobs`). The PrefixFlow adapters, one module per mode
 in :mod:`verbatim.trainer.adapters`; :class:`PlainCausalLM` is the path of any other causal LM:
 whole sequences through the model's own forward, no keys/values kept.
 
+:class:`LearnerLM` is either path as the learner runs it: log π computed in chunks of rows
+(:func:`chunked_target_logprobs`: at most ``rows × vocabulary`` logits exist at once, forward and
+backward, each chunk's logits recomputed in the backward) and the forward in bfloat16 under autocast
+when asked (fp32 master weights; the log-softmax always in float32).
+
 A model in train mode with dropout is refused: the shared prefix runs once, so every
 sequence of the group would see one dropout mask on it, which full-sequence training
 (an independent mask per sequence) never does.
@@ -20,16 +25,21 @@ sequence of the group would see one dropout mask on it, which full-sequence trai
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from verbatim.errors import TrainerError
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim)."""
+
+Precision = Literal["fp32", "bf16"]
+"""The learner's compute dtype: fp32 throughout, or a bfloat16 forward (autocast) over fp32 weights."""
 
 
 class PrefixCausalLM(Protocol):
@@ -57,6 +67,86 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None].long()).squeeze(-1)
+
+
+def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                            targets: torch.Tensor, temperature: float, rows: int) -> torch.Tensor:
+    """:func:`target_logprobs` of ``logits(hidden)``, ``rows`` rows at a time (0: all at once).
+
+    With autograd on, each chunk runs under non-reentrant activation checkpointing: the forward keeps
+    only the chunk's inputs, and the backward recomputes that chunk's logits, log-softmax and gradient
+    before the next chunk's, so no more than ``rows × vocabulary`` logits (and their float32 copies)
+    exist at any moment. The values are the unchunked ones row for row; the output layer's gradient is
+    summed chunk by chunk (float rounding of the order of the unchunked sum's).
+    """
+    n = int(hidden.shape[0])
+    if rows <= 0 or n == 0:
+        return target_logprobs(logits(hidden), targets, temperature)
+
+    def chunk(states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return target_logprobs(logits(states), ids, temperature)
+
+    recompute = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, n, rows):
+        states, ids = hidden[start:start + rows], targets[start:start + rows]
+        if recompute:
+            parts.append(checkpoint(chunk, states, ids, use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(chunk(states, ids))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class LearnerLM:
+    """A model's path (its PrefixFlow adapter or :class:`PlainCausalLM`) as the learner runs it.
+
+    * ``logprob_chunk`` rows of logits at a time (:func:`chunked_target_logprobs` over the path's own
+      :meth:`~PrefixCausalLM.logits`, so a family's soft-cap or anything else after its output layer is
+      chunked with it); 0 computes every row at once, as the path itself does. On the plain path the
+      model's forward already returns the logits of every position (rows × tokens × vocabulary): only
+      the float32 copy, the log-softmax and their gradients are chunked there.
+    * ``dtype`` ``bf16``: the decoder and the output layer run under ``torch.autocast`` in bfloat16 over
+      the float32 master weights (their gradients, and the optimizer's state, stay float32); the logits are
+      cast to float32 before the log-softmax, so log π is float32 either way.
+
+    Everything else (``model``, an adapter's own attributes) is the wrapped path's.
+    """
+
+    def __init__(self, lm: PrefixCausalLM, logprob_chunk: int = 0, dtype: Precision = "fp32") -> None:
+        self.lm = lm
+        self.logprob_chunk = logprob_chunk
+        self.dtype = dtype
+
+    @property
+    def temperature(self) -> float:
+        return self.lm.temperature
+
+    def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
+                      keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
+        with self.compute():
+            return self.lm.hidden_states(ids, start, past, keep_kv)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self.compute():
+            return self.lm.logits(hidden)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return chunked_target_logprobs(self.logits, hidden, targets, self.temperature, self.logprob_chunk)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.lm.parameters()
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's context: bfloat16 autocast on the parameters' device, or nothing for fp32."""
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        device = next(iter(self.lm.parameters())).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "lm":  # not set yet (copy, pickle): never recurse
+            raise AttributeError(name)
+        return getattr(self.lm, name)
 
 
 class PlainCausalLM:

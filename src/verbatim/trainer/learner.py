@@ -21,11 +21,17 @@ The learning rate follows ``lr_schedule`` over the run's steps (:func:`scheduled
 function of the step index, so a resumed run takes the same rate at the same step).
 
 The model is a Hugging Face causal LM in float32 (:func:`~verbatim.trainer.reference.load_model`),
-put in train mode; a model with dropout is refused (PrefixFlow runs a group's prompt once).
+put in train mode; a model with dropout is refused (PrefixFlow runs a group's prompt once). Its weights
+stay float32 (the master weights, what :meth:`Learner.engine_weights` hands the engine) and so do the
+gradients and AdamW's state; ``dtype="bf16"`` runs the forward in bfloat16 under autocast, log π in
+float32 (:class:`~verbatim.trainer.causal_lm.LearnerLM`, which also computes log π ``logprob_chunk``
+rows at a time). ``checkpoint_layers`` recomputes each decoder layer's activations in the backward
+(:func:`checkpointed_path`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -41,7 +47,7 @@ from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import PrefixCausalLM, refuse_dropout
+from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.truncation import outside_support
@@ -65,6 +71,13 @@ class LearnerConfig(BaseModel):
     prefixflow: bool | None = None
     """True: PrefixFlow (the model's family must have an adapter); False: the plain path; None (auto):
     PrefixFlow where the family has an adapter (:mod:`verbatim.trainer.adapters`)."""
+    dtype: Precision = "fp32"
+    """The forward's dtype: fp32, or bf16 (autocast over fp32 master weights and fp32 AdamW state; log π in
+    float32)."""
+    checkpoint_layers: bool = False
+    """Activation checkpointing: keep each decoder layer's input only, recompute the layer in the backward."""
+    logprob_chunk: int = Field(default=512, ge=0)
+    """Rows of logits computed at once (forward and backward, recomputed in the backward); 0: all at once."""
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
@@ -123,6 +136,7 @@ class Learner:
         self.config = config
         if config.prefixflow:
             prefix_lm(model)  # PrefixFlow required: a family without an adapter is refused now, not at a step
+        self.path_options = checkpointed_path(model, config) if config.checkpoint_layers else {}
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -147,7 +161,7 @@ class Learner:
         device = next(self.model.parameters()).device  # the batch goes where the model is (CPU or a GPU)
         ids, mask = batch.token_ids.to(device), batch.loss_mask.to(device)
         sequences = tuple(ids[i, : int(batch.lengths[i])] for i in range(rows))
-        lm, path = trainer_lm(self.model, self.config.prefixflow, step.temperature)
+        lm, path = self.trainer_lm(step.temperature)
         logp_old = old_logprobs(lm, sequences, mask, self.config.microbatch)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
@@ -168,8 +182,13 @@ class Learner:
                    "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict()}
         if step.truncation is not None:
             metrics["outside_support"] = outside_support(lm, sequences, mask, *step.truncation,
-                                                         self.config.microbatch)
+                                                         self.config.microbatch, self.config.logprob_chunk)
         return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}
+
+    def trainer_lm(self, temperature: float = 1.0) -> tuple[LearnerLM, TrainerPath]:
+        """The model's path at ``temperature`` as the config runs it (chunked log π, its dtype, its checkpointing)."""
+        lm, path = trainer_lm(self.model, self.config.prefixflow, temperature, **self.path_options)
+        return LearnerLM(lm, self.config.logprob_chunk, self.config.dtype), path
 
     def update_splits(self, rows: int) -> list[list[int]]:
         """The rows of each optimizer update: consecutive (a group stays together where it can). A step with
@@ -233,3 +252,26 @@ class Learner:
             seen.add(key)
             weights[name] = tensor.detach()
         return weights
+
+
+def checkpointed_path(model: nn.Module, config: LearnerConfig) -> dict[str, Any]:
+    """Turn on activation checkpointing for the path ``config`` trains ``model`` on; returns the keywords
+    :func:`~verbatim.trainer.adapters.trainer_lm` takes for it.
+
+    The plain path uses Hugging Face's own (``gradient_checkpointing_enable``, non-reentrant): its decoder
+    layers drop a cache, which the plain path never keeps. PrefixFlow keeps and reads a prefix's
+    keys/values, so its adapters checkpoint each decoder layer themselves (``checkpoint_layers=True``);
+    where ``trainer_lm`` does not take that keyword yet, the step is refused now, in one line.
+    """
+    _, path = trainer_lm(model, config.prefixflow)
+    if path == "plain":
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise TrainerError(f"activation checkpointing: {type(model).__name__} does not support it",
+                               hint="drop --activation-checkpointing")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return {}
+    if "checkpoint_layers" not in inspect.signature(trainer_lm).parameters:
+        raise TrainerError("activation checkpointing is not available on the PrefixFlow path yet",
+                           hint="add --no-prefixflow to train whole sequences with it, or drop "
+                                "--activation-checkpointing")
+    return {"checkpoint_layers": True}

@@ -38,8 +38,9 @@ def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 
 
 def outside_support(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-                    top_p: float, top_k: int, microbatch: int = 4) -> int:
-    """How many tokens of ``loss_mask`` lie outside the mask of π at ``lm.temperature`` (no autograd)."""
+                    top_p: float, top_k: int, microbatch: int = 4, logit_rows: int = 0) -> int:
+    """How many tokens of ``loss_mask`` lie outside the mask of π at ``lm.temperature`` (no autograd), the
+    logits of ``logit_rows`` tokens at a time (0: a microbatch's at once)."""
     rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
     count = 0
     with torch.no_grad():
@@ -49,6 +50,13 @@ def outside_support(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_
                              [loss_mask[i, : sequences[i].numel()] for i in picked])
             hidden, _ = lm.hidden_states(ids)
             r, t = torch.nonzero(mask, as_tuple=True)
-            logits = lm.logits(hidden[r, t - 1])
-            count += int(outside_mask(logits, ids[r, t], lm.temperature, top_p, top_k).sum())
+            count += _count_outside(lm, hidden[r, t - 1], ids[r, t], top_p, top_k, logit_rows)
     return count
+
+
+def _count_outside(lm: PrefixCausalLM, states: torch.Tensor, targets: torch.Tensor, top_p: float, top_k: int,
+                   logit_rows: int) -> int:
+    n = int(targets.numel())
+    step = logit_rows if logit_rows > 0 else max(1, n)
+    return sum(int(outside_mask(lm.logits(states[i:i + step]), targets[i:i + step], lm.temperature, top_p,
+                                top_k).sum()) for i in range(0, n, step))
