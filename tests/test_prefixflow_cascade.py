@@ -163,3 +163,26 @@ def test_checkpointed_layers_with_the_prefix_on_disk():
     want, _ = flow_grads(model, group, False)
     got, store = flow_grads(model, group, True, offload="disk", splits=[[0], [1, 2]])
     assert max_rel_err(got, want) <= 1e-6 and store.moved_bytes > 0
+
+
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_bfloat16_autocast_stays_within_the_bf16_bound(checkpoint_layers):
+    """Under bfloat16 autocast (the learner's ``bf16``), attention computes in bfloat16 on both paths (query, keys
+    and values cast as ``scaled_dot_product_attention`` casts them); PrefixFlow stays within the 3e-2 of the bf16
+    exactness row of full bf16, and within 2.5× full bf16's own distance from float32."""
+    model = tiny_llama().train()
+    lm = prefix_lm(model, checkpoint_layers=checkpoint_layers)
+    group = make_group(8, 0.83, loss_in_prefix=True, seed=1)
+    loss_fn = rl_like_loss(group)
+    model.zero_grad(set_to_none=True)
+    full_sequence_backward(lm, group, loss_fn, [list(range(8))])
+    fp32 = grads_of(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.zero_grad(set_to_none=True)
+        full_sequence_backward(lm, group, loss_fn, [list(range(8))])
+        want = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        prefixflow_backward(lm, group, loss_fn, microbatches(8, 3))
+    got = grads_of(model)
+    assert max_rel_err(got, want) <= 3e-2
+    assert max_rel_err(got, fp32) <= 2.5 * max_rel_err(want, fp32)

@@ -4,7 +4,8 @@
 duration of one decoder call and tells it what to do there (an :class:`AttentionRun`):
 
 * phase A (``capture``): plain causal attention over the prefix, and each layer's keys/values as the
-  attention receives them (after the rotary embedding and any q/k norm) recorded by layer index;
+  attention computes with them (after the rotary embedding and any q/k norm, in autocast's dtype where
+  autocast is on, as ``scaled_dot_product_attention`` casts them) recorded by layer index;
 * phase B (``prefix``): :func:`~verbatim.trainer.cascade.cascade_attention` of the suffix queries over
   that layer's prefix keys/values, one (1, kv_heads, P, d) copy for the whole microbatch, and the
   suffixes' own keys (causal).
@@ -107,6 +108,7 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     run = _ACTIVE.get(id(module.config), (None, AttentionRun()))[1] or AttentionRun()
     _refuse_inexact(module, dropout, kwargs, run)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    query, key, value = _attention_dtype(query, key, value)
     if run.capture is not None:
         run.capture[module.layer_idx] = (key, value)
     if run.prefix is not None:
@@ -116,6 +118,14 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the dtype scaled-dot-product attention computes in: autocast's where it is on (as
+    ``scaled_dot_product_attention`` casts under autocast), else the query's."""
+    device = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensors[0].dtype
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _refuse_inexact(module: nn.Module, dropout: float, kwargs: dict[str, Any], run: AttentionRun) -> None:
