@@ -100,3 +100,10 @@ def test_shapes_that_do_not_fit_are_refused():
     q, k, v, pk, pv = inputs(2, 4, 2, 3, 5, 8, torch.float32)
     with pytest.raises(ValueError, match="one prefix copy"):
         cascade_attention(q, k, v, pk.expand(2, -1, -1, -1), pv.expand(2, -1, -1, -1), 0.3)
+
+
+def test_the_explicit_softmax_in_query_chunks(monkeypatch):
+    import verbatim.trainer.cascade as cascade
+
+    monkeypatch.setattr(cascade, "MATH_CHUNK", 40)  # a few queries per chunk
+    assert max(errors(2, 4, 2, 9, 11, 8, torch.float64, "math")) < 1e-12

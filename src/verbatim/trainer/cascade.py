@@ -25,7 +25,8 @@ Kernels (:func:`attend`, :func:`attend_backward`): on the CPU the flash kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward; on CUDA in float16 or
 bfloat16 with a head size up to 256 the flash kernel ``aten._scaled_dot_product_flash_attention``
 (not run by this project's tests: they have no GPU); anywhere else an explicit softmax in the
-query dtype promoted to float32 (``"math"``, also used by the tests as a second reference).
+query dtype promoted to float32, over chunks of queries so its scores stay under :data:`MATH_CHUNK`
+elements (``"math"``, also used by the tests as a second reference).
 """
 
 from __future__ import annotations
@@ -151,29 +152,48 @@ def _kernel(query: torch.Tensor, kernel: Kernel) -> str:
     return "math"
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float, first: int = 0) -> torch.Tensor:
+    """Scaled scores of queries ``first``, ``first`` + 1, … against every key (-inf above the diagonal if causal)."""
     dtype = torch.promote_types(query.dtype, torch.float32)
     scores = torch.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2)) * scale
     if causal:
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        rows = torch.arange(first, first + scores.shape[-2], device=scores.device)[:, None]
+        hidden = torch.arange(scores.shape[-1], device=scores.device)[None, :] > rows
         scores = scores.masked_fill(hidden, float("-inf"))
     return scores
 
 
+MATH_CHUNK = 1 << 24
+"""Score elements per query chunk of the explicit softmax (64 MiB in float32): its memory stays bounded."""
+
+
+def _query_chunks(query: torch.Tensor, key: torch.Tensor) -> list[tuple[int, int]]:
+    per_query = query.shape[0] * query.shape[1] * key.shape[2]
+    step = max(1, MATH_CHUNK // max(per_query, 1))
+    return [(i, min(i + step, query.shape[2])) for i in range(0, query.shape[2], step)]
+
+
 def _math_attend(query, key, value, causal, scale):  # noqa: ANN001, ANN202
-    scores = _scores(query, key, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), value.to(scores.dtype))
-    return out.to(query.dtype), lse
+    outs, lses = [], []
+    for lo, hi in _query_chunks(query, key):
+        scores = _scores(query[:, :, lo:hi], key, causal, scale, lo)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse[..., None]), value.to(scores.dtype)).to(query.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _math_attend_backward(grad_out, query, key, value, out, lse, causal, scale):  # noqa: ANN001, ANN202
-    probs = torch.exp(_scores(query, key, causal, scale) - lse[..., None])
-    dtype = probs.dtype
-    grad_out, out = grad_out.to(dtype), out.to(dtype)
-    d_value = torch.matmul(probs.transpose(-1, -2), grad_out)
-    d_probs = torch.matmul(grad_out, value.to(dtype).transpose(-1, -2))
-    d_scores = probs * (d_probs - (grad_out * out).sum(-1, keepdim=True)) * scale
-    d_query = torch.matmul(d_scores, key.to(dtype))
-    d_key = torch.matmul(d_scores.transpose(-1, -2), query.to(dtype))
-    return d_query.to(query.dtype), d_key.to(key.dtype), d_value.to(value.dtype)
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    d_query, d_key = [], torch.zeros(key.shape, dtype=dtype, device=key.device)
+    d_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
+    keys, values = key.to(dtype), value.to(dtype)
+    for lo, hi in _query_chunks(query, key):
+        probs = torch.exp(_scores(query[:, :, lo:hi], key, causal, scale, lo) - lse[:, :, lo:hi, None])
+        grad, o = grad_out[:, :, lo:hi].to(dtype), out[:, :, lo:hi].to(dtype)
+        d_value += torch.matmul(probs.transpose(-1, -2), grad)
+        d_probs = torch.matmul(grad, values.transpose(-1, -2))
+        d_scores = probs * (d_probs - (grad * o).sum(-1, keepdim=True)) * scale
+        d_query.append(torch.matmul(d_scores, keys).to(query.dtype))
+        d_key += torch.matmul(d_scores.transpose(-1, -2), query[:, :, lo:hi].to(dtype))
+    return torch.cat(d_query, dim=2), d_key.to(key.dtype), d_value.to(value.dtype)
