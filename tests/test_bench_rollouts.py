@@ -23,7 +23,7 @@ def test_table_reports_the_ratio_against_verbatim():
     table = markdown([(SCENARIOS[0], [_row("verbatim", 250), _row("re-render baseline", 1000)])])
     lines = table.splitlines()
     assert len(lines) == 4
-    assert "| 1.00x |" in lines[2] and "| 4.00x |" in lines[3]
+    assert "| 2.0 | 1.00x | 25.0 | 1.00x |" in lines[2] and "| 2.0 | 1.00x | 25.0 | 4.00x |" in lines[3]
     assert lines[0].count("|") == lines[2].count("|")
     assert "| 25.0 |" in lines[2]  # generated tokens per second
 
