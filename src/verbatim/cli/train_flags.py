@@ -91,8 +91,9 @@ def train_flags(
     microbatch: int = typer.Option(4, "--microbatch", help="Rollouts per trainer forward/backward."),
     trainer_dtype: str = typer.Option("fp32", "--trainer-dtype",
                                       help="fp32 | bf16: bf16 runs the trainer's forward under bfloat16 autocast "
-                                           "over fp32 weights and fp32 AdamW state (log π in fp32). On a CPU it "
-                                           "saves memory, not time (docs/trainer.md)."),
+                                           "over fp32 weights and fp32 AdamW state (log π in fp32): less memory; "
+                                           "faster only on a CPU with bfloat16 instructions (AVX512-BF16, AMX) or "
+                                           "a GPU (docs/trainer.md)."),
     activation_checkpointing: bool = typer.Option(
         False, "--activation-checkpointing",
         help="Recompute each decoder layer's activations in the backward instead of keeping them: less "
