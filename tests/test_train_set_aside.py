@@ -78,3 +78,18 @@ def test_more_steps_past_the_checkpoint_than_the_interval_allows_is_refused_as_a
     check_recorded(out, trained=0, max_lag=0, every=3)  # two trained steps past none: a kill between checkpoints
     with pytest.raises(InputError, match="records step 2"):
         check_recorded(out, trained=0, max_lag=0, every=1)
+
+
+def test_a_run_recorded_before_the_learners_memory_options_resumes_as_it_trained():
+    from verbatim.harness.train_resume import check_changes
+
+    now = {"plan": {"steps": 4, "checkpoint_every": 10},
+           "learner": {"lr": 1e-5, "dtype": "fp32", "checkpoint_layers": False, "logprob_chunk": 512}}
+    check_changes({"plan": {"steps": 4}, "learner": {"lr": 1e-5}}, now)  # recorded before those settings existed
+    import pytest
+
+    from verbatim.errors import InputError
+
+    with pytest.raises(InputError, match="learner.dtype: 'fp32' -> 'bf16'"):
+        check_changes({"plan": {"steps": 4}, "learner": {"lr": 1e-5}}, now | {"learner": now["learner"] | {
+            "dtype": "bf16"}})

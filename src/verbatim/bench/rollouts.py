@@ -232,9 +232,9 @@ def run_bench(model: str = "default", command: str = "verbatim bench rollouts", 
     order = {s.name: i for i, s in enumerate(scenarios)}
     table = markdown(sorted(results, key=lambda r: order[r[0].name]))
     note = (f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {', '.join(names)}, fp32; temperature 1, "
-            "each harness on a cold prefix cache after one untimed pass of the workload, one run). Requests, prompt, cached and prefill tokens count engine "
-            "calls: the reasoning workload makes two per turn (the think block, then the answer, whose prompt holds "
-            "the think block).")
+            "each harness on a cold prefix cache after one untimed pass of the workload, one run). Requests, "
+            "prompt, cached and prefill tokens count engine calls: the reasoning workload makes two per turn (the "
+            "think block, then the answer, whose prompt holds the think block).")
     return table + note
 
 

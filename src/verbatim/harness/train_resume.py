@@ -62,7 +62,8 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """The settings of the first run, or more --steps under a constant learning rate."""
     from verbatim.trainer.checkpoint import config_differences
 
-    changed = [line for line in config_differences(saved, now) if not line.startswith(f"{_EVERY_KEY}:")]
+    changed = [line for line in config_differences(with_added(saved, now), now)
+               if not line.startswith(f"{_EVERY_KEY}:")]
     before = saved.get("plan", {}).get("steps")
     after = now.get("plan", {}).get("steps")
     if isinstance(before, int) and isinstance(after, int) and after > before:
@@ -76,6 +77,24 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
         raise InputError(f"--resume with a changed config: {'; '.join(changed)}",
                          hint="resume with the settings of the first run (only --steps may be raised), "
                               "or pass another --out")
+
+
+ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None}
+"""Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
+every value trains the same steps (log π in chunks is exact)."""
+
+
+def with_added(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with each :data:`ADDED` setting it lacks filled in as that run trained."""
+    filled = json.loads(json.dumps(saved))
+    for key, value in ADDED.items():
+        *path, last = key.split(".")
+        here, there = filled, now
+        for part in path:
+            here, there = here.setdefault(part, {}), (there or {}).get(part, {})
+        if isinstance(here, dict) and last not in here:
+            here[last] = (there or {}).get(last) if value is None else value
+    return filled
 
 
 def trained_steps(out: Path) -> int:
