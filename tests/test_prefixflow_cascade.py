@@ -92,6 +92,16 @@ def test_a_window_covering_the_sequence_takes_the_attention_path_exactly(model_t
     assert max(errors) <= 1e-5, errors
 
 
+def test_a_window_covering_the_prefix_only_mixes_the_paths_exactly():
+    """Phase A (36 tokens) on the attention path, phase B (60 tokens) on the cache path over the recorded K/V."""
+    model = windowed_model("mistral", window=40)
+    lm = prefix_lm(model)
+    group = make_group(4, 0.6, loss_in_prefix=True, seed=2)
+    assert lm.attention_path(group.prefix_len) and not lm.attention_path(60)
+    errors = against_hf(model, lm, group, lambda lm, g, f: prefixflow_backward(lm, g, f, [[0, 1], [2, 3]]), 1.0)
+    assert max(errors) <= 1e-5, errors
+
+
 def test_soft_capped_attention_always_takes_the_cache_path():
     lm = prefix_lm(windowed_model("gemma2", window=64))
     assert not lm.attention_path(10)
