@@ -168,7 +168,7 @@ def bench_prefixflow(
     seq_len: int = typer.Option(1024, "--seq-len", min=2, help="Tokens per sequence."),
     micro_batch: int = typer.Option(2, "--micro-batch", min=1,
                                     help="Sequences per baseline microbatch; PrefixFlow's phase B gets the "
-                                         "same token budget."),
+                                         "same memory budget (bytes saved for backward, measured)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),

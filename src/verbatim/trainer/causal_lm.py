@@ -36,7 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from verbatim.errors import TrainerError
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim)."""
+"""Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim); a past of batch 1 (a shared prefix) serves
+every row of the call that reads it."""
 
 Precision = Literal["fp32", "bf16"]
 """The learner's compute dtype: fp32 throughout, or a bfloat16 forward (autocast) over fp32 weights."""
