@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from verbatim.bench.engines import engine_log, started
+from verbatim.bench.failures import require_clean
 from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy, Sampling
@@ -143,6 +144,15 @@ def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
         raise InputError(f"--steps must be at least {2 * WINDOW} to compare the first and last {WINDOW} steps")
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     return first, last, last - first
+
+
+def require_clean_runs(results: list[dict[str, Any]]) -> None:
+    """No table over a run whose steps recorded an errored rollout (bench/failures.py)."""
+    for result in results:
+        history = result["history"]
+        errors = [f"step {r['step']} had an errored rollout (its trace says why)" for r in history
+                  for _ in range((r.get("statuses") or {}).get("error", 0))]
+        require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.get("rollouts", 0) for r in history))
 
 
 def row(result: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from verbatim.bench.failures import require_clean
-from verbatim.bench.learn import LearnRun, LearnSettings, run_all
+from verbatim.bench.learn import LearnRun, LearnSettings, require_clean_runs, run_all
 from verbatim.errors import BenchmarkError
 
 SECTION = "bench-step"
@@ -34,12 +33,10 @@ def measure(steps: int = 10, model: str = "default", progress: Any = None) -> li
     """Both runs; each result holds the run and its metrics by step (bench/learn.py's form)."""
     results = run_all(list(RUNS), LearnSettings(steps=steps), model, progress=progress)
     for result in results:
-        history = result["history"]
-        if len(history) != steps:
-            raise BenchmarkError(f"{result['run']['label']}: {len(history)} of {steps} steps trained, so no table")
-        errors = [f"step {r['step']} had an errored rollout (its trace says why)" for r in history
-                  for _ in range(r.get("statuses", {}).get("error", 0))]
-        require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.get("rollouts", 0) for r in history))
+        if len(result["history"]) != steps:
+            raise BenchmarkError(f"{result['run']['label']}: {len(result['history'])} of {steps} steps trained, "
+                                 "so no table")
+    require_clean_runs(results)
     return results
 
 

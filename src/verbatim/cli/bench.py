@@ -304,6 +304,7 @@ def bench_learn(
         markdown,
         plan_runs,
         plot,
+        require_clean_runs,
         row,
         run_all,
     )
@@ -328,6 +329,7 @@ def bench_learn(
 
         check_output_file(record, "--record")
     results = run_all(runs, settings, model, progress=show, record=record)
+    require_clean_runs(results)
     command = _command("learn", steps=None if steps == 40 else steps, seed=seed or None,
                        lr=None if lr == 3e-5 else lr, ablation=None if ablation else False, model=model,
                        write=write, write_example=write_example)
