@@ -261,6 +261,7 @@ class InprocEngine:
             weights = untie_state_dict(source) if serves_untied(self.model_dir) else source
             path, slots = await asyncio.to_thread(self._channel.stage, weights)
             await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)
+            self._channel.mapped_by_engine()
             return
         folder, temporary = await asyncio.to_thread(self._weights_folder, source)
         try:

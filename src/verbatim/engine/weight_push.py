@@ -8,7 +8,9 @@ as memory, and only their names, dtypes, shapes and offsets travel over vLLM's R
 
 A :class:`WeightChannel` lives as long as its engine and keeps its mapping: after the first push the
 pages are already there, and a push is two copies (learner → buffer, buffer → vLLM's parameters).
-A push whose layout differs from the last (another model, another dtype) gets a new file. Where
+The file's name is removed as soon as the worker has mapped it (a killed trainer leaves nothing in
+``/dev/shm``); the worker recognises the same buffer by that name afterwards. A push whose layout
+differs from the last (another model, another dtype) gets a new file. Where
 ``/dev/shm`` is missing or too small, the channel lives in the temporary folder instead (the page
 cache then does the work, slower). The served (HTTP) engine still reloads a published folder.
 """
@@ -93,6 +95,12 @@ class WeightChannel:
         for (_, view), tensor in zip(views(self._buffer, slots), weights.values()):
             view.copy_(tensor.detach())
         return str(self.path), [slot.as_list() for slot in slots]
+
+    def mapped_by_engine(self) -> None:
+        """The engine's worker has mapped the buffer: its name can go. Both mappings stay valid, and a process
+        killed later (SIGKILL included) leaves no file behind to hold its memory."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drop the mapping and the file (the engine's worker keeps its own mapping until it maps another)."""
