@@ -214,7 +214,7 @@ def _trained_run(out: Path, config: dict, steps: int, checkpointed: int, rollout
 def test_a_resume_whose_recorded_steps_have_no_checkpoint_is_refused_untouched(tmp_path, monkeypatch, checkpointed,
                                                                               rollout_steps, needle):
     out = tmp_path / "run"
-    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, _options_of(args, monkeypatch).config(), 2, checkpointed, rollout_steps)
     before = tree(tmp_path)
     refused([*args, "--resume"], needle)
@@ -225,7 +225,7 @@ def test_rollouts_of_a_step_the_loop_could_not_have_begun_refuse_the_resume(tmp_
     """No metrics line says so, but step 3's rollouts are written while only step 1 is checkpointed (max lag 0):
     step 2 would be played into the trace beside them, and step 3 again."""
     out = tmp_path / "run"
-    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2, 3))
     refused([*args, "--resume"], "records step 3 (the trace's rollouts) but the newest checkpoint is step 1")
 
@@ -233,7 +233,7 @@ def test_rollouts_of_a_step_the_loop_could_not_have_begun_refuse_the_resume(tmp_
 def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     """The control: step 2's rollouts on disk with step 1 checkpointed is what a kill during step 2 leaves."""
     out = tmp_path / "run"
-    args = ["--env", "guess", "--out", str(out), "--steps", "3"]
+    args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2))
 
     def passed(options):

@@ -65,7 +65,7 @@ def train(engine_runner, default_model_dir, out, plan, learner, **loop_options):
 @pytest.fixture(scope="module")
 def synchronous(engine_runner, default_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "sync"
-    plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, seed=1)
+    plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, checkpoint_every=1, seed=1)
     return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
 
 
@@ -154,7 +154,7 @@ def test_the_training_run_is_an_ordinary_run_directory(synchronous):
 def overlapping(engine_runner, default_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "lag1"
     plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.FLUSH,
-                     keep_checkpoints=3, seed=2)
+                     keep_checkpoints=3, checkpoint_every=1, seed=2)  # every version's weights kept
     return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
 
 
