@@ -36,7 +36,7 @@ def test_a_tiny_model_of_another_family_trains_end_to_end(tmp_path, family, rend
     out = tmp_path / "run"
     done = cli("train", "--model", str(model_dir), "--env", "graded_env:GradedFactory", "--steps", "2", "--groups",
                "1", "--group-size", "3", "--max-turns", "1", "--max-tokens", "8", "--lr", "1e-2", "--seed", "4",
-               "--max-model-len", "512", "--kv-cache-gib", "1", "--out", str(out))
+               "--max-model-len", "512", "--kv-cache-gib", "1", "--checkpoint-every", "1", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert read_manifest(out).renderer == renderer  # detected from the folder's chat template
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
