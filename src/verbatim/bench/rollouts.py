@@ -140,13 +140,9 @@ async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
 
 async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig,
                     trainer_model: Any) -> HarnessResult:
-    factory = _factory(scenario)
-    plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
-    groups = plan_specs(plan, factory.tasks(scenario.groups, 3))
     started = time.perf_counter()
-    rollouts = await baseline_run(engine, renderer, factory, groups, loop, plan.concurrency)
+    rollouts = await _play_baseline(engine, renderer, scenario, loop, "bench", "re-render baseline")
     wall_s = time.perf_counter() - started
-    require_clean(f"{scenario.name}, re-render baseline: rollouts", [r.error for r in rollouts])
     requests = [r for rollout in rollouts for r in rollout.requests]
     counts = call_counts(EngineCall(r.prompt_ids, r.completion_ids, r.cached_tokens) for r in requests)
     view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
@@ -159,11 +155,18 @@ async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
 async def _warm_up(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig) -> None:
     """The workload once, untimed: whichever harness ran first would otherwise pay the engine's one-time
     costs for the workload's shapes (kernels for a long prefill, the regex's grammar) alone."""
+    await _play_baseline(engine, renderer, scenario, loop, "warm-up", "warm-up")
+
+
+async def _play_baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, run_id: str,
+                         label: str) -> list[Any]:
+    """The scenario's groups played the re-rendering way; any failed rollout is a :class:`BenchmarkError`."""
     factory = _factory(scenario)
-    plan = RunPlan(run_id="warm-up", groups=scenario.groups, group_size=scenario.group_size, seed=3)
+    plan = RunPlan(run_id=run_id, groups=scenario.groups, group_size=scenario.group_size, seed=3)
     rollouts = await baseline_run(engine, renderer, factory, plan_specs(plan, factory.tasks(scenario.groups, 3)),
                                   loop, plan.concurrency)
-    require_clean(f"{scenario.name}, warm-up: rollouts", [r.error for r in rollouts])
+    require_clean(f"{scenario.name}, {label}: rollouts", [r.error for r in rollouts])
+    return rollouts
 
 
 def engine_counts(engine: Any, harness_counts: dict[str, int]) -> dict[str, int]:

@@ -29,8 +29,9 @@ are loaded, the engine gets those weights before any rollout, what steps past it
 to ``RUN_DIR/discarded/`` (their metrics lines, logprob files and the rollouts sampled by their
 versions: they are trained again), and the first unfinished step plays only its missing rollouts
 (the written ones were sampled by the checkpoint's version, or by versions the trace records).
-A step is counted once: its checkpoint is the commit. What a resume may go on from (and the one
-setting it may change, ``--steps``) is checked before the engine starts (harness/train_resume.py).
+A step is counted once: its checkpoint is the commit. What a resume may go on from (and the two
+settings it may change, ``--checkpoint-every`` and ``--steps``) is checked before the engine starts
+(harness/train_resume.py).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ commits ``checkpoints/step-{n:06d}`` (version ``n``), then its line ``"step": n`
   begun) is refused: resuming would train those steps again from older weights and write their
   rollouts into the trace a second time;
 * a finished run (its checkpoint is the last planned step) is reported complete, not replayed;
-* the settings must be the first run's, except ``--checkpoint-every`` and ``--steps``, which may be
-  raised (the one change that keeps every recorded step valid) while the learning rate is constant: a
-  linear or cosine schedule is spread over the planned steps, so more steps would change it under the
-  steps trained;
+* the settings must be the first run's, except ``--checkpoint-every`` (free to change: it changes no
+  step's result) and ``--steps``, which may be raised (the one change that keeps every recorded step
+  valid) while the learning rate is constant: a linear or cosine schedule is spread over the planned
+  steps, so more steps would change it under the steps trained;
 * a run checkpointing every K steps may have trained up to K − 1 steps past its newest checkpoint:
   the resume sets their records aside (:func:`set_aside`) and trains them again; more than that is
   refused, as a lost checkpoint.
@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from verbatim.datamodel import Rollout, Source
 from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.errors import InputError
 from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics, rewrite_metrics
@@ -135,13 +136,12 @@ def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
     holding a rollout that the resumed run could not have played (a step past ``trained + 1 + max_lag``,
     or a token sampled by a version past ``trained``). The rollouts it could have played (sampled by the
     checkpoint's version or earlier) stay in the trace, and the loop plays only the missing ones."""
-    from verbatim.datamodel import Source
     from verbatim.trainer.logprob_files import STEP_DIR
 
     moved = []
     for _, path in batch_files(out):
         rollouts, _ = read_batch(path)
-        if any(_stale(r, trained, max_lag, Source.MODEL) for r in rollouts):
+        if any(_stale(r, trained, max_lag) for r in rollouts):
             moved.append(path)
     lines = read_metrics(out) if metrics_path(out).is_file() else []
     later = [r for r in lines if isinstance(r.get("step"), int) and r["step"] > trained]
@@ -169,11 +169,12 @@ def _new_folder(base: Path) -> Path:
     return folder
 
 
-def _stale(rollout: Any, trained: int, max_lag: int, model: int) -> bool:
+def _stale(rollout: Rollout, trained: int, max_lag: int) -> bool:
+    """A rollout the resumed run could not have played: a step too far ahead, or a token of a lost version."""
     step = rollout.info.get("step")
     if isinstance(step, int) and step > trained + 1 + max_lag:
         return True
-    sampled = rollout.tokens.policy_version[rollout.tokens.source == model]
+    sampled = rollout.tokens.policy_version[rollout.tokens.source == Source.MODEL]
     return bool(sampled.size) and int(sampled.max()) > trained
 
 
