@@ -11,7 +11,6 @@ so it changes nothing beyond rounding.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from typer.testing import CliRunner
 
 from verbatim.bench.prefixflow_exactness import VOCAB, tiny_llama
 from verbatim.datamodel import Source, TokenColumns
-from verbatim.errors import TrainerError
 from verbatim.trainer.adapters import trainer_lm
 from verbatim.trainer.causal_lm import LearnerLM, chunked_target_logprobs, sequence_logprobs
 from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
@@ -212,15 +210,11 @@ def test_activation_checkpointing_on_the_plain_path_changes_nothing():
     assert worst_rel(got, want) <= 1e-5
 
 
-def test_activation_checkpointing_on_prefixflow_needs_the_adapters_keyword():
+def test_activation_checkpointing_on_prefixflow_changes_nothing():
     model = tiny_llama(tied=False, seed=7)
-    if "checkpoint_layers" in inspect.signature(trainer_lm).parameters:
-        want, _ = stepped(model, prefixflow=True)
-        got, _ = stepped(model, prefixflow=True, checkpoint_layers=True)
-        assert worst_rel(got, want) <= 1e-5
-    else:
-        with pytest.raises(TrainerError, match="not available on the PrefixFlow path yet"):
-            Learner(model, LearnerConfig(prefixflow=True, checkpoint_layers=True))
+    want, _ = stepped(model, prefixflow=True)
+    got, _ = stepped(model, prefixflow=True, checkpoint_layers=True)
+    assert worst_rel(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("flags,needle", [

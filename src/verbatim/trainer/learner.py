@@ -31,7 +31,6 @@ rows at a time). ``checkpoint_layers`` recomputes each decoder layer's activatio
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -260,8 +259,7 @@ def checkpointed_path(model: nn.Module, config: LearnerConfig) -> dict[str, Any]
 
     The plain path uses Hugging Face's own (``gradient_checkpointing_enable``, non-reentrant): its decoder
     layers drop a cache, which the plain path never keeps. PrefixFlow keeps and reads a prefix's
-    keys/values, so its adapters checkpoint each decoder layer themselves (``checkpoint_layers=True``);
-    where ``trainer_lm`` does not take that keyword yet, the step is refused now, in one line.
+    keys/values, so its adapters checkpoint each decoder layer themselves (``checkpoint_layers=True``).
     """
     _, path = trainer_lm(model, config.prefixflow)
     if path == "plain":
@@ -270,8 +268,4 @@ def checkpointed_path(model: nn.Module, config: LearnerConfig) -> dict[str, Any]
                                hint="drop --activation-checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return {}
-    if "checkpoint_layers" not in inspect.signature(trainer_lm).parameters:
-        raise TrainerError("activation checkpointing is not available on the PrefixFlow path yet",
-                           hint="add --no-prefixflow to train whole sequences with it, or drop "
-                                "--activation-checkpointing")
     return {"checkpoint_layers": True}
