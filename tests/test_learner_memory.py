@@ -217,9 +217,23 @@ def test_activation_checkpointing_on_prefixflow_changes_nothing():
     assert worst_rel(got, want) <= 1e-5
 
 
+def test_a_recomputed_prefix_changes_nothing_and_reaches_prefixflow(monkeypatch):
+    from verbatim.trainer.prefix_offload import DormantStore
+
+    model = tiny_llama(tied=False, seed=8)
+    want, _ = stepped(model, prefixflow=True)
+    seen, init = [], DormantStore.__init__
+    monkeypatch.setattr(DormantStore, "__init__",
+                        lambda self, where, *a, **k: seen.append(where) or init(self, where, *a, **k))
+    got, _ = stepped(model, prefixflow=True, prefix_activations="recompute")
+    assert seen and set(seen) == {"recompute"}
+    assert worst_rel(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--trainer-dtype", "fp16"], "unknown --trainer-dtype 'fp16' (use fp32 or bf16)"),
     (["--logprob-chunk", "-1"], "--logprob-chunk -1 must be at least 0"),
+    (["--prefix-activations", "gpu"], "unknown --prefix-activations 'gpu' (use one of keep, recompute, cpu, disk)"),
 ])
 def test_bad_memory_flags_are_one_line(tmp_path, monkeypatch, flags, needle):
     from verbatim.cli.app import app

@@ -51,7 +51,7 @@ def tiny():
     return tiny_llama()
 
 
-def compare(model, group, loss_fn, splits_list, offload="none", **kw) -> list[float]:
+def compare(model, group, loss_fn, splits_list, offload="keep", **kw) -> list[float]:
     lm = prefix_lm(model)
     model.zero_grad(set_to_none=True)
     want_loss = full_sequence_backward(lm, group, loss_fn, [list(range(group.size))])

@@ -44,8 +44,9 @@ def test_json_objects_have_the_issue_keys_and_exact_gradients(tiny_model_dir):
         assert r["baseline_s"] > 0 and r["prefixflow_s"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_s"] / r["prefixflow_s"], rel=2e-2)
         assert 0 <= r["grad_max_rel_err"] <= 1e-5
-        for key in ("peak_mb_baseline", "peak_mb_prefixflow", "peak_mb_prefixflow_offload"):
+        for key in ("peak_mb_baseline", "peak_mb_prefixflow", "peak_mb_prefixflow_low_memory"):
             assert isinstance(r[key], float) and r[key] >= 0
+        assert r["speedup_low_memory"] == pytest.approx(r["baseline_s"] / r["prefixflow_low_memory_s"], rel=2e-2)
     assert "| r | G |" in markdown_table(rows)
 
 
@@ -85,7 +86,7 @@ def test_write_puts_the_timings_into_the_named_section(tmp_path, tiny_model_dir)
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# B\n\n<!-- bench-prefixflow-small:begin -->\nold\n<!-- bench-prefixflow-small:end -->\n\nkeep\n")
     args = ["bench", "prefixflow", "--model", str(tiny_model_dir), "--seq-len", "40", "--prefix-ratio", "0.5",
-            "--group-size", "2", "--no-offload", "--write", str(doc)]
+            "--group-size", "2", "--no-low-memory", "--write", str(doc)]
     refused = runner.invoke(app, args)  # the default section is not in this file: refused before any work
     assert refused.exit_code == 2 and "bench-prefixflow:begin" in refused.output and "r=0.5" not in refused.output
     result = runner.invoke(app, args + ["--section", "bench-prefixflow-small"])
@@ -94,7 +95,7 @@ def test_write_puts_the_timings_into_the_named_section(tmp_path, tiny_model_dir)
     assert "old" not in text and text.endswith("<!-- bench-prefixflow-small:end -->\n\nkeep\n")
     assert "| 0.5 | 2 | 20 | 20 | 2 |" in text and "Machine (detected): " in text and "torch " in text
     assert (f"`verbatim bench prefixflow --prefix-ratio 0.5 --group-size 2 --seq-len 40 --micro-batch 2 --repeats 1 "
-            f"--model {tiny_model_dir} --no-offload --write {doc} --section bench-prefixflow-small`") in text
+            f"--model {tiny_model_dir} --no-low-memory --write {doc} --section bench-prefixflow-small`") in text
 
 
 def test_exactness_table_is_measured_and_written(tmp_path, tiny_model_dir):

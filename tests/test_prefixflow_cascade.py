@@ -25,6 +25,7 @@ from verbatim.trainer.prefixflow import (
     encode_prefix,
     full_sequence_backward,
     microbatches,
+    prefix_backward,
     prefixflow_backward,
 )
 
@@ -133,7 +134,7 @@ def test_the_attention_implementation_is_set_for_the_call_only():
     assert seen == [ATTENTION, ATTENTION] and model.config._attn_implementation == before
 
 
-def flow_grads(model, group, checkpoint_layers, offload="none", splits=None) -> tuple[dict, DormantStore]:
+def flow_grads(model, group, checkpoint_layers, offload="keep", splits=None) -> tuple[dict, DormantStore]:
     lm = prefix_lm(model, checkpoint_layers=checkpoint_layers)
     model.zero_grad(set_to_none=True)
     stores = []
@@ -165,6 +166,23 @@ def test_checkpointed_layers_give_the_same_gradients_and_keep_less(model_type):
     model.zero_grad(set_to_none=True)
     full_sequence_backward(lm, group, rl_like_loss(group), [[0, 1, 2], [3, 4]])
     assert max_rel_err(grads_of(model), want) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral-16"])
+def test_a_recomputed_prefix_gives_the_same_gradients_and_keeps_no_graph(model_type):
+    """``"recompute"``: phase A saves nothing for the backward (its outputs are plain leaves); phase C runs the prefix
+    again with its graph. The gradients are the kept graph's, on the attention path and on the cache path."""
+    model = tiny_llama(seed=6).train() if model_type == "llama" else windowed_model("mistral", window=16)
+    group = make_group(4, 0.83, loss_in_prefix=True, seed=6)
+    want, _ = flow_grads(model, group, False)
+    got, _ = flow_grads(model, group, False, offload="recompute", splits=[[0, 1, 2], [3]])
+    assert max_rel_err(got, want) <= 1e-6
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        state = encode_prefix(prefix_lm(model), group, "recompute")
+    assert saved == [] and state.outputs == [] and all(leaf.is_leaf and leaf.requires_grad for leaf in state.leaves)
+    prefix_backward(state)  # no suffix ran: nothing recomputed, nothing propagated
+    assert state.leaves == [] and all(p.grad is None for p in model.parameters())
 
 
 def test_checkpointed_layers_with_the_prefix_on_disk():

@@ -84,7 +84,8 @@ def test_a_run_recorded_before_the_learners_memory_options_resumes_as_it_trained
     from verbatim.harness.train_resume import check_changes
 
     now = {"plan": {"steps": 4, "checkpoint_every": 10},
-           "learner": {"lr": 1e-5, "dtype": "fp32", "checkpoint_layers": False, "logprob_chunk": 512}}
+           "learner": {"lr": 1e-5, "dtype": "fp32", "checkpoint_layers": False, "logprob_chunk": 512,
+                       "prefix_activations": "recompute"}}
     check_changes({"plan": {"steps": 4}, "learner": {"lr": 1e-5}}, now)  # recorded before those settings existed
     import pytest
 

@@ -17,10 +17,13 @@ Phase B's microbatches get the memory budget of a baseline microbatch, not its t
 (:func:`suffixes_per_microbatch`): the bytes autograd saves for the backward of one baseline
 microbatch's forward, measured, over those of one more suffix row (at least M rows).
 
+PrefixFlow runs twice: as fast as it goes (the prefix's activations kept for phase C, phase B by the
+memory budget), and at its least memory (``low memory``: the prefix recomputed in phase C, so during
+phase B it holds only its keys/values, and phase B in microbatches of M suffixes).
+
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
 resident size at the start of the pass, after glibc has handed its free memory back
-(``malloc_trim``); the gradients the pass allocates count. It is reported without offload and with
-the prefix's dormant activations offloaded to disk (on a CPU, CPU offload moves nothing).
+(``malloc_trim``); the gradients the pass allocates count.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import torch
 
 from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.causal_lm import PrefixCausalLM
-from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.prefixflow import (
     LossFn,
     PrefixGroup,
@@ -50,8 +52,8 @@ from verbatim.trainer.reference import load_model
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
         "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "grad_max_rel_err", "peak_mb_baseline",
-        "peak_mb_prefixflow", "peak_mb_prefixflow_offload")
-"""The keys of one result object, in order (the last one is offload to disk)."""
+        "peak_mb_prefixflow", "prefixflow_low_memory_s", "speedup_low_memory", "peak_mb_prefixflow_low_memory")
+"""The keys of one result object, in order (the last three None without the low-memory pass)."""
 
 
 @dataclass(frozen=True)
@@ -116,42 +118,47 @@ def bench_group(case: Case, vocab_size: int, seed: int = 0) -> tuple[PrefixGroup
     return PrefixGroup(prefix, suffixes, tuple(mask for _ in range(g))), loss_fn
 
 
-def run_case(model: torch.nn.Module, case: Case, micro_batch: int, offload: bool = True,
+def run_case(model: torch.nn.Module, case: Case, micro_batch: int, low_memory: bool = True,
              repeats: int = 1) -> dict:
     """Time and measure one configuration; returns the JSON object of :data:`KEYS`.
 
-    Baseline and PrefixFlow passes alternate ``repeats`` times; each time is the fastest of
-    its repeats (other work on the machine only ever slows a pass down). Gradient error and
-    peak memory come from the first repeat.
+    The passes alternate ``repeats`` times; each time is the fastest of its repeats (other work on the
+    machine only ever slows a pass down). Peak memory comes from the first repeat; the gradient error is
+    the worst of the PrefixFlow passes' against the baseline's, from the first repeat.
     """
     lm = prefix_lm(model)
     group, loss_fn = bench_group(case, model.config.vocab_size)
     splits = microbatches(case.group_size, micro_batch)
     rows = suffixes_per_microbatch(lm, group, micro_batch)
-    flow_splits = microbatches(case.group_size, rows)
-
-    def baseline() -> float:
-        return full_sequence_backward(lm, group, loss_fn, splits)
-
-    def flow(offload_to: Offload = "none") -> float:
-        return prefixflow_backward(lm, group, loss_fn, flow_splits, offload=offload_to)
-
-    baseline_s, peak_base, want = _measure(model, baseline)
-    flow_s, peak_flow, got = _measure(model, flow)
-    err = max_rel_err(got, want)
-    del want, got
+    passes: dict[str, Callable[[], float]] = {
+        "baseline": lambda: full_sequence_backward(lm, group, loss_fn, splits),
+        "prefixflow": lambda: prefixflow_backward(lm, group, loss_fn, microbatches(case.group_size, rows)),
+    }
+    if low_memory:
+        passes["low_memory"] = lambda: prefixflow_backward(lm, group, loss_fn, splits, offload="recompute")
+    seconds, peaks, err, want = {}, {}, 0.0, None
+    for name, step in passes.items():
+        seconds[name], peaks[name], grads = _measure(model, step)
+        if want is None:
+            want = grads
+        else:
+            err = max(err, max_rel_err(grads, want))
+        del grads
+    del want
     for _ in range(repeats - 1):
-        baseline_s = min(baseline_s, _measure(model, baseline, keep=False)[0])
-        flow_s = min(flow_s, _measure(model, flow, keep=False)[0])
-    peak_offload = _measure(model, lambda: flow("disk"), keep=False)[1] if offload else None
+        for name, step in passes.items():
+            seconds[name] = min(seconds[name], _measure(model, step, keep=False)[0])
+    low = seconds.get("low_memory")
     return {
         "prefix_ratio": case.prefix_ratio, "group_size": case.group_size,
         "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
-        "baseline_s": round(baseline_s, 6), "prefixflow_s": round(flow_s, 6),
-        "speedup": round(baseline_s / flow_s, 4), "ideal_speedup": round(case.ideal_speedup, 3),
+        "baseline_s": round(seconds["baseline"], 6), "prefixflow_s": round(seconds["prefixflow"], 6),
+        "speedup": round(seconds["baseline"] / seconds["prefixflow"], 4), "ideal_speedup": round(case.ideal_speedup, 3),
         "flop_ideal_speedup": round(flop_ideal_speedup(case, model.config), 3), "phase_b_rows": rows,
-        "grad_max_rel_err": err, "peak_mb_baseline": peak_base, "peak_mb_prefixflow": peak_flow,
-        "peak_mb_prefixflow_offload": peak_offload,
+        "grad_max_rel_err": err, "peak_mb_baseline": peaks["baseline"], "peak_mb_prefixflow": peaks["prefixflow"],
+        "prefixflow_low_memory_s": None if low is None else round(low, 6),
+        "speedup_low_memory": None if low is None else round(seconds["baseline"] / low, 4),
+        "peak_mb_prefixflow_low_memory": peaks.get("low_memory"),
     }
 
 
@@ -270,7 +277,7 @@ def _status_kb(status: Path, field: str) -> int:
 
 
 def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
-              micro_batch: int, offload: bool = True, repeats: int = 1, threads: int | None = None,
+              micro_batch: int, low_memory: bool = True, repeats: int = 1, threads: int | None = None,
               progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Every (ratio, group size) configuration on the model at ``model_path``, in float32.
 
@@ -285,7 +292,7 @@ def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq
     results = []
     for ratio in ratios:
         for size in group_sizes:
-            result = run_case(model, Case(ratio, size, seq_len), micro_batch, offload, repeats)
+            result = run_case(model, Case(ratio, size, seq_len), micro_batch, low_memory, repeats)
             results.append(result)
             if progress is not None:
                 progress(result)
@@ -294,23 +301,33 @@ def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq
 
 def markdown_table(results: list[dict]) -> str:
     head = ("| r | G | P | S | phase B rows | full (s) | PrefixFlow (s) | speedup | token ideal | % of token ideal "
-            "| FLOP ideal | % of FLOP ideal | grad max rel err | peak MB full | peak MB PrefixFlow "
-            "| peak MB PrefixFlow, disk offload |")
-    lines = [head, "|" + "---:|" * 16]
+            "| FLOP ideal | % of FLOP ideal | grad max rel err | peak MB full | peak MB PrefixFlow (vs full) "
+            "| low memory: PrefixFlow (s) | % of token ideal | peak MB (vs full) |")
+    lines = [head, "|" + "---:|" * 18]
     for r in results:
         share = 100 * r["speedup"] / r["ideal_speedup"]
         flop_share = 100 * r["speedup"] / r["flop_ideal_speedup"]
+        low = r["speedup_low_memory"]
         lines.append(
             f"| {r['prefix_ratio']} | {r['group_size']} | {r['prefix_tokens']} | {r['suffix_tokens']} "
             f"| {r['phase_b_rows']} | {r['baseline_s']:.2f} | {r['prefixflow_s']:.2f} | {r['speedup']:.2f}x "
             f"| {r['ideal_speedup']:.2f}x | {share:.0f}% | {r['flop_ideal_speedup']:.2f}x | {flop_share:.0f}% "
             f"| {r['grad_max_rel_err']:.1e} | {_mb(r['peak_mb_baseline'])} "
-            f"| {_mb(r['peak_mb_prefixflow'])} | {_mb(r['peak_mb_prefixflow_offload'])} |")
+            f"| {_share(r['peak_mb_prefixflow'], r['peak_mb_baseline'])} "
+            f"| {'n/a' if low is None else format(r['prefixflow_low_memory_s'], '.2f')} "
+            f"| {'n/a' if low is None else format(100 * low / r['ideal_speedup'], '.0f') + '%'} "
+            f"| {_share(r['peak_mb_prefixflow_low_memory'], r['peak_mb_baseline'])} |")
     return "\n".join(lines)
 
 
 def _mb(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
+
+
+def _share(value: float | None, full: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return _mb(value) if not full else f"{value:.0f} ({value / full:.2f}x)"
 
 
 SECTION = "bench-prefixflow"

@@ -172,8 +172,10 @@ def bench_prefixflow(
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    offload: bool = typer.Option(True, "--offload/--no-offload",
-                                 help="Also measure peak memory with the prefix activations offloaded to disk."),
+    low_memory: bool = typer.Option(True, "--low-memory/--no-low-memory",
+                                    help="Also time PrefixFlow at its least memory: the prefix recomputed in "
+                                         "phase C (--prefix-activations recompute), phase B in microbatches of "
+                                         "--micro-batch suffixes."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per configuration, one per line."),
     exactness: bool = typer.Option(False, "--exactness", help="Instead of timing: measure PrefixFlow's gradient "
                                    "error against full-sequence training in float32, float64 and bfloat16 (small "
@@ -207,14 +209,14 @@ def bench_prefixflow(
             err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
                               f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
 
-    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, offload, repeats, threads,
+    results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, low_memory, repeats, threads,
                         progress=show)
     if not as_json:
         console.print(markdown_table(results))
     if write is not None:
         command = _command("prefixflow", prefix_ratio=prefix_ratio, group_size=group_size, seq_len=seq_len,
                            micro_batch=micro_batch, repeats=repeats, threads=threads, model=model,
-                           offload=None if offload else False, write=write,
+                           low_memory=None if low_memory else False, write=write,
                            section=None if section == "bench-prefixflow" else section)
         docsection.write_section(write, section, section_text(results, resolve(model).name, command),
                                  libraries=("torch", "transformers"))

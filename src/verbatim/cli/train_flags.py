@@ -98,6 +98,11 @@ def train_flags(
         False, "--activation-checkpointing",
         help="Recompute each decoder layer's activations in the backward instead of keeping them: less "
              "memory, about one more forward of time."),
+    prefix_activations: str = typer.Option("keep", "--prefix-activations",
+                                           help="keep | recompute | cpu | disk: under PrefixFlow, where a group's "
+                                                "shared prompt's activations wait for their backward. recompute "
+                                                "keeps none and runs the prompt forward once more: the least "
+                                                "memory, about a tenth more time (docs/benchmarks.md)."),
     logprob_chunk: int = typer.Option(512, "--logprob-chunk",
                                       help="Tokens whose logits (over the whole vocabulary) the trainer computes "
                                            "at once, forward and backward; 0: all of a microbatch's at once."),
@@ -162,6 +167,7 @@ def train_flags(
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,
                                 dtype=dtype, checkpoint_layers=activation_checkpointing,
                                 logprob_chunk=logprob_chunk,
+                                prefix_activations=prefix_activations_option(prefix_activations),
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
         options = TrainOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
                                env_args=parse_env_args(env_arg), tasks=task_file, model=model,
@@ -179,4 +185,14 @@ def trainer_dtype_option(value: str) -> str:
 
     if value not in ("fp32", "bf16"):
         raise InputError(f"unknown --trainer-dtype {value!r}", hint="use fp32 or bf16")
+    return value
+
+
+def prefix_activations_option(value: str) -> str:
+    """``--prefix-activations``: keep, recompute, cpu or disk, else one line."""
+    from verbatim.errors import InputError
+
+    choices = ("keep", "recompute", "cpu", "disk")
+    if value not in choices:
+        raise InputError(f"unknown --prefix-activations {value!r}", hint=f"use one of {', '.join(choices)}")
     return value

@@ -80,9 +80,10 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
                               "or pass another --out")
 
 
-ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None}
+ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None,
+         "learner.prefix_activations": None}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
-every value trains the same steps (log π in chunks is exact)."""
+every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
 
 def with_added(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:

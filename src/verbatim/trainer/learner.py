@@ -49,6 +49,7 @@ from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.objective import LossConfig, loss_coefficients
+from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
 
@@ -77,6 +78,9 @@ class LearnerConfig(BaseModel):
     """Activation checkpointing: keep each decoder layer's input only, recompute the layer in the backward."""
     logprob_chunk: int = Field(default=512, ge=0)
     """Rows of logits computed at once (forward and backward, recomputed in the backward); 0: all at once."""
+    prefix_activations: Offload = "keep"
+    """Under PrefixFlow, where a group's shared prompt's activations wait for their delayed backward: kept in
+    memory, moved to the CPU or to disk, or not kept (``recompute``: the prompt runs forward once more)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
@@ -204,7 +208,7 @@ class Learner:
         batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp_old, advantages=advantages,
                           groups=tuple(tuple(g) for g in groups))
         loss = backward_rows(lm, batch, rows, self.config.loss.clip_eps, prefixflow=path == "prefixflow",
-                             microbatch=self.config.microbatch)
+                             microbatch=self.config.microbatch, offload=self.config.prefix_activations)
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         if not np.isfinite(norm):

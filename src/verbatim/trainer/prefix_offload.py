@@ -4,9 +4,12 @@ Phase A runs the prefix forward with autograd on; the tensors autograd saves for
 backward are idle ("dormant") until phase C. :class:`DormantStore` decides where they
 wait, through ``torch.autograd.graph.saved_tensors_hooks``:
 
-* ``"none"``: in place (device memory);
+* ``"keep"``: in place (device memory);
 * ``"cpu"``: copied to CPU memory, copied back in phase C (tensors already on the CPU stay put);
-* ``"disk"``: written to files in a temporary directory, read back in phase C.
+* ``"disk"``: written to files in a temporary directory, read back in phase C;
+* ``"recompute"``: not kept at all: phase A runs without autograd and phase C runs the prefix
+  forward again (:func:`~verbatim.trainer.prefixflow.encode_prefix`), one more prefix forward for
+  the activations of P tokens. The store itself then moves nothing.
 
 Parameters (and views of them) and tensors under ``min_bytes`` are never moved.
 """
@@ -24,8 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-Offload = Literal["none", "cpu", "disk"]
-OFFLOADS: tuple[str, ...] = ("none", "cpu", "disk")
+Offload = Literal["keep", "cpu", "disk", "recompute"]
+OFFLOADS: tuple[str, ...] = ("keep", "cpu", "disk", "recompute")
 
 
 class DormantStore:
@@ -43,10 +46,15 @@ class DormantStore:
         self._ids = itertools.count()
         self.moved_bytes = 0
 
+    @property
+    def recomputes(self) -> bool:
+        """Phase C runs the prefix forward again: nothing is saved until then."""
+        return self.where == "recompute"
+
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Run the prefix forward inside this context."""
-        if self.where == "none":
+        if self.where in ("keep", "recompute"):
             yield
             return
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):

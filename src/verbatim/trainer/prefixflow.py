@@ -7,7 +7,9 @@ computed in three phases (arXiv 2606.01143):
 * **A** (:func:`encode_prefix`): one forward of the prefix, for one copy, keeping its
   per-layer keys/values, the final hidden state at position P−1 (the *boundary*: it
   predicts every suffix's first token) and the log-probabilities of loss tokens inside
-  the prefix. Autograd keeps the graph; its dormant activations can wait on CPU or disk.
+  the prefix. Autograd keeps the graph; its dormant activations can wait on CPU or disk, or
+  not be kept at all (``"recompute"``: phase A runs without a graph, phase C runs the prefix
+  forward again with one, so during phase B the prefix holds only its keys/values).
 * **B** (:func:`suffix_backward`): the suffixes in ordinary microbatches (any split),
   positions P.., attending to the prefix keys/values through *leaf* tensors that require
   grad. Each microbatch's backward fills the parameters' gradients for the suffix tokens
@@ -124,12 +126,15 @@ class PrefixState:
     """Phase A's output: the prefix graph's outputs and the leaves phase B reads."""
 
     outputs: list[torch.Tensor]
-    """Graph-connected: K and V per layer, the boundary state, the prefix-token logprobs."""
+    """Graph-connected: K and V per layer, the boundary state, the prefix-token logprobs (empty where
+    phase C recomputes them)."""
     leaves: list[torch.Tensor]
     """Detached copies of ``outputs`` that require grad, in the same order."""
     loss_positions: torch.Tensor
     """Prefix positions (1..P−1) in any sequence's loss mask, in order."""
     store: DormantStore
+    recompute: Callable[[], list[torch.Tensor]] | None = None
+    """Phase A again, with its graph: how phase C gets ``outputs`` when phase A kept none."""
 
     @property
     def kv(self) -> KV:
@@ -145,21 +150,30 @@ class PrefixState:
         return self.leaves[-1]
 
 
-def encode_prefix(lm: PrefixCausalLM, group: PrefixGroup, offload: Offload = "none",
+def encode_prefix(lm: PrefixCausalLM, group: PrefixGroup, offload: Offload = "keep",
                   offload_min_bytes: int = 1 << 16) -> PrefixState:
     """Phase A: one forward of the prefix (one copy), graph kept.
 
-    Its saved activations wait per ``offload`` (tensors under ``offload_min_bytes`` stay).
+    Its saved activations wait per ``offload`` (tensors under ``offload_min_bytes`` stay); with
+    ``"recompute"`` the forward runs without a graph and :func:`prefix_backward` runs it again with one.
     """
     store = DormantStore(offload, lm.parameters(), min_bytes=offload_min_bytes)
-    prefix = group.prefix[None]
     in_loss = torch.stack([m[: group.prefix_len] for m in group.loss_masks]).any(dim=0)
     positions = torch.nonzero(in_loss).flatten()
-    with store.saving():
-        hidden, kv = lm.hidden_states(prefix, keep_kv=True)
-        prefix_lp = sequence_logprobs(lm, hidden[0, positions - 1], torch.zeros_like(positions),
-                                      positions, prefix[0, positions], (1, group.prefix_len))
-    outputs = [t for pair in kv for t in pair] + [hidden[0, -1], prefix_lp[0]]
+
+    def forward() -> list[torch.Tensor]:
+        prefix = group.prefix[None]
+        with store.saving():
+            hidden, kv = lm.hidden_states(prefix, keep_kv=True)
+            prefix_lp = sequence_logprobs(lm, hidden[0, positions - 1], torch.zeros_like(positions),
+                                          positions, prefix[0, positions], (1, group.prefix_len))
+        return [t for pair in kv for t in pair] + [hidden[0, -1], prefix_lp[0]]
+
+    if store.recomputes:
+        with torch.no_grad():
+            leaves = [t.requires_grad_(True) for t in forward()]
+        return PrefixState(outputs=[], leaves=leaves, loss_positions=positions, store=store, recompute=forward)
+    outputs = forward()
     leaves = [t.detach().requires_grad_(True) for t in outputs]
     return PrefixState(outputs=outputs, leaves=leaves, loss_positions=positions, store=store)
 
@@ -188,8 +202,10 @@ def suffix_backward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, 
 
 def prefix_backward(state: PrefixState) -> None:
     """Phase C: one backward through the prefix with the gradients accumulated on the leaves."""
-    pairs = [(out, leaf.grad) for out, leaf in zip(state.outputs, state.leaves) if leaf.grad is not None]
     try:
+        if state.recompute is not None and any(leaf.grad is not None for leaf in state.leaves):
+            state.outputs[:] = state.recompute()
+        pairs = [(out, leaf.grad) for out, leaf in zip(state.outputs, state.leaves) if leaf.grad is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
     finally:
@@ -199,7 +215,7 @@ def prefix_backward(state: PrefixState) -> None:
 
 
 def prefixflow_backward(lm: PrefixCausalLM, group: PrefixGroup, loss_fn: LossFn,
-                        splits: Sequence[Sequence[int]], offload: Offload = "none",
+                        splits: Sequence[Sequence[int]], offload: Offload = "keep",
                         offload_min_bytes: int = 1 << 16) -> float:
     """Phases A, B (one call per microbatch in ``splits``) and C; returns the summed loss."""
     rows_seen = sorted(i for rows in splits for i in rows)

@@ -92,7 +92,7 @@ def old_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mas
 
 
 def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
-                  prefixflow: bool = True, microbatch: int = 4, offload: Offload = "none") -> float:
+                  prefixflow: bool = True, microbatch: int = 4, offload: Offload = "keep") -> float:
     """Add to ``.grad`` the gradient of the objective over ``rows``; return the summed loss.
 
     Rows without a kept token are skipped (no forward). Within each group, the chosen rows go
