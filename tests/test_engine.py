@@ -4,14 +4,17 @@ bad input."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from verbatim.bench.policies import GREEDY, measure_policy, scenario_prompts
+from verbatim.datamodel import Completion
 from verbatim.engine.checkpoints import perturbed_checkpoint
-from verbatim.engine.protocol import CachePolicy, Engine, Sampling
+from verbatim.engine.protocol import CachePolicy, Engine, Sampling, when_prefilled
 from verbatim.errors import InputError
 
 pytestmark = pytest.mark.engine
@@ -54,6 +57,38 @@ def test_salts_isolate_cache_entries(engine_runner):
     unsalted = run(engine_runner, engine.generate(prompt, short))
     assert same.cached_tokens == len(prompt) // engine.block_size * engine.block_size
     assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
+
+
+def test_requests_queued_at_the_release_read_the_leaders_prompt_from_the_cache(engine_runner):
+    """The leader's ``when_prefilled`` callback runs as it is queued (before its prefill is done); requests sent from
+    the callback are scheduled after it and read its blocks: the group prefills the prompt once, and the followers'
+    logprobs are those of a cold request (the blocks they read hold the right keys and values)."""
+    engine = engine_runner.engine
+    prompt, _ = scenario_prompts(seed=31, prompt_len=700)
+    one = Sampling(max_tokens=1, temperature=0.0)
+
+    async def group() -> tuple[Completion, list[Completion], list[float]]:
+        followers, released = [], []
+
+        def release() -> None:  # called by the leader's request only: the followers run in a context of their own
+            released.append(time.perf_counter() - sent)
+            followers.extend(asyncio.create_task(engine.generate(prompt, one, cache_salt="release"),
+                                                 context=contextvars.Context()) for _ in range(3))
+
+        sent = time.perf_counter()
+        with when_prefilled(release):
+            leader = asyncio.ensure_future(engine.generate(prompt, one, cache_salt="release"))
+        first = await leader
+        return first, list(await asyncio.gather(*followers)), released
+
+    leader, followers, released = run(engine_runner, group())
+    cold = run(engine_runner, engine.generate(prompt, one, cache_salt="release-cold"))
+    block = engine.block_size
+    assert len(released) == 1 and released[0] < leader.first_token_s  # released before its prefill was done
+    assert leader.cached_tokens == 0 and cold.cached_tokens == 0
+    assert all(f.cached_tokens == len(prompt) // block * block for f in followers), [f.cached_tokens for f in followers]
+    assert all(f.token_ids.tolist() == cold.token_ids.tolist() for f in followers)
+    assert all(abs(float(f.logprobs[0]) - float(cold.logprobs[0])) < 1e-4 for f in followers)
 
 
 def test_cache_policies_across_a_weight_update(engine_runner, default_model_dir, perturbed_dir):

@@ -175,7 +175,14 @@ class InprocEngine:
     async def generate(self, prompt_ids: Sequence[int] | Any, sampling: Sampling | None = None, *,
                        session_id: str | None = None, group_id: str | None = None,
                        cache_salt: str | None = None) -> Completion:
-        """Sample one completion for a token-ID prompt."""
+        """Sample one completion for a token-ID prompt.
+
+        A caller's :func:`~verbatim.engine.protocol.when_prefilled` callback runs as the request is queued
+        where the whole prompt fits one scheduler step (``batched_tokens``, the context length unless set
+        lower): vLLM commits a scheduled prompt's blocks to its prefix cache when it schedules them, so any
+        request scheduled after it, in the same step or a later one, reads them instead of prefilling them
+        again, and a group's followers need not wait. A prompt prefilled in chunks releases them at its
+        first token, when all of it is in the cache."""
         llm = self._require_started()
         sampling = sampling or Sampling()
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
@@ -196,12 +203,17 @@ class InprocEngine:
         started = time.perf_counter()
         seen: dict[str, Any] = {"first_token_s": 0.0, "final": None, "reads": None, "epoch": self._kv.epoch}
 
+        shared_when_queued = prompt.size <= self.config.batched_tokens
+        if shared_when_queued:
+            prefilled()
+
         async def consume() -> None:
             async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id):
                 if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
                     seen["first_token_s"] = time.perf_counter() - started
                     self._prefilled(output, prompt, cache_salt, request_id, seen)
-                    prefilled()
+                    if not shared_when_queued:
+                        prefilled()
                 seen["final"] = output
 
         try:  # a timeout cancels the stream, and vLLM aborts a request whose stream is cancelled
