@@ -144,3 +144,35 @@ def test_the_baseline_records_a_failed_rollout_instead_of_raising():
 def test_the_reasoning_workload_plays_on_its_own_familys_tokenizer():
     reasoning = [s for s in SCENARIOS if s.think_regex]
     assert reasoning and all(s.tiny_family == "qwen3" and s.renderer == "qwen3" for s in reasoning)
+
+
+def test_repeats_alternate_the_harnesses_on_a_cold_cache_and_keep_each_ones_fastest_pass(monkeypatch):
+    from types import SimpleNamespace
+
+    from verbatim.bench import rollouts
+
+    calls, walls = [], {"verbatim": iter([3.0, 1.0, 2.0]), "re-render baseline": iter([5.0, 6.0, 4.0])}
+
+    def play(name):
+        async def played(*args, **kwargs):
+            calls.append(name)
+            return _row(name, 250).model_copy(update={"wall_s": next(walls[name])})
+        return played
+
+    async def warm_up(*args):
+        calls.append("warm-up")
+
+    class Engine:
+        config = SimpleNamespace(max_model_len=4096)
+
+        async def reset_prefix_cache(self):
+            calls.append("reset")
+
+    monkeypatch.setattr(rollouts, "_verbatim", play("verbatim"))
+    monkeypatch.setattr(rollouts, "_baseline", play("re-render baseline"))
+    monkeypatch.setattr(rollouts, "_warm_up", warm_up)
+    monkeypatch.setattr("verbatim.renderers.registry.get_renderer", lambda name, tokenizer: None)
+    found = asyncio.run(rollouts.measure(Engine(), None, None, SCENARIOS[:1], repeats=3))
+    assert calls == ["warm-up"] + ["reset", "verbatim", "reset", "re-render baseline"] * 3
+    (scenario, (mine, theirs)), = found
+    assert scenario == SCENARIOS[0] and (mine.wall_s, theirs.wall_s) == (1.0, 4.0)

@@ -47,6 +47,8 @@ def bench_rollouts(
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
                                "bench-rollouts section (docs/benchmarks.md)."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each harness per workload, in "
+                                "turn; the fastest counts."),
 ) -> None:
     """verbatim vs a re-rendering harness: a group sharing a long prompt, and 10-turn rollouts."""
     from verbatim.bench.rollouts import SECTION, run_bench, write_section
@@ -54,8 +56,9 @@ def bench_rollouts(
     if write is not None:
         docsection.require_section(write, SECTION)
     with err_console.status("bench rollouts…") as status:
-        table = run_bench(model, _command("rollouts", model=model, write=write),
-                          say=lambda text: status.update(f"bench rollouts: {text}"))
+        table = run_bench(model, _command("rollouts", model=model, repeats=repeats if repeats > 1 else None,
+                                          write=write),
+                          say=lambda text: status.update(f"bench rollouts: {text}"), repeats=repeats)
     console.print(table)
     if write is not None:
         write_section(write, table)
