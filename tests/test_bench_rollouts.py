@@ -147,6 +147,7 @@ def test_the_reasoning_workload_plays_on_its_own_familys_tokenizer():
 
 
 def test_repeats_alternate_the_harnesses_on_a_cold_cache_and_keep_each_ones_fastest_pass(monkeypatch):
+    """The trainer's view (the last two columns) is measured on the first pass only."""
     from types import SimpleNamespace
 
     from verbatim.bench import rollouts
@@ -154,9 +155,11 @@ def test_repeats_alternate_the_harnesses_on_a_cold_cache_and_keep_each_ones_fast
     calls, walls = [], {"verbatim": iter([3.0, 1.0, 2.0]), "re-render baseline": iter([5.0, 6.0, 4.0])}
 
     def play(name):
-        async def played(*args, **kwargs):
-            calls.append(name)
-            return _row(name, 250).model_copy(update={"wall_s": next(walls[name])})
+        async def played(*args):
+            judged = args[-1] is not None
+            calls.append(name + (" judged" if judged else ""))
+            view = {"trained_tokens": 7, "sampled_tokens": 9, "mean_abs_log_ratio": 0.5} if judged else {}
+            return _row(name, 250).model_copy(update={"wall_s": next(walls[name]), **view})
         return played
 
     async def warm_up(*args):
@@ -172,7 +175,9 @@ def test_repeats_alternate_the_harnesses_on_a_cold_cache_and_keep_each_ones_fast
     monkeypatch.setattr(rollouts, "_baseline", play("re-render baseline"))
     monkeypatch.setattr(rollouts, "_warm_up", warm_up)
     monkeypatch.setattr("verbatim.renderers.registry.get_renderer", lambda name, tokenizer: None)
-    found = asyncio.run(rollouts.measure(Engine(), None, None, SCENARIOS[:1], repeats=3))
-    assert calls == ["warm-up"] + ["reset", "verbatim", "reset", "re-render baseline"] * 3
+    found = asyncio.run(rollouts.measure(Engine(), None, "trainer", SCENARIOS[:1], repeats=3))
+    assert calls == (["warm-up", "reset", "verbatim judged", "reset", "re-render baseline judged"]
+                     + ["reset", "verbatim", "reset", "re-render baseline"] * 2)
     (scenario, (mine, theirs)), = found
     assert scenario == SCENARIOS[0] and (mine.wall_s, theirs.wall_s) == (1.0, 4.0)
+    assert (mine.trained_tokens, theirs.sampled_tokens, theirs.mean_abs_log_ratio) == (7, 9, 0.5)  # the first pass's

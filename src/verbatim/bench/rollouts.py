@@ -120,7 +120,7 @@ def _factory(scenario: Scenario) -> Any:
 
 
 async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig, out: Path,
-                   trainer_model: Any) -> HarnessResult:
+                   trainer_model: Any | None) -> HarnessResult:
     factory = _factory(scenario)
     plan = RunPlan(run_id="bench", groups=scenario.groups, group_size=scenario.group_size, seed=3)
     run = Run(plan, loop, engine, renderer, factory, factory.tasks(scenario.groups, 3), out,
@@ -129,27 +129,31 @@ async def _verbatim(engine: Any, renderer: Any, scenario: Scenario, loop: LoopCo
     rollouts = read_run(out).rollouts
     require_clean(f"{scenario.name}, verbatim: rollouts", [r.error if r.status == "error" else None
                                                           for r in rollouts])
-    skip = getattr(engine, "constrained", None)
-    view = await asyncio.to_thread(verbatim_view, rollouts, trainer_model, skip)
     counts = {"requests": summary.turns, "prompt_tokens": summary.prompt_tokens,
               "cached_tokens": summary.cached_tokens, "prefill_tokens": summary.prefill_tokens,
               "min_prefill_tokens": summary.min_prefill_tokens}
-    return HarnessResult(harness="verbatim", **engine_counts(engine, counts), generated_tokens=summary.generated_tokens,
-                         wall_s=summary.wall_s, **view.model_dump())
+    result = HarnessResult(harness="verbatim", **engine_counts(engine, counts),
+                           generated_tokens=summary.generated_tokens, wall_s=summary.wall_s)
+    if trainer_model is None:
+        return result
+    view = await asyncio.to_thread(verbatim_view, rollouts, trainer_model, getattr(engine, "constrained", None))
+    return result.model_copy(update=view.model_dump())
 
 
 async def _baseline(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig,
-                    trainer_model: Any) -> HarnessResult:
+                    trainer_model: Any | None) -> HarnessResult:
     started = time.perf_counter()
     rollouts = await _play_baseline(engine, renderer, scenario, loop, "bench", "re-render baseline")
     wall_s = time.perf_counter() - started
     requests = [r for rollout in rollouts for r in rollout.requests]
     counts = call_counts(EngineCall(r.prompt_ids, r.completion_ids, r.cached_tokens) for r in requests)
+    result = HarnessResult(harness="re-render baseline", **engine_counts(engine, counts),
+                           generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s)
+    if trainer_model is None:
+        return result
     view = await asyncio.to_thread(baseline_view, rollouts, renderer, trainer_model, tuple(renderer.stop_token_ids),
                                    getattr(engine, "constrained", None))
-    return HarnessResult(harness="re-render baseline", **engine_counts(engine, counts),
-                         generated_tokens=sum(r.generated_tokens for r in requests), wall_s=wall_s,
-                         **view.model_dump())
+    return result.model_copy(update=view.model_dump())
 
 
 async def _warm_up(engine: Any, renderer: Any, scenario: Scenario, loop: LoopConfig) -> None:
@@ -190,21 +194,26 @@ async def measure(engine: Any, tokenizer: Any, trainer_model: Any, scenarios=SCE
             await _warm_up(_wrap(engine, scenario, renderer), renderer, scenario, loop)
             mine, theirs = [], []
             for k in range(repeats):
+                judge = trainer_model if k == 0 else None  # the trainer's view of the first pass only
                 await engine.reset_prefix_cache()
                 say(f"{scenario.name}: verbatim ({k + 1} of {repeats})…")
                 mine.append(await _verbatim(_wrap(engine, scenario, renderer), renderer, scenario, loop,
-                                            Path(tmp) / f"run{i}-{k}", trainer_model))
+                                            Path(tmp) / f"run{i}-{k}", judge))
                 await engine.reset_prefix_cache()
                 say(f"{scenario.name}: re-render baseline ({k + 1} of {repeats})…")
-                theirs.append(await _baseline(_wrap(engine, scenario, renderer), renderer, scenario, loop,
-                                              trainer_model))
+                theirs.append(await _baseline(_wrap(engine, scenario, renderer), renderer, scenario, loop, judge))
             results.append((scenario, [fastest(mine), fastest(theirs)]))
     return results
 
 
+VIEW = ("trained_tokens", "sampled_tokens", "mean_abs_log_ratio")
+"""The columns of the trainer's view of the traces, measured on the first pass only."""
+
+
 def fastest(passes: list[HarnessResult]) -> HarnessResult:
-    """A harness's fastest pass of a workload."""
-    return min(passes, key=lambda result: result.wall_s)
+    """A harness's fastest pass of a workload, with the first pass's trainer view."""
+    best = min(passes, key=lambda result: result.wall_s)
+    return best.model_copy(update={key: getattr(passes[0], key) for key in VIEW})
 
 
 def _wrap(engine: Any, scenario: Scenario, renderer: Any) -> Any:
@@ -254,7 +263,8 @@ def run_bench(model: str = "default", command: str = "verbatim bench rollouts", 
 def _passes(repeats: int) -> str:
     if repeats == 1:
         return "one pass each"
-    return f"the fastest of {repeats} passes each, the two harnesses in turn"
+    return (f"the fastest of {repeats} passes each, the two harnesses in turn; the last two columns from the first "
+            "pass")
 
 
 async def _on_model(model: str, scenarios: tuple[Scenario, ...], say: Say, label: str,
