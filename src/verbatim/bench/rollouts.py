@@ -18,7 +18,7 @@ from verbatim.bench.baseline import baseline_run
 from verbatim.bench.engines import Say, engine_log, quiet, started
 from verbatim.bench.failures import require_clean
 from verbatim.bench.think_first import EngineCall, ThinkFirst, call_counts
-from verbatim.bench.training_view import baseline_view, verbatim_view
+from verbatim.bench.training_view import ViewMismatch, baseline_view, verbatim_view
 from verbatim.datamodel import Frozen, Message
 from verbatim.engine.protocol import Sampling
 from verbatim.envs.base import Reset, StepResult
@@ -206,7 +206,7 @@ async def measure(engine: Any, tokenizer: Any, trainer_model: Any, scenarios=SCE
     return results
 
 
-VIEW = ("trained_tokens", "sampled_tokens", "mean_abs_log_ratio")
+VIEW = tuple(ViewMismatch.model_fields)
 """The columns of the trainer's view of the traces, measured on the first pass only."""
 
 

@@ -191,8 +191,8 @@ def trainer_dtype_option(value: str) -> str:
 def prefix_activations_option(value: str) -> str:
     """``--prefix-activations``: keep, recompute, cpu or disk, else one line."""
     from verbatim.errors import InputError
+    from verbatim.trainer.prefix_offload import OFFLOADS
 
-    choices = ("keep", "recompute", "cpu", "disk")
-    if value not in choices:
-        raise InputError(f"unknown --prefix-activations {value!r}", hint=f"use one of {', '.join(choices)}")
+    if value not in OFFLOADS:
+        raise InputError(f"unknown --prefix-activations {value!r}", hint=f"use one of {', '.join(OFFLOADS)}")
     return value

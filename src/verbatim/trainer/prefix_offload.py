@@ -22,13 +22,13 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-Offload = Literal["keep", "cpu", "disk", "recompute"]
-OFFLOADS: tuple[str, ...] = ("keep", "cpu", "disk", "recompute")
+Offload = Literal["keep", "recompute", "cpu", "disk"]
+OFFLOADS: tuple[str, ...] = get_args(Offload)
 
 
 class DormantStore:
