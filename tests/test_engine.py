@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +24,10 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def perturbed_dir(default_model_dir: Path, tmp_path_factory) -> Path:
-    return perturbed_checkpoint(default_model_dir, tmp_path_factory.mktemp("perturbed"), scale=0.05, seed=1)
+def perturbed_dir(default_model_dir: Path, tmp_path_factory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("perturbed")
+    yield perturbed_checkpoint(default_model_dir, folder, scale=0.05, seed=1)
+    shutil.rmtree(folder, ignore_errors=True)  # 0.5 GB of weights
 
 
 def run(runner, coro):

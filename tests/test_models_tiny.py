@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,11 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     """Every family's folder at seed 0, written once for the module."""
     root = tmp_path_factory.mktemp("tiny")
-    return {name: write_tiny_model(name, root / name, seed=0) for name in FAMILIES}
+    yield {name: write_tiny_model(name, root / name, seed=0) for name in FAMILIES}
+    shutil.rmtree(root, ignore_errors=True)  # 0.5 GB, Gemma's vocabulary mostly
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ The engine gets the default weights back after each run (other modules share it)
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,10 @@ def train(engine_runner, default_model_dir, out, plan, learner, **loop_options):
 
 @pytest.fixture(scope="module")
 def synchronous(engine_runner, default_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "sync"
+    folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, checkpoint_every=1, seed=1)
-    return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
+    yield train(engine_runner, default_model_dir, folder / "sync", plan, LearnerConfig(lr=3e-4))
+    shutil.rmtree(folder, ignore_errors=True)  # 1.6 GB of checkpoints: CI's disk is not ours to fill
 
 
 def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
@@ -152,10 +154,11 @@ def test_the_training_run_is_an_ordinary_run_directory(synchronous):
 
 @pytest.fixture(scope="module")
 def overlapping(engine_runner, default_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "lag1"
+    folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.FLUSH,
                      keep_checkpoints=3, checkpoint_every=1, seed=2)  # every version's weights kept
-    return train(engine_runner, default_model_dir, out, plan, LearnerConfig(lr=3e-4))
+    yield train(engine_runner, default_model_dir, folder / "lag1", plan, LearnerConfig(lr=3e-4))
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_each_token_records_the_version_that_sampled_it(overlapping, default_model_dir):
