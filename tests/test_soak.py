@@ -3,7 +3,8 @@
 After every KV block has been written once and a warm-up run of the same size (the engine's first
 requests, Python's lazy imports, caches and allocator arenas at their working size), one run of
 200 short guess rollouts (50 groups of 4, 32 at a time) must leave behind no file descriptor, no
-thread (asyncio's worker pool, which grows to a bound, is checked against its bound), no rollout
+thread (asyncio's worker pool and verbatim's idle env workers, which grow to a bound, are checked
+against their bounds), no rollout
 or ledger object (exact: the small leaks RSS cannot see), and no memory beyond allocator noise
 (RSS of this process and of the whole tree with vLLM's engine core: the large leaks); and its last
 quarter of rollouts must finish at no less than half the rate of its first.
@@ -28,6 +29,7 @@ from verbatim.harness.ledger import Ledger
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan
 from verbatim.harness.store import RunManifest, read_run
+from verbatim.harness.workers import NAME, WORKERS
 from verbatim.renderers.registry import get_renderer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -72,19 +74,24 @@ def _pool_worker(thread: threading.Thread) -> bool:
     return re.fullmatch(r"asyncio_\d+", thread.name) is not None
 
 
+def _workers() -> int:
+    return sum(t.name == NAME for t in threading.enumerate())
+
+
 def footprint() -> dict[str, float]:
     gc.collect()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(t.name.startswith("verbatim-") for t in threading.enumerate()):
-        time.sleep(0.05)  # env calls end in their own threads a moment after their rollout
+    while time.monotonic() < deadline and _workers() > WORKERS.idle():
+        time.sleep(0.05)  # env calls end in their workers a moment after their rollout
     pids = process_tree(os.getpid())
     objects = gc.get_objects()
     return {
         "rss_mb": rss_mb(os.getpid()),
         "tree_rss_mb": sum(rss_mb(p) for p in pids if os.path.exists(f"/proc/{p}/status")),
         "fds": len(os.listdir("/proc/self/fd")),
-        "threads": sum(not _pool_worker(t) for t in threading.enumerate()),
+        "threads": sum(not _pool_worker(t) and t.name != NAME for t in threading.enumerate()),
         "pool_threads": sum(_pool_worker(t) for t in threading.enumerate()),
+        "workers": _workers(),
         "ledgers": sum(isinstance(o, Ledger) for o in objects),
         "rollouts": sum(type(o).__name__ == "Rollout" for o in objects),
     }
@@ -143,5 +150,6 @@ def test_200_rollouts_leave_no_memory_handles_or_threads_behind_and_do_not_slow_
     assert after["tree_rss_mb"] - before["tree_rss_mb"] < TREE_GROWTH_MB, report
     assert after["fds"] <= before["fds"], report
     assert after["threads"] <= before["threads"] and after["pool_threads"] <= POOL_BOUND, report
+    assert after["workers"] <= WORKERS.keep, report  # every env call over, only idle workers left
     assert after["ledgers"] <= before["ledgers"] and after["rollouts"] <= before["rollouts"], report
     assert last_rate >= 0.5 * first_rate, report

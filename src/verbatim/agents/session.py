@@ -140,16 +140,16 @@ class AgentSession:
         or a new segment after a history break), or the tokens bridging its new messages."""
         broken = self._where_broken(request) if self.recorded else None
         if not self.recorded or broken is not None:
-            self._check_text(request.messages, 0, "the opening prompt" if broken is None else "the new segment")
-            rendered = await self.player._off_loop(lambda: self.player.renderer.render(
+            chars = self._check_text(request.messages, 0, "the opening prompt" if broken is None else "the new segment")
+            rendered = await self.player.render_text(lambda: self.player.renderer.render(
                 [chat.as_message(m) for m in request.messages], tools=request.tools,
-                add_generation_prompt=True), "render")
+                add_generation_prompt=True), chars, "render")
             return Addition("prompt" if broken is None else "segment", list(rendered.token_ids), request.messages,
                             request.tools, broken)
         added = request.messages[len(self.recorded):]
-        self._check_text(added, len(self.ledger.view()), "this request's new text")
-        ids = await self.player._off_loop(lambda: self.player.renderer.bridge(
-            self.ledger.view(), [chat.as_message(m) for m in added], tools=self.tools), "bridge")
+        chars = self._check_text(added, len(self.ledger.view()), "this request's new text")
+        ids = await self.player.render_text(lambda: self.player.renderer.bridge(
+            self.ledger.view(), [chat.as_message(m) for m in added], tools=self.tools), chars, "bridge")
         return Addition("env", list(ids), added, self.tools)
 
     def _where_broken(self, request: ChatRequest) -> dict[str, Any] | None:
@@ -170,11 +170,12 @@ class AgentSession:
                                            f"{' and '.join(roles)} messages can follow a reply")
         return broken
 
-    def _check_text(self, messages: list[dict[str, Any]], used: int, what: str) -> None:
+    def _check_text(self, messages: list[dict[str, Any]], used: int, what: str) -> int:
         chars = sum(len(m["content"]) + len(m.get("reasoning") or "") for m in messages)
         reason = self.player.text_overrun(chars, used, what)
         if reason is not None:
             self._truncate(reason)
+        return chars
 
     def _truncate(self, reason: str) -> None:
         self.truncated = reason

@@ -6,9 +6,9 @@ generation prompt → append. History is never re-rendered. A failure anywhere
 (engine, env, renderer) ends the rollout with status ``error`` and the reason;
 it never escapes as an exception.
 
-Env calls run in their own daemon threads under ``step_timeout_s``: an env that
-hangs ends its rollout as ``error`` and its thread is abandoned, so it neither
-holds a worker other rollouts need nor keeps the process from exiting. What an
+Env calls run in daemon worker threads (:mod:`.workers`) under ``step_timeout_s``:
+an env that hangs ends its rollout as ``error`` and keeps its worker, so it neither
+holds one other rollouts need nor keeps the process from exiting. What an
 env returns is checked (:mod:`.env_output`) before it is used.
 """
 
@@ -30,10 +30,16 @@ from verbatim.envs.base import Env
 from verbatim.errors import VerbatimError
 from verbatim.harness.env_output import checked_reset, checked_step, describe_failure, jsonable
 from verbatim.harness.ledger import Ledger
+from verbatim.harness.workers import WORKERS
 
 MAX_CHARS_PER_TOKEN = 256
 """No tokenizer verbatim renders for packs more characters into one token; text longer than
 ``tokens left × this`` cannot fit and is not tokenized at all."""
+
+
+INLINE_CHARS = 4096
+"""New text up to this long is rendered on the event loop (a millisecond or two of tokenizing): the hop to a
+worker thread and back, on cores the engine keeps busy, costs more than that."""
 
 
 class LoopConfig(Frozen):
@@ -70,7 +76,7 @@ class Ended(Exception):
 
 
 async def in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """``call()`` in a fresh daemon thread; a timeout abandons the thread, an exception becomes the reason."""
+    """``call()`` in a daemon worker; a timeout abandons the worker, an exception becomes the reason."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -86,17 +92,22 @@ async def in_thread(call: Callable[[], Any], timeout_s: float, what: str) -> Any
         except RuntimeError:  # the loop closed while this env was hanging: nobody waits any more
             pass
 
-    threading.Thread(target=work, name=f"verbatim-{what}", daemon=True).start()
+    WORKERS.submit(work)
     try:
         return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
         raise Ended("error", f"{what} timed out after {timeout_s:g}s") from None
     except Ended:
         raise
-    except VerbatimError as exc:
-        raise Ended("error", f"{what}: {exc.one_line()}") from exc
     except Exception as exc:  # an env's own bug is data, not a crash
-        raise Ended("error", f"{what} {describe_failure(exc)}") from exc
+        raise ended_by(exc, what) from exc
+
+
+def ended_by(exc: Exception, what: str) -> Ended:
+    """The rollout's end when ``what`` raised ``exc``."""
+    if isinstance(exc, VerbatimError):
+        return Ended("error", f"{what}: {exc.one_line()}")
+    return Ended("error", f"{what} {describe_failure(exc)}")
 
 
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -175,9 +186,9 @@ class RolloutPlayer:
         tools = list(reset.tools) if reset.tools else None
         state["tools"] = tools
         state["messages"].extend(reset.messages)
-        self._check_text(reset.messages, 0, "the opening prompt")
-        prompt = await self._off_loop(lambda: self.renderer.render(list(reset.messages), tools=tools,
-                                                                   add_generation_prompt=True), "render")
+        chars = self._check_text(reset.messages, 0, "the opening prompt")
+        prompt = await self.render_text(lambda: self.renderer.render(list(reset.messages), tools=tools,
+                                                                 add_generation_prompt=True), chars, "render")
         self._check_budget(len(prompt.token_ids), "the opening prompt")
         ledger.append_prompt(prompt.token_ids)
         for turn in range(self.config.max_turns):
@@ -199,15 +210,26 @@ class RolloutPlayer:
             if turn == self.config.max_turns - 1:
                 raise Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
             what = f"the prompt of turn {turn + 1}"
-            self._check_text(result.messages, len(ledger), what)
-            bridge = await self._off_loop(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),
-                                                                                tools=tools), "bridge")
+            chars = self._check_text(result.messages, len(ledger), what)
+            bridge = await self.render_text(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),
+                                                                              tools=tools), chars, "bridge")
             self._check_budget(len(ledger) + len(bridge), what)
             state["messages"].extend(result.messages)
             ledger.append_observation(bridge)
 
+    async def render_text(self, call: Callable[[], Any], chars: int, what: str) -> Any:
+        """A renderer call on ``chars`` of new text: on the event loop where the text is short and the
+        tokenizer free, else in a worker thread, so a long text does not stall the other rollouts."""
+        if chars <= INLINE_CHARS and self._tokenizing.acquire(blocking=False):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - a renderer's failure ends the rollout, as off the loop
+                raise ended_by(exc, what) from exc
+            finally:
+                self._tokenizing.release()
+        return await self._off_loop(call, what)
+
     async def _off_loop(self, call: Callable[[], Any], what: str) -> Any:
-        """A renderer call in a worker thread, so a long text does not stall the other rollouts."""
         def locked() -> Any:
             with self._tokenizing:
                 return call()
@@ -222,12 +244,14 @@ class RolloutPlayer:
             except Exception:  # noqa: BLE001 - bookkeeping must not turn a finished rollout into a failure
                 pass
 
-    def _check_text(self, messages: Any, used: int, what: str) -> None:
-        """End before tokenizing text that cannot fit whatever the tokenizer (an enormous observation)."""
+    def _check_text(self, messages: Any, used: int, what: str) -> int:
+        """The characters of ``messages``; ends the rollout before tokenizing text that cannot fit whatever
+        the tokenizer (an enormous observation)."""
         chars = sum(len(m.content) + len(m.reasoning or "") for m in messages)
         reason = self.text_overrun(chars, used, what)
         if reason is not None:
             raise Ended("truncated", reason)
+        return chars
 
     def _check_budget(self, prompt_tokens: int, what: str) -> None:
         reason = self.budget_overrun(prompt_tokens, what)
