@@ -44,10 +44,14 @@ def test_json_objects_have_the_issue_keys_and_exact_gradients(tiny_model_dir):
         assert r["baseline_s"] > 0 and r["prefixflow_s"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_s"] / r["prefixflow_s"], rel=2e-2)
         assert 0 <= r["grad_max_rel_err"] <= 1e-5
-        for key in ("peak_mb_baseline", "peak_mb_prefixflow", "peak_mb_prefixflow_low_memory"):
-            assert isinstance(r[key], float) and r[key] >= 0
-        assert r["speedup_low_memory"] == pytest.approx(r["baseline_s"] / r["prefixflow_low_memory_s"], rel=2e-2)
-    assert "| r | G |" in markdown_table(rows)
+        peaks = [r[f"peak_mb_{n}"] for n in ("baseline", "prefixflow", "prefixflow_kept", "prefixflow_low_memory")]
+        assert all(isinstance(peak, float) and peak >= 0 for peak in peaks)
+        for key in ("kept", "low_memory"):
+            assert r[f"speedup_{key}"] == pytest.approx(r["baseline_s"] / r[f"prefixflow_{key}_s"], rel=2e-2)
+    table = markdown_table(rows)
+    assert table.count("| 0.83 | 3 |") == 4  # the configuration, then its three PrefixFlow settings
+    assert "| 0.83 | 3 | phase B at M | kept | 2 |" in table
+    assert "| 0.83 | 3 | low memory | recomputed | 2 |" in table
 
 
 def test_bad_ratio_is_a_one_line_input_error(tiny_model_dir):
@@ -94,6 +98,7 @@ def test_write_puts_the_timings_into_the_named_section(tmp_path, tiny_model_dir)
     text = doc.read_text()
     assert "old" not in text and text.endswith("<!-- bench-prefixflow-small:end -->\n\nkeep\n")
     assert "| 0.5 | 2 | 20 | 20 | 2 |" in text and "Machine (detected): " in text and "torch " in text
+    assert "PrefixFlow setting" not in text  # --no-low-memory: the fast PrefixFlow only, no settings table
     assert (f"`verbatim bench prefixflow --prefix-ratio 0.5 --group-size 2 --seq-len 40 --micro-batch 2 --repeats 1 "
             f"--model {tiny_model_dir} --no-low-memory --write {doc} --section bench-prefixflow-small`") in text
 

@@ -17,9 +17,12 @@ Phase B's microbatches get the memory budget of a baseline microbatch, not its t
 (:func:`suffixes_per_microbatch`): the bytes autograd saves for the backward of one baseline
 microbatch's forward, measured, over those of one more suffix row (at least M rows).
 
-PrefixFlow runs twice: as fast as it goes (the prefix's activations kept for phase C, phase B by the
-memory budget), and at its least memory (``low memory``: the prefix recomputed in phase C, so during
-phase B it holds only its keys/values, and phase B in microbatches of M suffixes).
+PrefixFlow runs in up to three settings (:data:`SETTINGS`): as fast as it goes (the prefix's activations
+kept for phase C, phase B by the memory budget); with the prefix's activations kept and phase B in
+microbatches of M suffixes (``kept``); and at its least memory (``low memory``: the prefix recomputed in
+phase C, so during phase B it holds only its keys/values, and phase B in microbatches of M suffixes).
+Holding the prefix's activations costs no work and recomputing them costs a prefix forward; the
+markdown's second table shows each setting's time and memory side by side.
 
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
 resident size at the start of the pass, after glibc has handed its free memory back
@@ -50,10 +53,15 @@ from verbatim.trainer.prefixflow import (
 )
 from verbatim.trainer.reference import load_model
 
-KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "baseline_s", "prefixflow_s",
+KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "micro_batch", "baseline_s", "prefixflow_s",
         "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "grad_max_rel_err", "peak_mb_baseline",
-        "peak_mb_prefixflow", "prefixflow_low_memory_s", "speedup_low_memory", "peak_mb_prefixflow_low_memory")
-"""The keys of one result object, in order (the last three None without the low-memory pass)."""
+        "peak_mb_prefixflow", "prefixflow_kept_s", "speedup_kept", "peak_mb_prefixflow_kept",
+        "prefixflow_low_memory_s", "speedup_low_memory", "peak_mb_prefixflow_low_memory")
+"""The keys of one result object, in order (the last six None without ``--low-memory``)."""
+
+SETTINGS = {"prefixflow": ("fast", "kept"), "kept": ("phase B at M", "kept"),
+            "low_memory": ("low memory", "recomputed")}
+"""Each PrefixFlow pass's key: (its name in the settings table, what happens to the prefix's activations)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,7 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, low_memory: b
         "prefixflow": lambda: prefixflow_backward(lm, group, loss_fn, microbatches(case.group_size, rows)),
     }
     if low_memory:
+        passes["kept"] = lambda: prefixflow_backward(lm, group, loss_fn, splits)
         passes["low_memory"] = lambda: prefixflow_backward(lm, group, loss_fn, splits, offload="recompute")
     seconds, peaks, err, want = {}, {}, 0.0, None
     for name, step in passes.items():
@@ -148,18 +157,20 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, low_memory: b
     for _ in range(repeats - 1):
         for name, step in passes.items():
             seconds[name] = min(seconds[name], _measure(model, step, keep=False)[0])
-    low = seconds.get("low_memory")
-    return {
+    result = {
         "prefix_ratio": case.prefix_ratio, "group_size": case.group_size,
-        "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens,
+        "prefix_tokens": case.prefix_tokens, "suffix_tokens": case.suffix_tokens, "micro_batch": micro_batch,
         "baseline_s": round(seconds["baseline"], 6), "prefixflow_s": round(seconds["prefixflow"], 6),
         "speedup": round(seconds["baseline"] / seconds["prefixflow"], 4), "ideal_speedup": round(case.ideal_speedup, 3),
         "flop_ideal_speedup": round(flop_ideal_speedup(case, model.config), 3), "phase_b_rows": rows,
         "grad_max_rel_err": err, "peak_mb_baseline": peaks["baseline"], "peak_mb_prefixflow": peaks["prefixflow"],
-        "prefixflow_low_memory_s": None if low is None else round(low, 6),
-        "speedup_low_memory": None if low is None else round(seconds["baseline"] / low, 4),
-        "peak_mb_prefixflow_low_memory": peaks.get("low_memory"),
     }
+    for name in ("kept", "low_memory"):
+        took = seconds.get(name)
+        result[f"prefixflow_{name}_s"] = None if took is None else round(took, 6)
+        result[f"speedup_{name}"] = None if took is None else round(seconds["baseline"] / took, 4)
+        result[f"peak_mb_prefixflow_{name}"] = peaks.get(name)
+    return result
 
 
 def suffixes_per_microbatch(lm: PrefixCausalLM, group: PrefixGroup, micro_batch: int) -> int:
@@ -300,24 +311,38 @@ def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq
 
 
 def markdown_table(results: list[dict]) -> str:
+    """The configurations with the fast PrefixFlow; then, where more settings ran, every setting's row."""
     head = ("| r | G | P | S | phase B rows | full (s) | PrefixFlow (s) | speedup | token ideal | % of token ideal "
-            "| FLOP ideal | % of FLOP ideal | grad max rel err | peak MB full | peak MB PrefixFlow (vs full) "
-            "| low memory: PrefixFlow (s) | % of token ideal | peak MB (vs full) |")
-    lines = [head, "|" + "---:|" * 18]
+            "| FLOP ideal | % of FLOP ideal | grad max rel err | peak MB full | peak MB PrefixFlow (vs full) |")
+    lines = [head, "|" + "---:|" * 15]
     for r in results:
-        share = 100 * r["speedup"] / r["ideal_speedup"]
-        flop_share = 100 * r["speedup"] / r["flop_ideal_speedup"]
-        low = r["speedup_low_memory"]
         lines.append(
             f"| {r['prefix_ratio']} | {r['group_size']} | {r['prefix_tokens']} | {r['suffix_tokens']} "
             f"| {r['phase_b_rows']} | {r['baseline_s']:.2f} | {r['prefixflow_s']:.2f} | {r['speedup']:.2f}x "
-            f"| {r['ideal_speedup']:.2f}x | {share:.0f}% | {r['flop_ideal_speedup']:.2f}x | {flop_share:.0f}% "
-            f"| {r['grad_max_rel_err']:.1e} | {_mb(r['peak_mb_baseline'])} "
-            f"| {_share(r['peak_mb_prefixflow'], r['peak_mb_baseline'])} "
-            f"| {'n/a' if low is None else format(r['prefixflow_low_memory_s'], '.2f')} "
-            f"| {'n/a' if low is None else format(100 * low / r['ideal_speedup'], '.0f') + '%'} "
-            f"| {_share(r['peak_mb_prefixflow_low_memory'], r['peak_mb_baseline'])} |")
+            f"| {r['ideal_speedup']:.2f}x | {_pct(r['speedup'], r['ideal_speedup'])} | {r['flop_ideal_speedup']:.2f}x "
+            f"| {_pct(r['speedup'], r['flop_ideal_speedup'])} | {r['grad_max_rel_err']:.1e} "
+            f"| {_mb(r['peak_mb_baseline'])} | {_share(r['peak_mb_prefixflow'], r['peak_mb_baseline'])} |")
+    settings = [_setting_row(r, key) for r in results for key in SETTINGS if r.get(f"speedup_{key}", 1) is not None]
+    if len(settings) > len(results):
+        lines += ["", "| r | G | PrefixFlow setting | prefix activations | phase B rows | PrefixFlow (s) | speedup "
+                  "| % of token ideal | % of FLOP ideal | peak MB (vs full) |", "|---:|---:|---|---|" + "---:|" * 6,
+                  *settings]
     return "\n".join(lines)
+
+
+def _setting_row(r: dict, key: str) -> str:
+    name, activations = SETTINGS[key]
+    fast = key == "prefixflow"
+    suffix = "" if fast else f"_{key}"
+    took, speedup, peak = r[f"prefixflow{suffix}_s"], r["speedup" + suffix], r[f"peak_mb_prefixflow{suffix}"]
+    rows = r["phase_b_rows"] if fast else min(r["group_size"], r["micro_batch"])
+    return (f"| {r['prefix_ratio']} | {r['group_size']} | {name} | {activations} | {rows} | {took:.2f} "
+            f"| {speedup:.2f}x | {_pct(speedup, r['ideal_speedup'])} | {_pct(speedup, r['flop_ideal_speedup'])} "
+            f"| {_share(peak, r['peak_mb_baseline'])} |")
+
+
+def _pct(value: float, ideal: float) -> str:
+    return f"{100 * value / ideal:.0f}%"
 
 
 def _mb(value: float | None) -> str:

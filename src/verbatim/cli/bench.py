@@ -176,9 +176,9 @@ def bench_prefixflow(
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     low_memory: bool = typer.Option(True, "--low-memory/--no-low-memory",
-                                    help="Also time PrefixFlow at its least memory: the prefix recomputed in "
-                                         "phase C (--prefix-activations recompute), phase B in microbatches of "
-                                         "--micro-batch suffixes."),
+                                    help="Also time PrefixFlow with phase B in microbatches of --micro-batch "
+                                         "suffixes, the prefix's activations kept and, at its least memory, "
+                                         "recomputed in phase C (--prefix-activations recompute)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per configuration, one per line."),
     exactness: bool = typer.Option(False, "--exactness", help="Instead of timing: measure PrefixFlow's gradient "
                                    "error against full-sequence training in float32, float64 and bfloat16 (small "
