@@ -41,6 +41,7 @@ def test_json_objects_have_the_issue_keys_and_exact_gradients(tiny_model_dir):
         p, s = r["prefix_tokens"], r["suffix_tokens"]
         assert r["ideal_speedup"] == pytest.approx(3 * (p + s) / (p + 3 * s), abs=1e-3)
         assert 1 < r["flop_ideal_speedup"] < r["ideal_speedup"] and 2 <= r["phase_b_rows"] <= 3
+        assert r["flop_ideal_speedup_recompute"] < r["flop_ideal_speedup"]
         assert r["baseline_s"] > 0 and r["prefixflow_s"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_s"] / r["prefixflow_s"], rel=2e-2)
         assert 0 <= r["grad_max_rel_err"] <= 1e-5
@@ -77,6 +78,8 @@ def test_flop_ideal_of_the_default_model_at_the_target():
     flops = flop_ideal_speedup(case, config)
     assert 3.1 < flops < 3.2 and 0.84 < flops / case.ideal_speedup < 0.88
     assert flop_ideal_speedup(Case(0.5, 1, 1024), config) == pytest.approx(1.0)
+    again = flop_ideal_speedup(case, config, recompute=True)  # a second prefix forward: a third of its work more
+    assert 0.76 < again / case.ideal_speedup < 0.80
 
 
 def test_peak_memory_sees_a_large_allocation():

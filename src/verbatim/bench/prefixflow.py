@@ -54,7 +54,8 @@ from verbatim.trainer.prefixflow import (
 from verbatim.trainer.reference import load_model
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "micro_batch", "baseline_s", "prefixflow_s",
-        "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "grad_max_rel_err", "peak_mb_baseline",
+        "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "flop_ideal_speedup_recompute",
+        "grad_max_rel_err", "peak_mb_baseline",
         "peak_mb_prefixflow", "prefixflow_kept_s", "speedup_kept", "peak_mb_prefixflow_kept",
         "prefixflow_low_memory_s", "speedup_low_memory", "peak_mb_prefixflow_low_memory")
 """The keys of one result object, in order (the last six None without ``--low-memory``)."""
@@ -84,18 +85,20 @@ class Case:
         return g * (p + s) / (p + g * s)
 
 
-def flop_ideal_speedup(case: Case, config: object) -> float:
-    """Full training's FLOPs over PrefixFlow's for a dense decoder's ``config`` (the backward, about twice
-    the forward in both, cancels): linear layers per token, attention per causal (query, key) pair, the
-    output layer per loss token (the suffix tokens, in both)."""
+def flop_ideal_speedup(case: Case, config: object, recompute: bool = False) -> float:
+    """Full training's FLOPs over PrefixFlow's for a dense decoder's ``config``: linear layers per token,
+    attention per causal (query, key) pair, the output layer per loss token (the suffix tokens, in both);
+    a backward is twice its forward in both. ``recompute``: the prefix runs forward a second time in
+    phase C (``--prefix-activations recompute``)."""
     p, s, g = case.prefix_tokens, case.suffix_tokens, case.group_size
     linear, pair, output = _flops_per_token(config)
 
     def pairs(n: int) -> int:
         return n * (n + 1) // 2
 
+    prefix = p * linear + pairs(p) * pair
     full = g * ((p + s) * linear + pairs(p + s) * pair + s * output)
-    flow = p * linear + pairs(p) * pair + g * (s * linear + (s * p + pairs(s)) * pair + s * output)
+    flow = prefix * (4 / 3 if recompute else 1) + g * (s * linear + (s * p + pairs(s)) * pair + s * output)
     return full / flow
 
 
@@ -163,6 +166,7 @@ def run_case(model: torch.nn.Module, case: Case, micro_batch: int, low_memory: b
         "baseline_s": round(seconds["baseline"], 6), "prefixflow_s": round(seconds["prefixflow"], 6),
         "speedup": round(seconds["baseline"] / seconds["prefixflow"], 4), "ideal_speedup": round(case.ideal_speedup, 3),
         "flop_ideal_speedup": round(flop_ideal_speedup(case, model.config), 3), "phase_b_rows": rows,
+        "flop_ideal_speedup_recompute": round(flop_ideal_speedup(case, model.config, recompute=True), 3),
         "grad_max_rel_err": err, "peak_mb_baseline": peaks["baseline"], "peak_mb_prefixflow": peaks["prefixflow"],
     }
     for name in ("kept", "low_memory"):
@@ -324,9 +328,9 @@ def markdown_table(results: list[dict]) -> str:
             f"| {_mb(r['peak_mb_baseline'])} | {_share(r['peak_mb_prefixflow'], r['peak_mb_baseline'])} |")
     settings = [_setting_row(r, key) for r in results for key in SETTINGS if r.get(f"speedup_{key}", 1) is not None]
     if len(settings) > len(results):
-        lines += ["", "| r | G | PrefixFlow setting | prefix activations | phase B rows | PrefixFlow (s) | speedup "
-                  "| % of token ideal | % of FLOP ideal | peak MB (vs full) |", "|---:|---:|---|---|" + "---:|" * 6,
-                  *settings]
+        head = ("| r | G | PrefixFlow setting | prefix activations | phase B rows | PrefixFlow (s) | speedup "
+                "| % of token ideal | its FLOP ideal | % of it | peak MB (vs full) |")
+        lines += ["", head, "|---:|---:|---|---|" + "---:|" * 7, *settings]
     return "\n".join(lines)
 
 
@@ -336,8 +340,9 @@ def _setting_row(r: dict, key: str) -> str:
     suffix = "" if fast else f"_{key}"
     took, speedup, peak = r[f"prefixflow{suffix}_s"], r["speedup" + suffix], r[f"peak_mb_prefixflow{suffix}"]
     rows = r["phase_b_rows"] if fast else min(r["group_size"], r["micro_batch"])
+    flops = r["flop_ideal_speedup_recompute" if key == "low_memory" else "flop_ideal_speedup"]
     return (f"| {r['prefix_ratio']} | {r['group_size']} | {name} | {activations} | {rows} | {took:.2f} "
-            f"| {speedup:.2f}x | {_pct(speedup, r['ideal_speedup'])} | {_pct(speedup, r['flop_ideal_speedup'])} "
+            f"| {speedup:.2f}x | {_pct(speedup, r['ideal_speedup'])} | {flops:.2f}x | {_pct(speedup, flops)} "
             f"| {_share(peak, r['peak_mb_baseline'])} |")
 
 
