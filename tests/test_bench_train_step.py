@@ -39,13 +39,15 @@ def test_each_setting_turns_on_its_option_alone_and_all_turns_on_every_one():
     assert train_step.SETTINGS["all"] == {"dtype": "bf16", "checkpoint_layers": True}
 
 
-def test_each_setting_runs_in_its_own_process_and_makes_one_row(tiny_folder):
-    results = train_step.run_bench([str(tiny_folder)], ["fp32", "all"], SMALL)
-    assert [r["setting"] for r in results] == ["fp32", "all"]
+def test_each_setting_runs_in_its_own_process_and_makes_one_row_per_path(tiny_folder):
+    results = train_step.run_bench([str(tiny_folder)], ["fp32", "all"], SMALL, paths=train_step.PATHS)
+    assert [(r["path"], r["setting"]) for r in results] == [("plain", "fp32"), ("plain", "all"),
+                                                            ("prefixflow", "fp32"), ("prefixflow", "all")]
     assert results[1]["config"] == {"dtype": "bf16", "checkpoint_layers": True, "logprob_chunk": 512}
-    assert all(r["path"] == "plain" and r["step_s"] > 0 and r["step_peak_mb"] is not None for r in results)
+    assert all(r["step_s"] > 0 and r["step_peak_mb"] is not None for r in results)
     table = train_step.markdown_table(results)
-    assert table.count("\n") == len(results) + 1 and "1.00x" in table
+    assert table.count("\n") == len(results) + 1
+    assert table.count("| 1.00x | 1.00x |") == 2  # each path's fp32 row is its own reference
     text = train_step.section_text(results, SMALL, "verbatim bench train-step")
     assert "Measured by `verbatim bench train-step`" in text
 
@@ -57,6 +59,7 @@ def test_a_setting_that_fails_is_an_error_not_a_table(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--setting", "fp16"], "unknown --setting 'fp16'"),
+    (["--path", "fast"], "unknown --path 'fast'"),
     (["--write", "missing.md"], "--write missing.md: no such file"),
 ])
 def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch, args, needle):

@@ -24,8 +24,8 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,9 @@ from verbatim.errors import BenchmarkError
 
 SECTION = "bench-train-step"
 MODELS = ("default", "0.5b")
+PATHS = ("plain", "prefixflow")
+"""The learner's paths: the model's own full forward, or its PrefixFlow adapter (the default for a family
+with one)."""
 SETTINGS: dict[str, dict[str, Any]] = {
     "fp32": {"logprob_chunk": 0},
     "chunked": {},
@@ -132,15 +135,16 @@ def _max_rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-def run_bench(models: list[str], settings: list[str], work: Workload,
+def run_bench(models: list[str], settings: list[str], work: Workload, paths: Sequence[str] = ("plain",),
               progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every (model, setting), each in a fresh process; a failed one is a :class:`BenchmarkError`."""
+    """Every (model, path, setting), each in a fresh process; a failed one is a :class:`BenchmarkError`."""
     results = []
     for model in models:
-        for setting in settings:
-            results.append(_in_child(model, setting, work))
-            if progress is not None:
-                progress(results[-1])
+        for path in paths:
+            for setting in settings:
+                results.append(_in_child(model, setting, replace(work, prefixflow=path == "prefixflow")))
+                if progress is not None:
+                    progress(results[-1])
     return results
 
 
@@ -156,13 +160,14 @@ def _in_child(model: str, setting: str, work: Workload) -> dict:
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One row per (model, setting); the ratios are against the model's fp32 row where there is one."""
+    """One row per (model, path, setting); the ratios are against the model's fp32 row on the same path where
+    there is one."""
     head = ("| model | setting | path | step (s) | step peak rise (MiB) | process peak RSS (MiB) "
             "| time vs fp32 | rise vs fp32 |")
     lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
-    base = {r["model"]: r for r in results if r["setting"] == "fp32"}
+    base = {(r["model"], r["path"]): r for r in results if r["setting"] == "fp32"}
     for r in results:
-        ref = base.get(r["model"])
+        ref = base.get((r["model"], r["path"]))
         time_ratio = f"{r['step_s'] / ref['step_s']:.2f}x" if ref else "–"
         rise_ratio = f"{r['step_peak_mb'] / ref['step_peak_mb']:.2f}x" if ref and ref["step_peak_mb"] else "–"
         lines.append(f"| {r['model']} ({r['parameters'] / 1e6:.0f}M, vocab {r['vocab']:,}) | {r['setting']} "

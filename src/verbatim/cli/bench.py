@@ -237,9 +237,8 @@ def bench_train_step(
                                     "default: default and 0.5b)."),
     setting: list[str] = typer.Option(None, "--setting", help="fp32, chunked, bf16, checkpointing or all "
                                       "(repeatable; default: every one)."),
-    prefixflow: bool = typer.Option(False, "--prefixflow/--no-prefixflow",
-                                    help="Train through PrefixFlow (the model's adapter) instead of the plain "
-                                         "path."),
+    path: list[str] = typer.Option(None, "--path", help="plain (the model's own forward) or prefixflow (its "
+                                   "adapter, the learner's default for the family) (repeatable; default: both)."),
     reply: int = typer.Option(192, "--reply", min=1, help="Model tokens per rollout (after a 64-token prompt)."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per (model, setting), one per line."),
@@ -247,30 +246,40 @@ def bench_train_step(
                                "bench-train-step section (docs/benchmarks.md)."),
 ) -> None:
     """Peak memory and time of one learner step, each memory option on and off, each in a fresh process."""
-    from verbatim.bench.train_step import MODELS, SECTION, SETTINGS, Workload, markdown_table, run_bench, section_text
+    from verbatim.bench.train_step import (
+        MODELS,
+        PATHS,
+        SECTION,
+        SETTINGS,
+        Workload,
+        markdown_table,
+        run_bench,
+        section_text,
+    )
     from verbatim.errors import InputError
 
-    settings = setting or list(SETTINGS)
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        raise InputError(f"unknown --setting {unknown[0]!r}", hint=f"use {', '.join(SETTINGS)}")
+    settings, paths = setting or list(SETTINGS), path or list(PATHS)
+    for flag, given, known in (("--setting", settings, SETTINGS), ("--path", paths, PATHS)):
+        unknown = [s for s in given if s not in known]
+        if unknown:
+            raise InputError(f"unknown {flag} {unknown[0]!r}", hint=f"use {', '.join(known)}")
     if write is not None:
         docsection.require_section(write, SECTION)
-    work = Workload(reply=reply, prefixflow=prefixflow, threads=threads)
+    work = Workload(reply=reply, threads=threads)
 
     def show(result: dict) -> None:
         if as_json:
             print(strict_json(result), flush=True)
         else:
-            err_console.print(f"{result['model']} {result['setting']}: {result['step_s']:.1f} s, "
+            err_console.print(f"{result['model']} {result['path']} {result['setting']}: {result['step_s']:.1f} s, "
                               f"peak rise {result['step_peak_mb']} MiB")
 
-    results = run_bench(model or list(MODELS), settings, work, progress=show)
+    results = run_bench(model or list(MODELS), settings, work, paths, progress=show)
     if not as_json:
         console.print(markdown_table(results))
     if write is not None:
-        command = _command("train-step", model=model or None, setting=setting or None,
-                           prefixflow=True if prefixflow else None, reply=None if reply == 192 else reply,
+        command = _command("train-step", model=model or None, setting=setting or None, path=path or None,
+                           reply=None if reply == 192 else reply,
                            threads=threads, write=write)
         docsection.write_section(write, SECTION, section_text(results, work, command),
                                  libraries=("torch", "transformers"))
