@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import threading
 import time
 import weakref
@@ -20,7 +21,7 @@ from test_faults_env import FaultyEnv, ScriptedEngine
 from verbatim.datamodel import Message
 from verbatim.envs.base import StepResult
 from verbatim.harness.rollout import INLINE_CHARS, LoopConfig, RolloutPlayer, RolloutSpec
-from verbatim.harness.workers import NAME, Workers
+from verbatim.harness.workers import NAME, WORKERS, Workers
 
 
 def run_and_wait(workers: Workers, job) -> threading.Thread:
@@ -93,6 +94,29 @@ def test_an_idle_worker_holds_nothing_its_last_call_referenced():
     del env
     gc.collect()
     assert ref() is None
+
+
+def _env_call_in_a_forked_child(done) -> None:
+    finished = threading.Event()
+    WORKERS.submit(finished.set)
+    done.put(finished.wait(5))
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """The parent's idle workers are not threads of a forked child: a call there must not wait on them."""
+    run_and_wait(WORKERS, lambda: None)
+    assert wait_until(lambda: WORKERS.idle() >= 1)
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_env_call_in_a_forked_child, args=(done,))
+    child.start()
+    try:
+        answered = done.get(timeout=30)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert answered is True and child.exitcode == 0
 
 
 class ThreadRecordingRenderer(CharRenderer):

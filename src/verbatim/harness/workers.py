@@ -5,10 +5,12 @@ costs a thread start and, on a machine whose cores the engine keeps busy, a wait
 scheduled; an idle worker is woken instead. A call that hangs keeps its worker for good, as a
 thread of its own would (nothing is bounded by hung calls, nobody joins them at exit), and the
 next call starts a new worker. At most ``keep`` idle workers wait, each for ``idle_s`` seconds.
+A forked child starts with none: its parent's workers are not threads of the child.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -34,6 +36,10 @@ class Workers:
             threading.Thread(target=self._serve, args=(inbox,), name=NAME, daemon=True).start()
         inbox.put(job)
 
+    def forget(self) -> None:
+        """Drop every idle worker without waking it (in a forked child, where none of them runs)."""
+        self._idle, self._lock = [], threading.Lock()
+
     def idle(self) -> int:
         with self._lock:
             return len(self._idle)
@@ -58,3 +64,5 @@ class Workers:
 
 WORKERS = Workers()
 """The process's workers, shared by every rollout."""
+
+os.register_at_fork(after_in_child=WORKERS.forget)
