@@ -55,8 +55,8 @@ from verbatim.trainer.reference import load_model
 
 KEYS = ("prefix_ratio", "group_size", "prefix_tokens", "suffix_tokens", "micro_batch", "baseline_s", "prefixflow_s",
         "speedup", "ideal_speedup", "flop_ideal_speedup", "phase_b_rows", "flop_ideal_speedup_recompute",
-        "grad_max_rel_err", "peak_mb_baseline",
-        "peak_mb_prefixflow", "prefixflow_kept_s", "speedup_kept", "peak_mb_prefixflow_kept",
+        "grad_max_rel_err", "peak_mb_baseline", "peak_mb_prefixflow",
+        "prefixflow_kept_s", "speedup_kept", "peak_mb_prefixflow_kept",
         "prefixflow_low_memory_s", "speedup_low_memory", "peak_mb_prefixflow_low_memory")
 """The keys of one result object, in order (the last six None without ``--low-memory``)."""
 
@@ -326,7 +326,8 @@ def markdown_table(results: list[dict]) -> str:
             f"| {r['ideal_speedup']:.2f}x | {_pct(r['speedup'], r['ideal_speedup'])} | {r['flop_ideal_speedup']:.2f}x "
             f"| {_pct(r['speedup'], r['flop_ideal_speedup'])} | {r['grad_max_rel_err']:.1e} "
             f"| {_mb(r['peak_mb_baseline'])} | {_share(r['peak_mb_prefixflow'], r['peak_mb_baseline'])} |")
-    settings = [_setting_row(r, key) for r in results for key in SETTINGS if r.get(f"speedup_{key}", 1) is not None]
+    settings = [_setting_row(r, key) for r in results for key in SETTINGS
+                if key == "prefixflow" or r[f"speedup_{key}"] is not None]
     if len(settings) > len(results):
         head = ("| r | G | PrefixFlow setting | prefix activations | phase B rows | PrefixFlow (s) | speedup "
                 "| % of token ideal | its FLOP ideal | % of it | peak MB (vs full) |")

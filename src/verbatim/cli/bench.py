@@ -241,7 +241,7 @@ def bench_train_step(
                                    "adapter, the learner's default for the family) (repeatable; default: both)."),
     reply: int = typer.Option(192, "--reply", min=1, help="Model tokens per rollout (after a 64-token prompt)."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per (model, setting), one per line."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per (model, path, setting), one per line."),
     write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
                                "bench-train-step section (docs/benchmarks.md)."),
 ) -> None:
