@@ -4,10 +4,9 @@ After every KV block has been written once and a warm-up run of the same size (t
 requests, Python's lazy imports, caches and allocator arenas at their working size), one run of
 200 short guess rollouts (50 groups of 4, 32 at a time) must leave behind no file descriptor, no
 thread (asyncio's worker pool and verbatim's idle env workers, which grow to a bound, are checked
-against their bounds), no rollout
-or ledger object (exact: the small leaks RSS cannot see), and no memory beyond allocator noise
-(RSS of this process and of the whole tree with vLLM's engine core: the large leaks); and its last
-quarter of rollouts must finish at no less than half the rate of its first.
+against their bounds), no rollout or ledger object (exact: the small leaks RSS cannot see), and no
+memory beyond allocator noise (RSS of this process and of the whole tree with vLLM's engine core: the
+large leaks); and its last quarter of rollouts must finish at no less than half the rate of its first.
 """
 
 from __future__ import annotations

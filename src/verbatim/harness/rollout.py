@@ -227,9 +227,7 @@ class RolloutPlayer:
                 raise ended_by(exc, what) from exc
             finally:
                 self._tokenizing.release()
-        return await self._off_loop(call, what)
 
-    async def _off_loop(self, call: Callable[[], Any], what: str) -> Any:
         def locked() -> Any:
             with self._tokenizing:
                 return call()
