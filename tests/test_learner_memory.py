@@ -70,6 +70,21 @@ def test_without_autograd_chunks_run_plainly():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(("rows", "calls"), [(20, [20]), (64, [20]), (0, [20]), (8, [8, 8, 4, 4, 8, 8])])
+def test_the_output_layer_runs_once_per_chunk_and_again_only_where_chunks_are_recomputed(rows, calls):
+    """The backward recomputes the chunks last to first; one chunk is never recomputed."""
+    head = torch.nn.Linear(8, 50, bias=False)
+    seen: list[int] = []
+
+    def logits(states: torch.Tensor) -> torch.Tensor:
+        seen.append(int(states.shape[0]))
+        return head(states)
+
+    hidden = torch.randn(20, 8, requires_grad=True)
+    chunked_target_logprobs(logits, hidden, torch.randint(0, 50, (20,)), 1.0, rows).sum().backward()
+    assert seen == calls
+
+
 def peak_allocated(fn) -> int:
     """The most bytes torch's CPU allocator held at once while ``fn`` ran (beyond what it held before)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -74,6 +74,8 @@ def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidd
                             targets: torch.Tensor, temperature: float, rows: int) -> torch.Tensor:
     """:func:`target_logprobs` of ``logits(hidden)``, ``rows`` rows at a time (0: all at once).
 
+    ``rows`` or fewer rows are one chunk, computed directly: their logits are no more than a chunk's.
+
     With autograd on, each chunk runs under non-reentrant activation checkpointing: the forward keeps
     only the chunk's inputs, and the backward recomputes that chunk's logits, log-softmax and gradient
     before the next chunk's, so no more than ``rows × vocabulary`` logits (and their float32 copies)
@@ -81,7 +83,7 @@ def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidd
     summed chunk by chunk (float rounding of the order of the unchunked sum's).
     """
     n = int(hidden.shape[0])
-    if rows <= 0 or n == 0:
+    if rows <= 0 or n <= rows:  # one chunk: checkpointing it would only run the output layer twice
         return target_logprobs(logits(hidden), targets, temperature)
 
     def chunk(states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
