@@ -231,8 +231,10 @@ def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_d
 
 def test_a_state_dict_pushed_through_shared_memory_is_what_the_engine_samples_from(engine_runner, default_model_dir,
                                                                                     perturbed_dir, default_tokenizer):
-    """The in-memory push (engine/weight_push.py) twice, with another state dict each time: the engine's
-    logprobs are the pushed weights' (trainer fp32) and not the base model's."""
+    """The in-memory push (engine/weight_push.py) three times, with another state dict each time: the engine's
+    logprobs are the pushed weights' (trainer fp32) and not the others'. The first two reach the model by the
+    direct reload (engine/direct_reload.py); the third lists its tensors backwards (v, k, q), which the direct
+    reload cannot fuse in place, and goes through vLLM's reload."""
     import torch
 
     from verbatim.trainer.reference import load_model, reference_logprobs
@@ -242,9 +244,11 @@ def test_a_state_dict_pushed_through_shared_memory_is_what_the_engine_samples_fr
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
     base, perturbed = load_model(default_model_dir), load_model(perturbed_dir)
     try:
-        for pushed, other in ((perturbed, base), (base, perturbed)):
-            state = {name: t.detach() for name, t in pushed.state_dict().items()}
+        for pushed, other, order, path in ((perturbed, base, 1, "direct"), (base, perturbed, 1, "direct"),
+                                           (perturbed, base, -1, "vllm")):
+            state = {name: t.detach() for name, t in list(pushed.state_dict().items())[::order]}
             run(engine_runner, engine.update_weights(state, engine.version + 1, "flush"))
+            assert engine.last_reload == path
             got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=16, temperature=1.0, seed=9,
                                                                       ignore_eos=True)))
             ids = list(prompt) + got.token_ids.tolist()

@@ -18,6 +18,9 @@ class Worker(WeightReceiver):
     def __init__(self) -> None:
         self.loaded: list[dict[str, torch.Tensor]] = []
 
+    def _verbatim_direct(self, path, weights):
+        return False  # no vLLM model here: the direct reload is tests/test_direct_reload.py's and the engine's
+
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
         assert is_checkpoint_format
         self.loaded.append({name: tensor.clone() for name, tensor in weights_iterator})

@@ -93,6 +93,8 @@ class InprocEngine:
         self._kv = KvProvenance(self.block_size)
         self._weights_dirs: list[Path] = []
         self._channel = WeightChannel()
+        self.last_reload = ""
+        """How the last in-memory push reached the model: ``direct`` (engine/direct_reload.py) or ``vllm``."""
 
     # -- life cycle -------------------------------------------------------------
 
@@ -289,7 +291,9 @@ class InprocEngine:
         async with self._update_lock:
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc(method, kwargs=kwargs)
+                done = await llm.collective_rpc(method, kwargs=kwargs)
+                if method == "verbatim_reload_shared":
+                    self.last_reload = "direct" if all(done) else "vllm"
                 await llm.update_weight_version(str(version))
                 if policy is CachePolicy.FLUSH:
                     await llm.reset_prefix_cache(reset_running_requests=True)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from verbatim.engine.direct_reload import direct_reload, reload_plan
+
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary of the buffer (a view of any dtype is aligned)."""
 
@@ -113,14 +115,39 @@ class WeightChannel:
 class WeightReceiver:
     """Mixed into vLLM's worker (``worker_extension_cls``): reload the weights from a :class:`WeightChannel`."""
 
-    def verbatim_reload_shared(self, path: str, slots: list[list[Any]]) -> None:
+    def verbatim_reload_shared(self, path: str, slots: list[list[Any]]) -> bool:
+        """Load the buffer's weights; ``True`` where the direct reload did it, ``False`` where vLLM's did."""
         mapped = getattr(self, "_verbatim_mapped", None)
         if mapped is None or mapped[0] != path:
             size = os.path.getsize(path)
             mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
             self._verbatim_mapped = mapped
         weights = views(mapped[1], [Slot(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in slots])
+        if self._verbatim_direct(path, weights):
+            return True
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return False
+
+    def _verbatim_direct(self, path: str, weights: list[tuple[str, torch.Tensor]]) -> bool:
+        """:func:`~verbatim.engine.direct_reload.direct_reload` where the CPU engine's model allows it."""
+        from vllm.config import set_current_vllm_config
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or self.vllm_config.parallel_config.world_size != 1:
+            return False
+        runner = self.model_runner
+        known = getattr(self, "_verbatim_plan", None)
+        if known is None or known[0] != path:
+            plan = reload_plan(runner.get_model(), {name: (t.dtype, tuple(t.shape)) for name, t in weights})
+            known = self._verbatim_plan = (path, plan)
+        plan = known[1]
+        with set_current_vllm_config(self.vllm_config):
+            if plan is None or not direct_reload(runner.get_model(), plan, dict(weights)):
+                return False
+        runner.reset_lora_state()  # as vLLM's reload does after new weights
+        runner.reset_encoder_cache()
+        runner.reset_mm_cache()
+        return True
 
 
 RECEIVER = f"{WeightReceiver.__module__}.{WeightReceiver.__qualname__}"
