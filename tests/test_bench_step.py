@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from verbatim.bench.step_split import RUNS, markdown, split
+from verbatim.bench.step_split import RUNS, markdown, split, sync_first_and_later
 
 
-def _result(label: str, sync: float, checkpoint: float) -> dict:
+def _result(label: str, sync: float, checkpoint: float, first_sync: float | None = None) -> dict:
     history = [{"step": n, "rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": sync, "checkpoint_s": checkpoint,
                 "rollouts": 4, "statuses": {"ok": 4}} for n in (1, 2)]
+    if first_sync is not None:
+        history[0]["weight_sync_s"] = first_sync
     return {"run": {"label": label}, "history": history}
 
 
@@ -18,11 +20,21 @@ def test_the_split_is_the_mean_of_each_part_and_their_sum():
     assert parts == {"rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": 1.0, "checkpoint_s": 4.0, "step": 10.0}
 
 
-def test_the_table_gives_each_run_against_the_first():
-    table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3)], "verbatim bench step")
+def test_the_table_gives_each_run_against_the_first_and_its_first_sync_apart():
+    table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3, first_sync=1.8)],
+                     "verbatim bench step")
     lines = table.splitlines()
-    assert lines[2].endswith("| 10.00 | 1.00x |") and lines[3].endswith("| 5.50 | 0.55x |")
+    assert lines[2].endswith("| 10.00 | 1.00x | 1.00 | 1.00 |") and lines[3].endswith("| 6.30 | 0.63x | 1.80 | 0.20 |")
     assert "`verbatim bench step`" in table
+
+
+@pytest.mark.parametrize(("syncs", "expected"), [([0.7], (0.7, 0.7)), ([0.9, 0.3], (0.9, 0.3)),
+                                                 ([2.0, 0.3, 0.5, 0.2], (2.0, 0.3)),
+                                                 ([2.0, 0.3, 0.5, 0.2, 0.4], (2.0, 0.35))])
+def test_the_first_sync_stands_apart_from_the_median_of_the_later_ones(syncs, expected):
+    result = {"history": [{"weight_sync_s": s} for s in syncs]}
+    first, later = sync_first_and_later(result)
+    assert (first, round(later, 6)) == expected
 
 
 def test_before_and_after_differ_only_in_the_sync_path_and_the_checkpoint_interval():

@@ -10,7 +10,9 @@ in-process engine, one after the other in one command:
   (the default) and at the last step.
 
 The table splits the mean step into its recorded parts: ``rollout_s``, ``train_s``,
-``weight_sync_s`` and ``checkpoint_s`` (each step's metrics), their sum and the ratio to before.
+``weight_sync_s`` and ``checkpoint_s`` (each step's metrics), their sum and the ratio to before, then
+the weight sync of the first step apart from the median of the others (the first push sets up what the
+later ones reuse: the shared buffer, both processes' mappings of it, the reload's plan).
 """
 
 from __future__ import annotations
@@ -47,18 +49,30 @@ def split(result: dict[str, Any]) -> dict[str, float]:
     return means | {"step": sum(means.values())}
 
 
+def sync_first_and_later(result: dict[str, Any]) -> tuple[float, float]:
+    """The first step's ``weight_sync_s`` and the median of the later steps' (the first's where it is alone)."""
+    syncs = [float(r.get("weight_sync_s") or 0.0) for r in result["history"]]
+    later = sorted(syncs[1:]) or syncs
+    middle = len(later) // 2
+    return syncs[0], later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
+
+
 def markdown(results: list[dict[str, Any]], command: str) -> str:
     rows = [(r["run"]["label"], split(r)) for r in results]
     before = rows[0][1]
-    head = "| run | " + " | ".join(f"{name} s" for name, _ in PARTS) + " | step s | step vs before |"
-    lines = [head, "|---|" + "---:|" * (len(PARTS) + 2)]
-    for label, parts in rows:
+    head = ("| run | " + " | ".join(f"{name} s" for name, _ in PARTS)
+            + " | step s | step vs before | weight sync s, step 1 | weight sync s, median of the rest |")
+    lines = [head, "|---|" + "---:|" * (len(PARTS) + 4)]
+    for result, (label, parts) in zip(results, rows):
         cells = " | ".join(f"{parts[key]:.2f}" for _, key in PARTS)
-        lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x |")
+        first, later = sync_first_and_later(result)
+        lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x | "
+                     f"{first:.2f} | {later:.2f} |")
     steps = len(results[0]["history"])
     note = (f"\n\nMean seconds per step over {steps} steps, measured by `{command}` (one run each, one after the "
             "other: a noisy machine moves the rollout and train columns between runs; the sync and checkpoint "
-            "columns are the work this table is about).")
+            "columns are the work this table is about). The last two columns split the weight sync: the first "
+            "push sets up what the later ones reuse.")
     return "\n".join(lines) + note
 
 
