@@ -116,6 +116,8 @@ def test_untie_state_dict_adds_a_copy_of_the_embedding_only_where_missing():
     assert set(untied) == {EMBEDDING, OUTPUT, "model.norm.weight"} and set(state) == {EMBEDDING, "model.norm.weight"}
     assert torch.equal(untied[OUTPUT], embedding)
     assert untied[OUTPUT].untyped_storage().data_ptr() != embedding.untyped_storage().data_ptr()  # a copy
+    pushed = untie_state_dict(state, copy=False)  # for the in-memory push: the embedding itself
+    assert pushed[OUTPUT].untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     both = {EMBEDDING: embedding, OUTPUT: torch.zeros(5, 3)}
     assert untie_state_dict(both) is both  # an explicit output layer is kept as it is
     partial = {"model.norm.weight": torch.ones(3)}

@@ -272,7 +272,7 @@ class InprocEngine:
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
         if isinstance(source, dict):  # in memory: through the shared buffer, no file
-            weights = untie_state_dict(source) if serves_untied(self.model_dir) else source
+            weights = untie_state_dict(source, copy=False) if serves_untied(self.model_dir) else source
             path, slots = await asyncio.to_thread(self._channel.stage, weights)
             await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)
             self._channel.mapped_by_engine()

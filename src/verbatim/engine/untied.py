@@ -53,11 +53,14 @@ def serves_untied(model_dir: str | os.PathLike[str]) -> bool:
     return is_tied(model_dir) and not _shares_output(Path(model_dir))
 
 
-def untie_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with the output layer spelled out (a copy of the embedding) if it is missing."""
+def untie_state_dict(state_dict: dict[str, Any], copy: bool = True) -> dict[str, Any]:
+    """``state_dict`` with the output layer spelled out if it is missing: a copy of the embedding, or the
+    embedding itself where ``copy`` is off (a push copies every tensor into its buffer anyway; a file
+    cannot hold two names of one storage)."""
     if OUTPUT in state_dict or EMBEDDING not in state_dict:
         return state_dict
-    return {**state_dict, OUTPUT: state_dict[EMBEDDING].detach().clone()}
+    embedding = state_dict[EMBEDDING].detach()
+    return {**state_dict, OUTPUT: embedding.clone() if copy else embedding}
 
 
 def serving_copy(model_dir: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
