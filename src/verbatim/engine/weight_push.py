@@ -2,12 +2,13 @@
 
 The learner's state dict is copied into one flat buffer, a file in ``/dev/shm`` that both sides map
 (:func:`torch.from_file` with ``shared=True``); the engine core's worker, extended by
-:class:`WeightReceiver` (vLLM's ``worker_extension_cls``), maps the same file and hands vLLM's in-place
-reload (``reload_weights(weights_iterator=…)``) views of it, so the tensors cross the process boundary
+:class:`WeightReceiver` (vLLM's ``worker_extension_cls``), maps the same file and loads views of it:
+on the CPU engine by the direct reload (engine/direct_reload.py) where the model allows, else through
+vLLM's in-place reload (``reload_weights(weights_iterator=…)``). The tensors cross the process boundary
 as memory, and only their names, dtypes, shapes and offsets travel over vLLM's RPC.
 
 A :class:`WeightChannel` lives as long as its engine and keeps its mapping: after the first push the
-pages are already there, and a push is two copies (learner → buffer, buffer → vLLM's parameters).
+pages are already there, and a push is a copy into the buffer and the engine's load from it.
 The file's name is removed as soon as the worker has mapped it (a killed trainer leaves nothing in
 ``/dev/shm``); the worker recognises the same buffer by that name afterwards. A push whose layout
 differs from the last (another model, another dtype) gets a new file. Where
