@@ -17,6 +17,7 @@ later ones reuse: the shared buffer, both processes' mappings of it, the reload'
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,7 @@ def split(result: dict[str, Any]) -> dict[str, float]:
 def sync_first_and_later(result: dict[str, Any]) -> tuple[float, float]:
     """The first step's ``weight_sync_s`` and the median of the later steps' (the first's where it is alone)."""
     syncs = [float(r.get("weight_sync_s") or 0.0) for r in result["history"]]
-    later = sorted(syncs[1:]) or syncs
-    middle = len(later) // 2
-    return syncs[0], later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
+    return syncs[0], statistics.median(syncs[1:] or syncs)
 
 
 def markdown(results: list[dict[str, Any]], command: str) -> str:
