@@ -231,22 +231,32 @@ def test_sampler_logprobs_match_transformers_fp32(engine_runner, default_model_d
 
 def test_a_state_dict_pushed_through_shared_memory_is_what_the_engine_samples_from(engine_runner, default_model_dir,
                                                                                     perturbed_dir, default_tokenizer):
-    """The in-memory push (engine/weight_push.py) three times, with another state dict each time: the engine's
-    logprobs are the pushed weights' (trainer fp32) and not the others'. The first two reach the model by the
-    direct reload (engine/direct_reload.py); the third lists its tensors backwards (v, k, q), which the direct
-    reload cannot fuse in place, and goes through vLLM's reload."""
+    """The in-memory push (engine/weight_push.py) three times, with other weights each time: the engine's
+    logprobs are the pushed weights' (trainer fp32) and not the others'. The first two push weights kept in the
+    engine's shared buffer (share_weights, as the training loop's learner keeps them), written in place between
+    pushes, and reach the model by the direct reload (engine/direct_reload.py); the third lists its tensors
+    backwards (v, k, q), which the direct reload cannot fuse in place, and goes through vLLM's reload."""
     import torch
 
+    from verbatim.trainer.learner import Learner, LearnerConfig
     from verbatim.trainer.reference import load_model, reference_logprobs
 
     engine = engine_runner.engine
     prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
     base, perturbed = load_model(default_model_dir), load_model(perturbed_dir)
+    kept = run(engine_runner, engine.share_weights(Learner(load_model(default_model_dir), LearnerConfig())
+                                                   .engine_weights()))
+    assert kept is not None and "lm_head.weight" not in kept  # the learner's names (tied: the embedding)
     try:
         for pushed, other, order, path in ((perturbed, base, 1, "direct"), (base, perturbed, 1, "direct"),
                                            (perturbed, base, -1, "vllm")):
-            state = {name: t.detach() for name, t in list(pushed.state_dict().items())[::order]}
+            if order == 1:
+                for name, view in kept.items():
+                    view.copy_(pushed.get_parameter(name).detach())  # the optimizer's step, in the buffer
+                state = kept
+            else:
+                state = {name: t.detach() for name, t in list(pushed.state_dict().items())[::order]}
             run(engine_runner, engine.update_weights(state, engine.version + 1, "flush"))
             assert engine.last_reload == path
             got = run(engine_runner, engine.generate(prompt, Sampling(max_tokens=16, temperature=1.0, seed=9,

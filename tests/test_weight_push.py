@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from verbatim.engine.weight_push import ALIGN, WeightChannel, WeightReceiver, layout
+from verbatim.engine.weight_push import ALIGN, WeightChannel, WeightReceiver, layout, views
 
 
 class Worker(WeightReceiver):
@@ -17,9 +17,11 @@ class Worker(WeightReceiver):
 
     def __init__(self) -> None:
         self.loaded: list[dict[str, torch.Tensor]] = []
+        self.planned = 0
 
-    def _verbatim_direct(self, path, weights):
-        return False  # no vLLM model here: the direct reload is tests/test_direct_reload.py's and the engine's
+    def _verbatim_new_plan(self, weights):
+        self.planned += 1
+        return None  # no vLLM model here: the direct reload is tests/test_direct_reload.py's and the engine's
 
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
         assert is_checkpoint_format
@@ -60,3 +62,56 @@ def test_a_push_reaches_the_worker_exactly_and_the_next_reuses_the_buffer():
     finally:
         channel.close()
     assert channel.path is None
+
+
+def test_names_of_one_tensor_share_a_slot():
+    """A tied output layer spelled out as its embedding: one slot, copied and read once."""
+    embedding = torch.randn(7, 5)
+    slots, size = layout({"embed.weight": embedding, "norm.weight": torch.ones(3),
+                          "lm_head.weight": embedding.detach()})
+    assert slots[0].offset == slots[2].offset != slots[1].offset
+    assert size == layout({"embed.weight": embedding, "norm.weight": torch.ones(3)})[1]
+    same_values = layout({"a": embedding, "b": embedding.clone()})[0]
+    assert same_values[0].offset != same_values[1].offset  # equal values in other memory are another tensor
+
+
+def test_weights_kept_in_the_shared_buffer_are_pushed_without_a_copy(monkeypatch):
+    channel, worker = WeightChannel(), Worker()
+    try:
+        sent = _weights(1.0)
+        kept = channel.share(sent)
+        assert kept is not None and list(kept) == list(sent)
+        assert all(torch.equal(kept[k], sent[k]) for k in sent)
+        path = str(channel.path)
+        assert worker.verbatim_map_shared(path, [s.as_list() for s in channel.slots]) is False  # no plan here
+        channel.mapped_by_engine()
+        kept["embed.weight"].mul_(3.0)  # the learner's step, in place
+        copies = []
+        real_copy = torch.Tensor.copy_
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(1) or real_copy(self, src))
+        again, slots = channel.stage(kept)
+        monkeypatch.undo()
+        assert again == path and copies == []  # the buffer already holds them: nothing copied, same mapping
+        worker.verbatim_reload_shared(again, slots)
+        assert torch.equal(worker.loaded[-1]["embed.weight"], sent["embed.weight"] * 3.0)
+        assert worker.planned == 1  # mapped and planned once, before the first push
+        other = _weights(2.0)  # tensors of their own: copied into the same buffer
+        channel.stage(other)
+        assert torch.equal(kept["embed.weight"], other["embed.weight"])
+    finally:
+        channel.close()
+
+
+def test_views_of_the_buffer_are_the_slots():
+    slots, size = layout(_weights(1.0))
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    for (name, view), slot in zip(views(buffer, slots), slots):
+        assert name == slot.name and view.data_ptr() == buffer.data_ptr() + slot.offset
+
+
+def test_weights_outside_cpu_memory_are_not_shared():
+    channel = WeightChannel()
+    try:
+        assert channel.share({"w": torch.zeros(4, device="meta")}) is None and channel.path is None
+    finally:
+        channel.close()

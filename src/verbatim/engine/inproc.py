@@ -272,8 +272,7 @@ class InprocEngine:
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
         if isinstance(source, dict):  # in memory: through the shared buffer, no file
-            weights = untie_state_dict(source, copy=False) if serves_untied(self.model_dir) else source
-            path, slots = await asyncio.to_thread(self._channel.stage, weights)
+            path, slots = await asyncio.to_thread(self._channel.stage, self._served_form(source))
             await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)
             self._channel.mapped_by_engine()
             return
@@ -284,6 +283,24 @@ class InprocEngine:
             if temporary:  # our own copy: the reload has read it
                 shutil.rmtree(folder, ignore_errors=True)
                 self._weights_dirs.remove(folder)
+
+    async def share_weights(self, weights: dict[str, Any]) -> dict[str, Any] | None:
+        """The shared buffer of later in-memory pushes, set up now with a copy of ``weights`` and mapped by the
+        engine's worker: views by name for the learner to keep its weights in, so a push copies nothing and the
+        first one sets nothing up. ``None`` where ``/dev/shm`` cannot hold it (pushes then copy, as without)."""
+        llm = self._require_started()
+        served = self._served_form(weights)
+        shared = await asyncio.to_thread(self._channel.share, served)
+        if shared is None:
+            return None
+        slots = [slot.as_list() for slot in self._channel.slots]
+        await llm.collective_rpc("verbatim_map_shared", kwargs={"path": str(self._channel.path), "slots": slots})
+        self._channel.mapped_by_engine()
+        return {name: shared[name] for name in weights}
+
+    def _served_form(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """``weights`` as the engine serves them: a tied output layer spelled out (as the embedding itself)."""
+        return untie_state_dict(weights, copy=False) if serves_untied(self.model_dir) else weights
 
     async def _reload(self, llm: Any, method: str, kwargs: dict[str, Any], version: int,
                       policy: CachePolicy) -> None:

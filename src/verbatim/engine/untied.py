@@ -55,7 +55,7 @@ def serves_untied(model_dir: str | os.PathLike[str]) -> bool:
 
 def untie_state_dict(state_dict: dict[str, Any], copy: bool = True) -> dict[str, Any]:
     """``state_dict`` with the output layer spelled out if it is missing: a copy of the embedding, or the
-    embedding itself where ``copy`` is off (a push copies every tensor into its buffer anyway; a file
+    embedding itself where ``copy`` is off (a push gives both names one slot of its buffer; a file
     cannot hold two names of one storage)."""
     if OUTPUT in state_dict or EMBEDDING not in state_dict:
         return state_dict

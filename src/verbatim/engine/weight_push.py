@@ -18,6 +18,7 @@ cache then does the work, slower). The served (HTTP) engine still reloads a publ
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import shutil
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from verbatim.engine.direct_reload import direct_reload, reload_plan
+from verbatim.engine.direct_reload import ReloadPlan, direct_reload, reload_plan
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary of the buffer (a view of any dtype is aligned)."""
@@ -51,12 +52,22 @@ class Slot:
 
 
 def layout(weights: dict[str, torch.Tensor]) -> tuple[list[Slot], int]:
-    """Each tensor's slot, in order, and the buffer's size in bytes."""
-    slots, offset = [], 0
+    """Each tensor's slot, in order, and the buffer's size in bytes. Names that view exactly the same memory
+    (a tied output layer spelled out as its embedding) share one slot: it is copied and read once."""
+    slots, offset, seen = [], 0, {}
     for name, tensor in weights.items():
-        slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+        key = _same_memory(tensor)
+        if key in seen:
+            slots.append(Slot(name, *seen[key]))
+            continue
+        seen[key] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
+        slots.append(Slot(name, *seen[key]))
         offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     return slots, offset
+
+
+def _same_memory(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
 def shared_folder(size: int) -> Path:
@@ -87,17 +98,39 @@ class WeightChannel:
         self._buffer: torch.Tensor | None = None
 
     def stage(self, weights: dict[str, torch.Tensor]) -> tuple[str, list[list[Any]]]:
-        """Copy ``weights`` into the buffer; returns (its path, the slots as lists) for the engine's worker."""
+        """Copy ``weights`` into the buffer; returns (its path, the slots as lists) for the engine's worker.
+        A tensor that already is its slot's view (a learner whose weights live in the buffer, :meth:`share`)
+        is not copied."""
         slots, size = layout(weights)
         if self._buffer is None or slots != self.slots:
-            self.close()
-            folder = shared_folder(size)
-            self.path = folder / f"verbatim-weights-{os.getpid()}-{next(_channels)}"
-            self._buffer = torch.from_file(str(self.path), shared=True, size=max(size, 1), dtype=torch.uint8)
-            self.slots = slots
-        for (_, view), tensor in zip(views(self._buffer, slots), weights.values()):
-            view.copy_(tensor.detach())
+            self._open(slots, size, shared_folder(size))
+        written = set()
+        for slot, (_, view), tensor in zip(slots, views(self._buffer, slots), weights.values()):
+            if slot.offset not in written and view.data_ptr() != tensor.data_ptr():
+                view.copy_(tensor.detach())
+            written.add(slot.offset)
         return str(self.path), [slot.as_list() for slot in slots]
+
+    def share(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A buffer in ``/dev/shm`` holding a copy of ``weights``, as views by name, for the learner to keep its
+        weights in: later pushes of those views copy nothing. ``None`` where a weight is not in CPU memory (a
+        learner on a GPU keeps its own) or ``/dev/shm`` cannot hold them (the temporary folder's file would be
+        written back to disk as the learner trains)."""
+        slots, size = layout(weights)
+        folder = shared_folder(size)
+        if folder != Path("/dev/shm") or any(t.device.type != "cpu" for t in weights.values()):
+            return None
+        self._open(slots, size, folder)
+        found = dict(views(self._buffer, slots))
+        for name, tensor in weights.items():
+            found[name].copy_(tensor.detach())
+        return found
+
+    def _open(self, slots: list[Slot], size: int, folder: Path) -> None:
+        self.close()
+        self.path = folder / f"verbatim-weights-{os.getpid()}-{next(_channels)}"
+        self._buffer = torch.from_file(str(self.path), shared=True, size=max(size, 1), dtype=torch.uint8)
+        self.slots = slots
 
     def mapped_by_engine(self) -> None:
         """The engine's worker has mapped the buffer: its name can go. Both mappings stay valid, and a process
@@ -113,42 +146,84 @@ class WeightChannel:
             self.path = None
 
 
+@dataclass
+class _Mapping:
+    """The worker's mapping of one buffer and the direct reload's plan for its layout (one layout per file)."""
+
+    path: str
+    buffer: torch.Tensor
+    planned: bool = False
+    plan: ReloadPlan | None = None
+
+
 class WeightReceiver:
     """Mixed into vLLM's worker (``worker_extension_cls``): reload the weights from a :class:`WeightChannel`."""
 
+    def verbatim_map_shared(self, path: str, slots: list[list[Any]]) -> bool:
+        """Map the buffer (its pages faulted in) and plan the direct reload before the first push needs them;
+        ``True`` where the direct reload applies."""
+        return self._verbatim_plan(self._verbatim_views(path, slots)) is not None
+
     def verbatim_reload_shared(self, path: str, slots: list[list[Any]]) -> bool:
         """Load the buffer's weights; ``True`` where the direct reload did it, ``False`` where vLLM's did."""
-        mapped = getattr(self, "_verbatim_mapped", None)
-        if mapped is None or mapped[0] != path:
-            size = os.path.getsize(path)
-            mapped = (path, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-            self._verbatim_mapped = mapped
-        weights = views(mapped[1], [Slot(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in slots])
-        if self._verbatim_direct(path, weights):
+        weights = self._verbatim_views(path, slots)
+        if self._verbatim_direct(weights):
             return True
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         return False
 
-    def _verbatim_direct(self, path: str, weights: list[tuple[str, torch.Tensor]]) -> bool:
-        """:func:`~verbatim.engine.direct_reload.direct_reload` where the CPU engine's model allows it."""
-        from vllm.config import set_current_vllm_config
+    def _verbatim_views(self, path: str, slots: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
+        mapping = getattr(self, "_verbatim_mapping", None)
+        if mapping is None or mapping.path != path:
+            buffer = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+            populate(buffer)
+            mapping = self._verbatim_mapping = _Mapping(path, buffer)
+        return views(mapping.buffer, [Slot(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in slots])
+
+    def _verbatim_plan(self, weights: list[tuple[str, torch.Tensor]]) -> ReloadPlan | None:
+        """The direct reload's plan for the mapped layout, made once per mapping."""
+        mapping = self._verbatim_mapping
+        if not mapping.planned:
+            mapping.plan = self._verbatim_new_plan(weights)
+            mapping.planned = True
+        return mapping.plan
+
+    def _verbatim_new_plan(self, weights: list[tuple[str, torch.Tensor]]) -> ReloadPlan | None:
+        """:func:`~verbatim.engine.direct_reload.reload_plan`; ``None`` where the direct reload does not apply
+        (not the CPU engine, more than one worker, a model it cannot fit)."""
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu() or self.vllm_config.parallel_config.world_size != 1:
+            return None
+        return reload_plan(self.model_runner.get_model(), {name: (t.dtype, tuple(t.shape)) for name, t in weights})
+
+    def _verbatim_direct(self, weights: list[tuple[str, torch.Tensor]]) -> bool:
+        """:func:`~verbatim.engine.direct_reload.direct_reload` where the CPU engine's model allows it."""
+        from vllm.config import set_current_vllm_config
+
+        plan = self._verbatim_plan(weights)
+        if plan is None:
             return False
         runner = self.model_runner
-        known = getattr(self, "_verbatim_plan", None)
-        if known is None or known[0] != path:
-            plan = reload_plan(runner.get_model(), {name: (t.dtype, tuple(t.shape)) for name, t in weights})
-            known = self._verbatim_plan = (path, plan)
-        plan = known[1]
         with set_current_vllm_config(self.vllm_config):
-            if plan is None or not direct_reload(runner.get_model(), plan, dict(weights)):
+            if not direct_reload(runner.get_model(), plan, dict(weights)):
                 return False
         runner.reset_lora_state()  # as vLLM's reload does after new weights
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
         return True
+
+
+MADV_POPULATE_READ = 22
+"""Linux 5.14+: fault a mapping's pages in at once (older kernels refuse it, and the pages fault in as read)."""
+
+
+def populate(buffer: torch.Tensor) -> None:
+    """Map every page of ``buffer`` (a file mapping) now, so the first reload does not take each page's fault."""
+    size = buffer.numel() * buffer.element_size()
+    if size:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(size), MADV_POPULATE_READ)
 
 
 RECEIVER = f"{WeightReceiver.__module__}.{WeightReceiver.__qualname__}"
