@@ -73,8 +73,11 @@ def synchronous(engine_runner, default_model_dir, tmp_path_factory):
 
 def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
     """π − μ before the optimizer step is engine/trainer agreement, nothing more, at every step."""
-    _, history, _ = synchronous
+    loop, history, _ = synchronous
     assert [r["step"] for r in history] == [1, 2]  # steps count from 1, as the console and the checkpoints do
+    # the learner's weights lived in the engine's shared buffer (one storage), set up before the first step
+    assert len({p.untyped_storage().data_ptr() for p in loop.learner.model.parameters()}) == 1
+    assert loop.share_s > 0
     for record in history:
         assert record["mismatch_mean_abs"] < 1e-4, record["mismatch_mean_abs"]
         quantiles = record["ratio_quantiles"]

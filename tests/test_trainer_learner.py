@@ -320,3 +320,39 @@ def test_engine_weights_of_an_untied_model_hold_both(untied):
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(weights)
     assert set(weights) == set(untied.state_dict())
     assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+
+
+def test_weights_kept_in_one_shared_buffer_stay_the_optimizers_and_are_pushed_each_once(tied):
+    """The engine's shared buffer (engine/weight_push.py): every parameter a view of one storage. The optimizer
+    steps them in place (the buffer sees the step), and engine_weights still names each once."""
+    from verbatim.engine.weight_push import WeightChannel
+
+    learner = Learner(copy.deepcopy(tied), LearnerConfig(lr=LR))
+    before = {n: t.clone() for n, t in learner.engine_weights().items()}
+    channel = WeightChannel()
+    try:
+        views = channel.share(learner.engine_weights())
+        params = list(learner.model.parameters())
+        assert learner.keep_weights_in(views) == len(params)
+        assert list(learner.model.parameters()) == params  # the same objects: the optimizer's state still fits
+        weights = learner.engine_weights()
+        assert set(weights) == set(before)  # one storage, yet every weight is there (tied output layer once)
+        assert all(weights[n].data_ptr() == views[n].data_ptr() and torch.equal(weights[n], before[n])
+                   for n in before)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        learner.optimizer.step()
+        assert not torch.equal(views["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+        assert learner.model.lm_head.weight.data_ptr() == views["model.embed_tokens.weight"].data_ptr()
+    finally:
+        channel.close()
+
+
+def test_a_shared_view_unlike_its_parameter_is_refused(untied):
+    from verbatim.errors import TrainerError
+
+    learner = Learner(copy.deepcopy(untied), LearnerConfig())
+    views = {n: t.clone() for n, t in learner.engine_weights().items()}
+    views["model.norm.weight"] = views["model.norm.weight"] + 1
+    with pytest.raises(TrainerError, match="model.norm.weight"):
+        learner.keep_weights_in(views)

@@ -111,6 +111,8 @@ class TrainLoop:
         self.history: list[dict[str, Any]] = []
         self.engine_start_s = 0.0
         """Seconds the engine took to start (set by the command that started it)."""
+        self.share_s = 0.0
+        """Seconds the learner's weights took to move into the engine's shared buffer (:meth:`_share_weights`)."""
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         self.on_rollout: Callable[[Rollout], None] | None = None
         self._trained = 0
@@ -131,6 +133,7 @@ class TrainLoop:
             clear_unfinished_writes(self.out)
             writer = TraceWriter(self.out, self.manifest)  # "running", with the engine's block size, before any step
             try:
+                await self._share_weights()
                 await self._steps(await self._restore(resume))
             except (RunInterrupted, asyncio.CancelledError, KeyboardInterrupt):
                 with suppress(Exception):  # the stop's own error is the one to show
@@ -172,6 +175,19 @@ class TrainLoop:
         self.stopped = self.stopped or request
         for run in list(self._runs):
             run.stop(request, grace_s if first else 0)
+
+    async def _share_weights(self) -> None:
+        """Where the engine offers it (in-process, engine/weight_push.py), the learner's weights move into the
+        buffer the engine loads pushes from, before the first step: a push then copies nothing, and its set-up
+        (the buffer, the worker's mapping, the reload's plan) is timed here, in ``share_s``, not in a step."""
+        share = getattr(self.engine, "share_weights", None)
+        if self.served or share is None:
+            return
+        began = time.perf_counter()
+        views = await share(self.learner.engine_weights())
+        if views is not None:
+            await asyncio.to_thread(self.learner.keep_weights_in, views)
+        self.share_s = time.perf_counter() - began
 
     async def _restore(self, resume: bool) -> int:
         """The step to start from: 0, or the newest checkpoint's, with its weights in the engine."""

@@ -120,20 +120,29 @@ def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first: dict[tuple[Any, ...], str] = {}
-    storages: set[int] = set()
+    saved: list[tuple[Any, int, int]] = []
     for name, tensor in state_dict.items():
         tensor = tensor.detach()
-        storage = tensor.untyped_storage().data_ptr()
-        view = (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-                tensor.dtype)
+        view = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         if view in first:
             aliases[name] = first[view]
             continue
         first[view] = name
-        # another view into a storage already saved (not an exact alias) is saved as a copy of its own
-        tensors[name] = tensor.cpu().contiguous() if storage not in storages else tensor.cpu().clone()
-        storages.add(storage)
+        # a view overlapping memory already saved (not an exact alias) is saved as a copy of its own; views
+        # side by side in one storage (a learner's weights in the engine's shared buffer) are not
+        span = (tensor.device, tensor.data_ptr(), tensor.data_ptr() + _extent(tensor))
+        overlaps = any(d == span[0] and lo < span[2] and span[1] < hi for d, lo, hi in saved)
+        tensors[name] = tensor.cpu().clone() if overlaps else tensor.cpu().contiguous()
+        saved.append(span)
     return tensors, aliases
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (its strides included)."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
 
 
 def _write_torch(path: Path, obj: Any) -> None:

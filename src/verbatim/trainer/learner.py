@@ -245,16 +245,31 @@ class Learner:
     # -- weights for the engine ---------------------------------------------------------------
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights by name, each storage once (a tied output layer is left to its embedding)."""
-        seen: set[int] = set()
+        """The model's weights by name, each once (a tied output layer is left to its embedding)."""
+        seen: set[tuple[Any, ...]] = set()
         weights = {}
         for name, tensor in self.model.state_dict().items():
-            key = tensor.untyped_storage().data_ptr()
+            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
             if key in seen:
                 continue
             seen.add(key)
             weights[name] = tensor.detach()
         return weights
+
+    def keep_weights_in(self, views: dict[str, torch.Tensor]) -> int:
+        """Let each parameter named in ``views`` live in its view (equal values, shape and dtype: the engine's
+        shared buffer, engine/weight_push.py), so pushing the weights copies nothing. The parameters stay the
+        optimizer's own objects; returns how many moved."""
+        moved = 0
+        for name, param in self.model.named_parameters():
+            view = views.get(name)
+            if view is None:
+                continue
+            if view.shape != param.shape or view.dtype != param.dtype or not torch.equal(view, param.detach()):
+                raise TrainerError(f"{name}: the shared view is not the parameter ({tuple(view.shape)} {view.dtype})")
+            param.data = view
+            moved += 1
+        return moved
 
 
 def checkpointed_path(model: nn.Module, config: LearnerConfig) -> dict[str, Any]:
