@@ -7,12 +7,13 @@ import pytest
 from verbatim.bench.step_split import RUNS, markdown, split, sync_first_and_later
 
 
-def _result(label: str, sync: float, checkpoint: float, first_sync: float | None = None) -> dict:
+def _result(label: str, sync: float, checkpoint: float, first_sync: float | None = None,
+            share: float | None = None) -> dict:
     history = [{"step": n, "rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": sync, "checkpoint_s": checkpoint,
                 "rollouts": 4, "statuses": {"ok": 4}} for n in (1, 2)]
     if first_sync is not None:
         history[0]["weight_sync_s"] = first_sync
-    return {"run": {"label": label}, "history": history}
+    return {"run": {"label": label}, "history": history} | ({} if share is None else {"share_s": share})
 
 
 def test_the_split_is_the_mean_of_each_part_and_their_sum():
@@ -21,10 +22,11 @@ def test_the_split_is_the_mean_of_each_part_and_their_sum():
 
 
 def test_the_table_gives_each_run_against_the_first_and_its_first_sync_apart():
-    table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3, first_sync=1.8)],
+    table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3, first_sync=1.8, share=1.5)],
                      "verbatim bench step")
     lines = table.splitlines()
-    assert lines[2].endswith("| 10.00 | 1.00x | 1.00 | 1.00 |") and lines[3].endswith("| 6.30 | 0.63x | 1.80 | 0.20 |")
+    assert lines[2].endswith("| 10.00 | 1.00x | 1.00 | 1.00 | 0.00 |")  # the folder run shares nothing
+    assert lines[3].endswith("| 6.30 | 0.63x | 1.80 | 0.20 | 1.50 |")  # the set-up is in no step's time
     assert "`verbatim bench step`" in table
 
 

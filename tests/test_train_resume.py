@@ -114,6 +114,7 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_p
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
+    assert summary["weight_share_s"] == 0  # served: weights go through a published folder, nothing is shared
     assert checkpoints(out)[-1] == f"step-{STEPS:06d}" and not any(n.startswith(".") for n in checkpoints(out))
     trace = read_run(out)
     counts = Counter(r.rollout_id for r in trace.rollouts)

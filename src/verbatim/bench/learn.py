@@ -100,11 +100,12 @@ def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
 def train_run(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict[str, Any]:
     """Train once; the run's metrics per step and its wall time."""
     started = time.perf_counter()
-    history = asyncio.run(_train(run, settings, model, root / run.label.replace(" ", "").replace("·", "-")))
-    return {"run": run.model_dump(mode="json"), "history": history, "wall_s": time.perf_counter() - started}
+    history, share_s = asyncio.run(_train(run, settings, model, root / run.label.replace(" ", "").replace("·", "-")))
+    return {"run": run.model_dump(mode="json"), "history": history, "wall_s": time.perf_counter() - started,
+            "share_s": share_s}
 
 
-async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> list[dict[str, Any]]:
+async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> tuple[list[dict[str, Any]], float]:
     import torch
 
     from verbatim.engine.inproc import InprocEngine
@@ -134,7 +135,7 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     trainer = TrainLoop(plan, loop, learner, engine, get_renderer("smollm2", model_dir=model_dir), factory, tasks,
                         out, manifest, model_dir, served=run.sync == "folder")
     async with started(engine, engine_log("learn")):
-        return await trainer.train()
+        return await trainer.train(), trainer.share_s
 
 
 def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:

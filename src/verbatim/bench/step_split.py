@@ -11,8 +11,10 @@ in-process engine, one after the other in one command:
 
 The table splits the mean step into its recorded parts: ``rollout_s``, ``train_s``,
 ``weight_sync_s`` and ``checkpoint_s`` (each step's metrics), their sum and the ratio to before, then
-the weight sync of the first step apart from the median of the others (the first push sets up what the
-later ones reuse: the shared buffer, both processes' mappings of it, the reload's plan).
+the weight sync of the first step apart from the median of the others (the first push may still set up
+what the later ones reuse, e.g. the engine's packed kernels' memory), and the seconds the run spent before
+its first step moving the learner's weights into the engine's shared buffer (``share_s``: the buffer,
+the worker's mapping, the reload's plan; 0 for the folder run).
 """
 
 from __future__ import annotations
@@ -60,18 +62,19 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
     rows = [(r["run"]["label"], split(r)) for r in results]
     before = rows[0][1]
     head = ("| run | " + " | ".join(f"{name} s" for name, _ in PARTS)
-            + " | step s | step vs before | weight sync s, step 1 | weight sync s, median of the rest |")
-    lines = [head, "|---|" + "---:|" * (len(PARTS) + 4)]
+            + " | step s | step vs before | weight sync s, step 1 | weight sync s, median of the rest "
+            "| weights shared before step 1, s |")
+    lines = [head, "|---|" + "---:|" * (len(PARTS) + 5)]
     for result, (label, parts) in zip(results, rows):
         cells = " | ".join(f"{parts[key]:.2f}" for _, key in PARTS)
         first, later = sync_first_and_later(result)
         lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x | "
-                     f"{first:.2f} | {later:.2f} |")
+                     f"{first:.2f} | {later:.2f} | {float(result.get('share_s') or 0.0):.2f} |")
     steps = len(results[0]["history"])
     note = (f"\n\nMean seconds per step over {steps} steps, measured by `{command}` (one run each, one after the "
             "other: a noisy machine moves the rollout and train columns between runs; the sync and checkpoint "
-            "columns are the work this table is about). The last two columns split the weight sync: the first "
-            "push sets up what the later ones reuse.")
+            "columns are the work this table is about). Two columns split the weight sync into the first push "
+            "and the later ones; the last is the set-up before the first step, in no step's time.")
     return "\n".join(lines) + note
 
 

@@ -222,13 +222,14 @@ def _fmt(value: Any, fmt: str) -> str:
 
 
 def summary(history: list[dict[str, Any]], options: TrainOptions, wall_s: float,
-            engine_start_s: float = 0.0) -> dict[str, Any]:
+            engine_start_s: float = 0.0, share_s: float = 0.0) -> dict[str, Any]:
     return {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
             "mean_reward_by_step": [r.get("reward_mean") for r in history],
             "success_rate_by_step": [r.get("success_rate") for r in history],
             "mismatch_by_step": [r.get("mismatch_mean_abs") for r in history],
             "cache_hit_rate_by_step": [r.get("cache_hit_rate") for r in history],
-            "wall_s": round(wall_s, 2), "engine_start_s": round(engine_start_s, 2), "run_dir": options.out}
+            "wall_s": round(wall_s, 2), "engine_start_s": round(engine_start_s, 2),
+            "weight_share_s": round(share_s, 2), "run_dir": options.out}
 
 
 def train_command(options: TrainOptions, console: Console, summary_json: str | None = None) -> list[dict]:
@@ -255,7 +256,7 @@ def train_command(options: TrainOptions, console: Console, summary_json: str | N
             warn_ignored_fields(summed(r.get("ignored_request_fields") for r in loop.history), console)
         if summary_json and loop.history:
             write_summary_json(summary_json, summary(loop.history, options, time.perf_counter() - started,
-                                                     loop.engine_start_s))
+                                                     loop.engine_start_s, loop.share_s))
     return history
 
 
