@@ -123,7 +123,7 @@ def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     saved: list[tuple[Any, int, int]] = []
     for name, tensor in state_dict.items():
         tensor = tensor.detach()
-        view = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        view = same_memory(tensor)
         if view in first:
             aliases[name] = first[view]
             continue
@@ -135,6 +135,11 @@ def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
         tensors[name] = tensor.cpu().clone() if overlaps else tensor.cpu().contiguous()
         saved.append(span)
     return tensors, aliases
+
+
+def same_memory(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors exactly when they view the same elements of the same memory (a tied weight)."""
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
 def _extent(tensor: torch.Tensor) -> int:

@@ -47,6 +47,7 @@ from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
+from verbatim.trainer.checkpoint import same_memory
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
@@ -249,7 +250,7 @@ class Learner:
         seen: set[tuple[Any, ...]] = set()
         weights = {}
         for name, tensor in self.model.state_dict().items():
-            key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            key = same_memory(tensor)
             if key in seen:
                 continue
             seen.add(key)
