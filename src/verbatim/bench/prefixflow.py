@@ -26,7 +26,12 @@ markdown's second table shows each setting's time and memory side by side.
 
 Peak memory is the rise of the process's peak resident set (VmHWM, Linux) over its
 resident size at the start of the pass, after glibc has handed its free memory back
-(``malloc_trim``); the gradients the pass allocates count.
+(``malloc_trim``); the gradients the pass allocates count. glibc's malloc raises its mmap threshold
+each time a large block is freed, so later blocks of that size come from the heap and stay resident
+after they are freed: the resident set then holds the allocator's retained memory beside the live
+tensors, more for a pass that frees and allocates many large blocks. ``mmap_threshold_mib``
+(:func:`fix_mmap_threshold`) pins the threshold, so every large block is mapped and unmapped on its
+own and the resident set follows the live tensors (at the cost of page faults: every pass is slower).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from verbatim.errors import InputError
 from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.causal_lm import PrefixCausalLM
 from verbatim.trainer.prefixflow import (
@@ -277,6 +283,18 @@ def peak_rss_mb() -> Iterator[_Peak]:
         peak.mb = round((_status_kb(status, "VmHWM") - start) / 1024, 1)
 
 
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter for the mmap threshold (malloc.h); setting it turns the dynamic threshold off."""
+
+
+def fix_mmap_threshold(mib: int) -> None:
+    """Pin glibc's mmap threshold at ``mib`` MiB for this process: blocks of that size or more are mapped
+    and unmapped on their own, so the resident set follows the live tensors (every pass pays page faults)."""
+    libc = _glibc()
+    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, mib << 20):
+        raise InputError(f"--mmap-threshold {mib}: glibc's mallopt refused it or is not here (glibc only)")
+
+
 def _glibc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -293,13 +311,16 @@ def _status_kb(status: Path, field: str) -> int:
 
 def run_bench(model_path: Path, ratios: list[float], group_sizes: list[int], seq_len: int,
               micro_batch: int, low_memory: bool = True, repeats: int = 1, threads: int | None = None,
-              progress: Callable[[dict], None] | None = None) -> list[dict]:
+              progress: Callable[[dict], None] | None = None, mmap_threshold_mib: int | None = None) -> list[dict]:
     """Every (ratio, group size) configuration on the model at ``model_path``, in float32.
 
     ``threads`` sets torch's intra-op threads (default: torch's choice). On a machine shared
     with other work, one thread keeps timings honest: a descheduled worker thread stalls
-    every operation of a multi-threaded pass at its barrier.
+    every operation of a multi-threaded pass at its barrier. ``mmap_threshold_mib``: see
+    :func:`fix_mmap_threshold` (set before the model loads, for the whole process).
     """
+    if mmap_threshold_mib is not None:
+        fix_mmap_threshold(mmap_threshold_mib)
     if threads is not None:
         torch.set_num_threads(threads)
     model = load_model(model_path).train()
@@ -364,7 +385,9 @@ def _share(value: float | None, full: float | None) -> str:
 SECTION = "bench-prefixflow"
 
 
-def section_text(results: list[dict], model_name: str, command: str) -> str:
+def section_text(results: list[dict], model_name: str, command: str, mmap_threshold_mib: int | None = None) -> str:
     """The table and how it was measured, for the section ``--write`` replaces."""
+    allocator = ("" if mmap_threshold_mib is None else
+                 f", glibc's mmap threshold pinned at {mmap_threshold_mib} MiB: peaks follow the live tensors")
     return (markdown_table(results) + f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}, {model_name}, "
-            f"float32, torch threads: {torch.get_num_threads()}).")
+            f"float32, torch threads: {torch.get_num_threads()}{allocator}).")

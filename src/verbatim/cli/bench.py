@@ -174,6 +174,9 @@ def bench_prefixflow(
                                          "same memory budget (bytes saved for backward, measured)."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed passes of each method; the fastest counts."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch intra-op threads (default: torch's)."),
+    mmap_threshold: int = typer.Option(None, "--mmap-threshold", min=1, help="Pin glibc's mmap threshold at this "
+                                       "many MiB, so peak memory follows the live tensors rather than what the "
+                                       "allocator keeps after frees (every pass is slower; glibc only)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     low_memory: bool = typer.Option(True, "--low-memory/--no-low-memory",
                                     help="Also time PrefixFlow with phase B in microbatches of --micro-batch "
@@ -213,15 +216,15 @@ def bench_prefixflow(
                               f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
 
     results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, low_memory, repeats, threads,
-                        progress=show)
+                        progress=show, mmap_threshold_mib=mmap_threshold)
     if not as_json:
         console.print(markdown_table(results))
     if write is not None:
         command = _command("prefixflow", prefix_ratio=prefix_ratio, group_size=group_size, seq_len=seq_len,
-                           micro_batch=micro_batch, repeats=repeats, threads=threads, model=model,
-                           low_memory=None if low_memory else False, write=write,
+                           micro_batch=micro_batch, repeats=repeats, threads=threads, mmap_threshold=mmap_threshold,
+                           model=model, low_memory=None if low_memory else False, write=write,
                            section=None if section == "bench-prefixflow" else section)
-        docsection.write_section(write, section, section_text(results, resolve(model).name, command),
+        docsection.write_section(write, section, section_text(results, resolve(model).name, command, mmap_threshold),
                                  libraries=("torch", "transformers"))
 
 
