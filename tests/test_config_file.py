@@ -14,7 +14,7 @@ runner = CliRunner()
 
 
 def options_of(command: str, args: list[str], monkeypatch):
-    """The RunOptions/TrainOptions ``verbatim COMMAND ARGS`` builds (caught where the work would start)."""
+    """The RunOptions/TrainConfig ``verbatim COMMAND ARGS`` builds (caught where the work would start)."""
     seen = []
     target = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}[command]
     with monkeypatch.context() as patch:

@@ -122,7 +122,7 @@ def test_resuming_a_verbatim_run_directory_is_refused_untouched(tmp_path):
 
 
 def _options_of(args: list[str], monkeypatch):
-    """The TrainOptions the command line builds from ``args`` (caught where training would start)."""
+    """The TrainConfig the command line builds from ``args`` (caught where training would start)."""
     seen = []
     with monkeypatch.context() as patch:
         patch.setattr("verbatim.cli.train.train_command", lambda options, *rest: seen.append(options))
@@ -156,7 +156,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     def passed(options):
         raise AssertionError("passed")
 
-    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
 
@@ -239,7 +239,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     def passed(options):
         raise AssertionError("passed")
 
-    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
 
@@ -274,7 +274,7 @@ def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monke
     def passed(options):
         raise AssertionError("passed")
 
-    monkeypatch.setattr("verbatim.cli.run._make_engine", passed)
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
     result = runner.invoke(app, ["train", *args, "--steps", steps, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
 

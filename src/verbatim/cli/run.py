@@ -10,11 +10,9 @@ the manifest says ``interrupted``, the summary is printed and the exit code is 1
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +23,19 @@ from rich.table import Table
 
 from verbatim.datamodel import Frozen, Rollout
 from verbatim.durable import strict_json
-from verbatim.engine.logprobs_mode import unchecked_logprobs
-from verbatim.engine.models import DEFAULT_MODEL, resolve
+from verbatim.engine.models import resolve
 from verbatim.engine.protocol import CachePolicy, Sampling
-from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.router import Router
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
-from verbatim.engine.start_log import start_logged
-from verbatim.errors import InputError, VerbatimError
+from verbatim.errors import VerbatimError
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
+from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
+from verbatim.jobs.engine_start import started
 from verbatim.paths import check_output_file, check_run_dir
 
 
@@ -100,84 +97,20 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
     return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
 
 
-def episode_source(env: str | None, agent: str | None, env_args: dict[str, Any] | None = None,
-                   agent_cmd: str | None = None) -> Any:
-    """What the rollouts play: the env factory ``--env`` names, the agent of ``--agent``, or the command of
-    ``--agent-cmd`` (one of them)."""
-    given = [name for name, value in (("--env", env), ("--agent", agent), ("--agent-cmd", agent_cmd)) if value]
-    if len(given) != 1:
-        raise InputError(f"give one of --env NAME, --agent FILE.py:FUNCTION or --agent-cmd \"CMD\""
-                         f"{', not ' + ' and '.join(given) if given else ''}",
-                         hint="--env plays an environment; --agent and --agent-cmd run your OpenAI-client agent")
-    if env is None and env_args:
-        raise InputError("--env-arg goes with --env")
-    from verbatim.agents.loader import load_agent, load_agent_command
-
-    if agent is not None:
-        return load_agent(agent)
-    if agent_cmd is not None:
-        return load_agent_command(agent_cmd)
-    from verbatim.envs.registry import load_env
-
-    return load_env(env, **(env_args or {}))
-
-
-def players(agent: str | None, model: str, timeout_s: float) -> Any:
-    """The ``make_player`` of the run's plays: an env's rollout loop, or (``agent``: an --agent or --agent-cmd
-    was given) the agent endpoint's."""
-    if agent is None:
-        from verbatim.harness.rollout import RolloutPlayer
-
-        return RolloutPlayer
-    from verbatim.agents.player import agent_players
-
-    return agent_players(Path(model).name if model not in ("", "default") else DEFAULT_MODEL, timeout_s)
-
-
-def default_renderer(model: str) -> str:
-    """The bundled default's renderer, or the family a model folder's chat template is (renderers/detect.py)."""
-    if model in ("default", "", DEFAULT_MODEL):
-        return "smollm2"
-    if Path(model).expanduser().is_dir():
-        from verbatim.renderers.detect import detect_folder
-
-        return detect_folder(Path(model).expanduser())
-    raise InputError(f"no renderer is known for model {model!r}", hint="pass --renderer NAME (see docs/renderers.md)")
-
-
 def _plan(options: RunOptions, run_id: str) -> RunPlan:
     return RunPlan(run_id=run_id, groups=options.groups, group_size=options.group_size, seed=options.seed,
                    concurrency=options.concurrency, batch_size=max(options.group_size, 4))
 
 
-def _make_engine(options: RunOptions) -> Any:
-    if options.engine == "inproc":
-        if options.urls or options.route:
-            raise InputError("--url and --route go with --engine http")
-        from verbatim.engine.inproc import InprocEngine
-        from verbatim.engine.runtime import EngineConfig
-
-        return InprocEngine(EngineConfig(model=options.model, max_model_len=options.max_model_len,
-                                         kv_cache_gib=options.kv_cache_gib, seed=options.seed))
-    if options.engine == "http":
-        if not options.urls:
-            raise InputError("--engine http needs --url (one per replica)",
-                             hint="start servers with 'verbatim fleet up'")
-        from verbatim.engine.http import HttpEngine
-
-        engines = [HttpEngine(url) for url in options.urls]
-        if len(engines) == 1 and options.route is None:
-            return engines[0]
-        from verbatim.engine.routing import RouteConfig
-
-        config = RouteConfig.parse(options.route or "sticky_least_loaded+group", high_water=options.high_water,
-                                   admission=options.admission)
-        return Router(engines, config)
-    raise InputError(f"unknown engine {options.engine!r}", hint="use inproc or http")
+def engine_choice(options: RunOptions) -> EngineChoice:
+    return EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
+                        high_water=options.high_water, admission=options.admission,
+                        max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib, seed=options.seed)
 
 
 def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
+    from verbatim.jobs.compose import make_engine
     from verbatim.renderers.registry import get_renderer
 
     policy = CachePolicy.parse(options.cache_policy)
@@ -187,12 +120,12 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     renderer_name = options.renderer or default_renderer(options.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
     out = Path(options.out)
-    run_id = _existing_run_id(out) if options.resume else None
+    run_id = existing_run_id(out) if options.resume else None
     run_id = run_id or uuid.uuid4().hex[:12]
     plan = _plan(options, run_id)
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
-    engine = _make_engine(options)  # constructing starts nothing
+    engine = make_engine(engine_choice(options))  # constructing starts nothing
     urls = [redact(u) for u in options.urls]  # no credentials in traces
     route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(
@@ -209,12 +142,6 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
         preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
                   max_tokens=options.max_tokens)
     return run, engine
-
-
-def _existing_run_id(out: Path) -> str | None:
-    from verbatim.harness.store import read_manifest
-
-    return read_manifest(out).run_id if (out / "manifest.json").exists() else None
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -253,63 +180,6 @@ async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_gr
         finally:
             undo_signals()
     return summary.model_copy(update={"engine_start_s": round(start_s, 3)})
-
-
-ENGINE_LOG = "engine.log"
-"""What the bundled engine's processes print (vLLM, Triton, NUMA and shared-memory notes), kept in the
-run directory instead of the terminal."""
-
-
-@contextlib.asynccontextmanager
-async def started(engine: Any, console: Console, run_dir: Path | None = None) -> AsyncIterator[float]:
-    """The engine started (one line with the seconds so far until it answers), and closed however the
-    block ends; yields the seconds the start took.
-
-    Its processes are watched by a :class:`Reaper` (they die with this command, even a SIGKILLed one)
-    and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them). What a
-    bundled engine prints goes to ``run_dir/engine.log``. A served replica whose logprob mode could not be
-    checked is named on a ``warning:`` line."""
-    log = run_dir / ENGINE_LOG if run_dir is not None and _local(engine) else None
-    began = time.perf_counter()
-    with Reaper() as reaper:
-        try:
-            await _start_showing_progress(engine, console, log)
-            for line in unchecked_logprobs(engine):
-                console.print(f"warning: {line}; μ is taken to be the sampling distribution's")
-            reaper.note()
-            if run_dir is not None and log is not None:  # a local engine: its processes are ours
-                record_engine(run_dir, skip=reaper.pids())
-            yield time.perf_counter() - began
-        finally:
-            close = getattr(engine, "aclose", None)
-            if close is not None:
-                await close()
-            else:
-                engine.close()
-            if run_dir is not None:
-                forget_engine(run_dir)
-
-
-def _local(engine: Any) -> bool:
-    """An engine whose processes are this command's children (not a server reached over HTTP)."""
-    return not hasattr(engine, "url") and not hasattr(engine, "replicas")
-
-
-async def _start_showing_progress(engine: Any, console: Console, log: Path | None) -> None:
-    where = f" (its output: {log})" if log is not None else ""
-    with console.status(f"starting engine…{where}") as status:
-        began = time.perf_counter()
-
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(1)
-                status.update(f"starting engine… {time.perf_counter() - began:.0f} s{where}")
-
-        ticker = asyncio.ensure_future(tick())
-        try:
-            await start_logged(engine, log)
-        finally:
-            ticker.cancel()
 
 
 async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:

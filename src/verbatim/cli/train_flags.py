@@ -132,7 +132,6 @@ def train_flags(
 ) -> None:
     """Train the model with RL on its own token-exact rollouts: play, learn, push weights, repeat."""
     from verbatim.cli.train import (
-        TrainOptions,
         advantage_option,
         cache_policy_option,
         flag_errors,
@@ -144,6 +143,7 @@ def train_flags(
         train_command,
     )
     from verbatim.harness.train import TrainPlan
+    from verbatim.jobs.train import TrainConfig
     from verbatim.trainer.correction import CorrectionConfig
     from verbatim.trainer.learner import LearnerConfig
     from verbatim.trainer.objective import LossConfig
@@ -169,7 +169,7 @@ def train_flags(
                                 logprob_chunk=logprob_chunk,
                                 prefix_activations=prefix_activations_option(prefix_activations),
                                 loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
-        options = TrainOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
+        options = TrainConfig(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
                                env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, plan=plan, learner=learner, out=out, engine=engine,

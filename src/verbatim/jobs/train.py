@@ -1,0 +1,214 @@
+"""A training run from one config: :class:`TrainConfig` and :func:`run_training`.
+
+``verbatim train`` maps its flags onto a :class:`TrainConfig` and calls :func:`run_training`; a torchrun
+worker or a user's own script does the same, so the env, model, renderer, learner and loop are put
+together in one place. Bad input is refused (one line, exit 2 from the CLI) before the engine starts or
+anything is written; then the engine starts, the trainer loads the same weights, and
+:class:`~verbatim.harness.train.TrainLoop` runs the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from rich.console import Console
+
+from verbatim.datamodel import Frozen
+from verbatim.engine.models import resolve
+from verbatim.engine.protocol import Sampling
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
+from verbatim.engine.server_url import redact
+from verbatim.errors import InputError
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, StopRequest
+from verbatim.harness.store import RunManifest
+from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.harness.train_resume import check_resumable
+from verbatim.harness.train_step import refuse_truncated
+from verbatim.jobs.engine_start import started
+from verbatim.trainer.learner import LearnerConfig
+
+
+class TrainConfig(Frozen):
+    """Everything a training run is asked to do (its ``train`` section is the run's config; ``verbatim train``'s
+    flags map onto it one for one)."""
+
+    env: str | None = None
+    agent: str | None = None
+    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_cmd: str | None = None
+    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the env's factory (``--env-arg KEY=VALUE``)."""
+    tasks: str | None = None
+    model: str = "default"
+    renderer: str | None = None
+    max_turns: int | None = Field(default=None, ge=1)
+    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
+    max_tokens: int = Field(default=48, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    plan: TrainPlan
+    learner: LearnerConfig
+    out: str = "runs/train"
+    engine: str = "inproc"
+    urls: tuple[str, ...] = ()
+    route: str | None = None
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    trainer_device: str = "cpu"
+    """Where the trainer's model runs (cpu, cuda, cuda:N); a resumed run may move."""
+    resume: bool = False
+
+    def config(self) -> dict[str, Any]:
+        """What a --resume must match (the output path, the trainer's device and --resume itself excluded)."""
+        train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device"})
+        train["urls"] = [redact(u) for u in self.urls]
+        return {"train": train}
+
+
+def check(options: TrainConfig) -> int:
+    """The checks that read no model: the device, the updates per step, what a resume goes on from.
+    Returns the steps already trained."""
+    from verbatim.trainer.reference import trainer_device
+
+    trainer_device(options.trainer_device)  # refused before the engine or the model
+    check_updates(options)
+    return check_resumable(Path(options.out), options.resume, options.config())
+
+
+def prepare(options: TrainConfig) -> TrainLoop:
+    """Resolve every input and build the loop, after :func:`check`; starts nothing (the engine starts in
+    :func:`execute`)."""
+    from verbatim.envs.registry import default_max_turns, load_tasks
+    from verbatim.harness.preflight import model_vocab_size, preflight
+    from verbatim.jobs.compose import (
+        EngineChoice,
+        default_renderer,
+        episode_source,
+        existing_run_id,
+        make_engine,
+        players,
+    )
+    from verbatim.renderers.registry import get_renderer
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.reference import load_model, trainer_device
+
+    out = Path(options.out)
+    config = options.config()
+    device = trainer_device(options.trainer_device)
+    factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
+    tasks = _task_source(options, factory, load_tasks)
+    choice = EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
+                          max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib,
+                          seed=options.plan.seed)
+    engine = make_engine(choice)  # refuses bad engine options before the tokenizer loads
+    model_dir = resolve(options.model)
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
+    max_turns = options.max_turns or default_max_turns(factory, tasks(0))
+    loop = LoopConfig(max_turns=max_turns, context_budget=options.max_model_len,
+                      cache_policy=options.plan.cache_policy,
+                      sampling=sampling(options))
+    run_id = existing_run_id(out) or uuid.uuid4().hex[:12]
+    manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
+                           engine={"kind": options.engine, "block_size": engine.block_size,
+                                   "cache_policy": options.plan.cache_policy.value,
+                                   "urls": config["train"]["urls"], "route": options.route},
+                           config=config)
+    make_player = players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s)
+    first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
+                make_player=make_player)
+    if options.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
+        preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+                  max_tokens=options.max_tokens)
+    learner = Learner(load_model(model_dir).to(device), options.learner)
+    return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
+                     served=options.engine == "http", make_player=make_player)
+
+
+def sampling(options: TrainConfig) -> Sampling:
+    """The run's sampling settings; a mask the trainer's π does not reproduce needs the user's opt-in."""
+    chosen = Sampling(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
+                      top_k=options.top_k)
+    refuse_truncated(chosen.record(), options.plan.allow_truncated_sampling, "--top-p/--top-k")
+    return chosen
+
+
+def check_updates(options: TrainConfig) -> None:
+    """More optimizer updates per step than a step can have rows is refused before anything starts."""
+    most = options.plan.groups * options.plan.group_size
+    if options.learner.updates_per_step > most:
+        raise InputError(f"--updates-per-step {options.learner.updates_per_step} is more than the {most} rollouts "
+                         f"a step trains (--groups {options.plan.groups} × --group-size {options.plan.group_size})",
+                         hint="lower --updates-per-step or raise --groups/--group-size")
+
+
+def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
+    """Step k's tasks: the env's generator seeded by (seed, k), or the task file's in turn."""
+    groups, seed = options.plan.groups, options.plan.seed
+    if options.tasks is None:
+        factory.tasks(groups, seed)  # a generator that fails does so now, before the engine starts
+        return lambda k: list(factory.tasks(groups, seed * 100_003 + k))
+    pool = list(load_tasks(options.tasks))
+    if not pool:
+        raise InputError(f"{options.tasks} holds no tasks")
+    return lambda k: [pool[(k * groups + g) % len(pool)] for g in range(groups)]
+
+
+async def execute(loop: TrainLoop, options: TrainConfig, console: Console) -> list[dict[str, Any]]:
+    """The engine started, the steps trained (SIGINT/SIGTERM finish the step being trained, then stop)."""
+    async with started(loop.engine, console, loop.out) as start_s:
+        loop.engine_start_s = start_s
+        undo = _stop_on_signals(loop, console)
+        try:
+            return await loop.train(resume=options.resume)
+        finally:
+            undo()
+
+
+def _stop_on_signals(loop: TrainLoop, console: Console) -> Any:
+    events = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        console.print(f"{name}: finishing the step being trained, then stopping (--resume goes on)")
+        loop.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        events.add_signal_handler(sig, on_signal, sig)
+    return lambda: [events.remove_signal_handler(s) for s in (signal.SIGINT, signal.SIGTERM)]
+
+
+def run_training(config: TrainConfig, console: Console | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_end: Callable[[TrainLoop], None] | None = None) -> list[dict[str, Any]]:
+    """Train the run ``config`` describes; returns its metrics by step (``metrics.jsonl``'s records).
+
+    ``on_step`` sees each step's record as it is written; ``on_end`` sees the loop however training ends
+    (its ``history`` holds the steps trained). A ``--resume`` of a complete run says so, trains nothing and
+    returns the recorded steps without ``on_end``; it never starts the engine.
+    """
+    console = console or Console(stderr=True)
+    trained = check(config)
+    if config.resume and trained >= config.plan.steps:
+        from verbatim.harness.metrics_log import read_metrics
+
+        console.print(f"{config.out} is complete: all {trained} steps are trained (pass a higher --steps with "
+                      "--resume to train more)", soft_wrap=True)
+        return read_metrics(config.out)
+    loop = prepare(config)
+    loop.on_step = on_step
+    try:
+        return asyncio.run(execute(loop, config, console))
+    finally:
+        if on_end is not None:
+            on_end(loop)

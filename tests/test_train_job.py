@@ -1,0 +1,66 @@
+"""One entry point for a training run: ``verbatim train`` and a script (or a torchrun worker) given the
+same :class:`TrainConfig` compose the same run (jobs/train.py).
+
+The engine is constructed, never started: ``execute`` is where training would begin, and the test stops
+there with the loop each path built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from verbatim.cli.app import app
+from verbatim.jobs.train import TrainConfig, run_training
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The loops whose training would start, in order; training itself is not run."""
+    loops = []
+
+    async def stop_here(loop, config, console):
+        loops.append((loop, config))
+        loop.engine.close()
+        return []
+
+    monkeypatch.setattr("verbatim.jobs.train.execute", stop_here)
+    return loops
+
+
+def test_a_script_given_the_clis_config_builds_the_same_run(tmp_path, built):
+    args = ["train", "--env", "guess", "--steps", "3", "--groups", "1", "--group-size", "2", "--lr", "2e-5",
+            "--cache-policy", "flush", "--microbatch", "2", "--out", str(tmp_path / "cli")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (cli_loop, cli_config), = built
+    # what a torchrun worker receives: the config as JSON, the run directory its own
+    sent = cli_config.model_copy(update={"out": str(tmp_path / "script")}).model_dump_json()
+    config = TrainConfig.model_validate_json(sent)
+    assert run_training(config) == []
+    script_loop, _ = built[1]
+    assert config.model_dump(exclude={"out"}) == cli_config.model_dump(exclude={"out"})
+    assert script_loop.plan == cli_loop.plan and script_loop.plan.steps == 3
+    assert script_loop.loop == cli_loop.loop
+    assert script_loop.learner.config == cli_loop.learner.config and cli_loop.learner.config.lr == 2e-5
+    assert script_loop.manifest.config == cli_loop.manifest.config
+    assert script_loop.manifest.renderer == cli_loop.manifest.renderer == "smollm2"
+    assert script_loop.manifest.run_id != cli_loop.manifest.run_id  # two runs, two ids
+    ours = dict(script_loop.learner.model.named_parameters())
+    for name, param in cli_loop.learner.model.named_parameters():
+        assert torch.equal(param, ours[name]), name
+
+
+def test_a_scripts_bad_config_is_refused_before_any_model_loads(tmp_path, built):
+    from verbatim.errors import InputError
+    from verbatim.harness.train import TrainPlan
+    from verbatim.trainer.learner import LearnerConfig
+
+    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, groups=1, group_size=2),
+                         learner=LearnerConfig(updates_per_step=3), out=str(tmp_path / "run"))
+    with pytest.raises(InputError, match="--updates-per-step 3 is more than the 2 rollouts"):
+        run_training(config)
+    assert built == [] and not (tmp_path / "run").exists()
