@@ -30,7 +30,7 @@ from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
-from verbatim.errors import VerbatimError, shorten
+from verbatim.errors import InputError, VerbatimError, shorten
 from verbatim.harness.tiny_models import TINY_FAMILIES
 
 try:  # typer >= 0.24 vendors click as typer._click
@@ -300,6 +300,13 @@ def run(
     max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
                                       help="Context length per request: prompt + sampled tokens."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
+    engine_gpu_memory: float = typer.Option(None, "--engine-gpu-memory",
+                                            help="Share of each of its GPUs the in-process engine may take, in "
+                                                 "(0, 1] (vLLM's gpu_memory_utilization; default vLLM's, 0.92); "
+                                                 "docs/scale.md."),
+    engine_tensor_parallel: int = typer.Option(1, "--engine-tensor-parallel", min=1,
+                                               help="GPUs the in-process engine spans (vLLM's "
+                                                    "tensor_parallel_size): GPUs 0..N-1 of those this command sees."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
     stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
                                      help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
@@ -308,14 +315,17 @@ def run(
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
     from verbatim.cli.run import RunOptions, run_command
+    from verbatim.cli.train import flag_errors
 
-    options = RunOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout, tasks=tasks,
-                         model=model, renderer=renderer, groups=groups,
-                         group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
-                         temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
-                         route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
-                         cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
-                         kv_cache_gib=kv_cache_gib, resume=resume)
+    with flag_errors():  # a value RunOptions refuses: one line naming the option
+        options = RunOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout, tasks=tasks,
+                             model=model, renderer=renderer, groups=groups,
+                             group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
+                             temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
+                             route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
+                             cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
+                             kv_cache_gib=kv_cache_gib, engine_gpu_memory=engine_gpu_memory,
+                             engine_tensor_parallel=engine_tensor_parallel, resume=resume)
     run_command(options, console, summary_json)
 
 
@@ -402,22 +412,36 @@ def fleet_up(
                                       help="Context length per request: prompt + sampled tokens."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
+    gpu_memory: float = typer.Option(None, "--gpu-memory", help="Share of each of its GPUs a replica may take, "
+                                     "in (0, 1] (vLLM's --gpu-memory-utilization; default vLLM's, 0.92)."),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1,
+                                        help="GPUs per replica (vLLM's --tensor-parallel-size)."),
+    devices: str = typer.Option(None, "--devices", help="The GPUs to use, e.g. 0,1,2,3: replica i gets the i-th "
+                                "--tensor-parallel of them (CUDA_VISIBLE_DEVICES); --replicas × --tensor-parallel "
+                                "must be named. Default: every replica sees what this command sees."),
 ) -> None:
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
 
     from verbatim.engine.fleet import fleet_up as start_fleet
+    from verbatim.engine.fleet import split_devices
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind
+    from verbatim.jobs.placement import device_list
 
     warning = check_bind(host, allow_remote)
     if warning:
         err_console.print(warning)
-    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len)
+    if gpu_memory is not None and not 0 < gpu_memory <= 1:
+        raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
+                          gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices))
+    split_devices(config.devices, replicas, tensor_parallel)  # a bad --devices is refused before the first line
     err_console.print(f"starting {replicas} replicas of {config.model}…")
     record = start_fleet(config, replicas, Path(file), host=host)
     for replica in record.replicas:
-        console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}")
+        gpus = f"  gpus {replica.gpus}" if replica.gpus else ""
+        console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}{gpus}")
     flags = " ".join(f"--url {u}" for u in record.urls)
     console.print(f"wrote {file}; use: verbatim run --engine http {flags} --route sticky_least_loaded+group",
                   soft_wrap=True)

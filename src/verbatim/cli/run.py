@@ -70,6 +70,8 @@ class RunOptions(Frozen):
     concurrency: int = Field(default=16, ge=1)
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
+    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    engine_tensor_parallel: int = Field(default=1, ge=1)
     stop_grace_s: float = Field(default=30.0, ge=0)
     """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
     resume: bool = False
@@ -105,12 +107,14 @@ def _plan(options: RunOptions, run_id: str) -> RunPlan:
 def engine_choice(options: RunOptions) -> EngineChoice:
     return EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
                         high_water=options.high_water, admission=options.admission,
-                        max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib, seed=options.seed)
+                        max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib, seed=options.seed,
+                        gpu_memory=options.engine_gpu_memory, tensor_parallel=options.engine_tensor_parallel)
 
 
 def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
     from verbatim.jobs.compose import make_engine
+    from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
 
     policy = CachePolicy.parse(options.cache_policy)
@@ -125,7 +129,9 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     plan = _plan(options, run_id)
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
-    engine = make_engine(engine_choice(options))  # constructing starts nothing
+    choice = engine_choice(options)
+    engine = make_engine(choice)  # constructing starts nothing
+    check_here(choice)
     urls = [redact(u) for u in options.urls]  # no credentials in traces
     route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(

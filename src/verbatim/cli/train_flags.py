@@ -123,6 +123,13 @@ def train_flags(
     max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
                                       help="Context length per request: prompt + sampled tokens."),
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
+    engine_gpu_memory: float = typer.Option(None, "--engine-gpu-memory",
+                                            help="Share of each of its GPUs the in-process engine may take, in "
+                                                 "(0, 1] (vLLM's gpu_memory_utilization; default vLLM's, 0.92); "
+                                                 "docs/scale.md."),
+    engine_tensor_parallel: int = typer.Option(1, "--engine-tensor-parallel", min=1,
+                                               help="GPUs the in-process engine spans (vLLM's "
+                                                    "tensor_parallel_size): GPUs 0..N-1 of those this command sees."),
     trainer_device: str = typer.Option("cpu", "--trainer-device",
                                        help="Where the trainer's model runs: cpu, cuda or cuda:N (the engine "
                                             "places itself; weights reach it through CPU memory)."),
@@ -175,6 +182,7 @@ def train_flags(
                                top_p=top_p, top_k=top_k, plan=plan, learner=learner, out=out, engine=engine,
                                urls=tuple(url), route=route,
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                               engine_gpu_memory=engine_gpu_memory, engine_tensor_parallel=engine_tensor_parallel,
                                trainer_device=trainer_device, resume=resume)
     train_command(options, console, summary_json)
 

@@ -34,6 +34,8 @@ class FleetReplica(Frozen):
     pid: int
     log: str | None = None
     cpus: str | None = None
+    gpus: str | None = None
+    """The CUDA devices the replica sees (``fleet up --devices``), None when not named."""
 
 
 class FleetRecord(Frozen):
@@ -61,18 +63,34 @@ def split_cpus(cpus: list[int], replicas: int) -> list[str]:
     return [",".join(str(c) for c in part) for part in parts]
 
 
+def split_devices(devices: tuple[int, ...] | None, replicas: int, tensor_parallel: int) -> list[tuple[int, ...] | None]:
+    """Each replica's own GPUs: ``tensor_parallel`` of ``devices`` in turn (all of them used, none twice);
+    None for every replica when no devices are named."""
+    if devices is None:
+        return [None] * replicas
+    if len(set(devices)) != len(devices):
+        raise InputError(f"--devices {','.join(map(str, devices))} names a GPU twice")
+    need = replicas * tensor_parallel
+    if len(devices) != need:
+        raise InputError(f"--devices names {len(devices)} GPUs; {replicas} replicas × --tensor-parallel "
+                         f"{tensor_parallel} use {need}", hint=f"name {need} GPUs, or change --replicas")
+    return [tuple(devices[i * tensor_parallel:(i + 1) * tensor_parallel]) for i in range(replicas)]
+
+
 def fleet_up(config: EngineConfig, replicas: int, fleet_file: Path, *, host: str = LOOPBACK,
              log_dir: Path | None = None, timeout_s: float = 900.0) -> FleetRecord:
-    """Start ``replicas`` servers in parallel and write the fleet file once all are healthy."""
+    """Start ``replicas`` servers in parallel and write the fleet file once all are healthy. With
+    ``config.devices``, replica i sees only its own ``config.tensor_parallel`` of them (:func:`split_devices`)."""
     if fleet_file.exists() and any(_is_server(r.pid) for r in read_fleet(fleet_file).replicas):
         raise InputError(f"{fleet_file} describes a fleet that is still running",
                          hint="run 'verbatim fleet down' first, or pass another --file")
+    gpus = split_devices(config.devices, replicas, config.tensor_parallel)  # refused before anything is written
     log_dir = log_dir or fleet_file.parent / "fleet-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cpus = split_cpus(sorted(os.sched_getaffinity(0)), replicas)
     servers = []
     for i in range(replicas):
-        replica_config = config.model_copy(update={"threads_bind": cpus[i]})
+        replica_config = config.model_copy(update={"threads_bind": cpus[i], "devices": gpus[i]})
         servers.append(ServerProcess(replica_config, host=host, log_path=log_dir / f"r{i}.log").launch())
     try:
         _wait_all(servers, timeout_s)
@@ -81,7 +99,8 @@ def fleet_up(config: EngineConfig, replicas: int, fleet_file: Path, *, host: str
             server.stop()
         raise
     record = FleetRecord(
-        replicas=tuple(FleetReplica(name=f"r{i}", url=s.url, pid=s.proc.pid, log=str(s.log_path), cpus=cpus[i])
+        replicas=tuple(FleetReplica(name=f"r{i}", url=s.url, pid=s.proc.pid, log=str(s.log_path), cpus=cpus[i],
+                                    gpus=None if gpus[i] is None else ",".join(map(str, gpus[i])))
                        for i, s in enumerate(servers) if s.proc is not None),
         config=config.model_dump() | {"host": host if not is_loopback(host) else LOOPBACK},
     )

@@ -71,6 +71,22 @@ class _Counters:
         return _Sink
 
 
+def engine_args(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
+    """vLLM's ``AsyncEngineArgs`` for ``config`` serving the folder ``model_dir`` (what :meth:`InprocEngine.start`
+    passes; a test builds vLLM's own config from it without starting an engine)."""
+    args: dict[str, Any] = dict(
+        model=str(model_dir), dtype=config.dtype, max_model_len=config.max_model_len,
+        block_size=config.block_size, enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.batched_tokens, num_gpu_blocks_override=config.kv_blocks,
+        seed=config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=RECEIVER,
+        tensor_parallel_size=config.tensor_parallel,
+    )
+    if config.gpu_memory is not None:
+        args["gpu_memory_utilization"] = config.gpu_memory
+    return args
+
+
 class InprocEngine:
     """vLLM ``AsyncLLM`` with prefix caching (engine core in a child process).
 
@@ -105,15 +121,7 @@ class InprocEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.serving_dir = await asyncio.to_thread(serving_copy, self.model_dir)
-        args = AsyncEngineArgs(
-            model=str(self.serving_dir), dtype=self.config.dtype, max_model_len=self.config.max_model_len,
-            block_size=self.config.block_size, enforce_eager=self.config.enforce_eager,
-            enable_prefix_caching=self.config.enable_prefix_caching, max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.batched_tokens,
-            num_gpu_blocks_override=self.config.kv_blocks,
-            seed=self.config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE,
-            worker_extension_cls=RECEIVER,
-        )
+        args = AsyncEngineArgs(**engine_args(self.config, self.serving_dir))
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
             await self._llm.update_weight_version(str(self.version))

@@ -37,6 +37,11 @@ MAX_SEED = 2**32 - 1
 so ``--seed`` takes 0 to this."""
 
 
+VLLM_GPU_MEMORY = 0.92
+"""vLLM's default ``gpu_memory_utilization`` (vLLM 0.32, ``config/cache.py``; tests/test_placement.py reads it
+back from the installed vLLM): the share of a GPU an engine takes unless told otherwise."""
+
+
 class EngineConfig(Frozen):
     """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
 
@@ -76,6 +81,14 @@ class EngineConfig(Frozen):
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or self.max_model_len
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    """The share of each of its GPUs the engine may take (vLLM's ``gpu_memory_utilization``); None: vLLM's
+    default (:data:`VLLM_GPU_MEMORY`). A CPU engine's KV cache is ``kv_cache_gib`` instead."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Devices one engine spans (vLLM's ``tensor_parallel_size``); the model's heads must divide by it."""
+    devices: tuple[int, ...] | None = None
+    """The CUDA devices a served engine's process sees (``CUDA_VISIBLE_DEVICES``; ``fleet up --devices``);
+    None: the ones its parent sees."""
     threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""
 

@@ -67,6 +67,12 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         argv.append("--enforce-eager")
     if config.kv_blocks:
         argv += ["--num-gpu-blocks-override", str(config.kv_blocks)]
+    if config.tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(config.tensor_parallel)]
+    if config.gpu_memory is not None:
+        argv += ["--gpu-memory-utilization", str(config.gpu_memory)]
+    if config.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in config.devices)
     return argv, env
 
 

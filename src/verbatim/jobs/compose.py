@@ -27,6 +27,8 @@ class EngineChoice(Frozen):
     admission: bool = True
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
+    gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    tensor_parallel: int = Field(default=1, ge=1)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
 
 
@@ -39,7 +41,8 @@ def make_engine(choice: EngineChoice) -> Any:
         from verbatim.engine.runtime import EngineConfig
 
         return InprocEngine(EngineConfig(model=choice.model, max_model_len=choice.max_model_len,
-                                         kv_cache_gib=choice.kv_cache_gib, seed=choice.seed))
+                                         kv_cache_gib=choice.kv_cache_gib, seed=choice.seed,
+                                         gpu_memory=choice.gpu_memory, tensor_parallel=choice.tensor_parallel))
     if choice.kind == "http":
         if not choice.urls:
             raise InputError("--engine http needs --url (one per replica)",

@@ -64,13 +64,18 @@ class TrainConfig(Frozen):
     route: str | None = None
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
     kv_cache_gib: int = Field(default=2, ge=1)
+    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    """The share of each of its GPUs the in-process engine takes (None: vLLM's default); docs/scale.md."""
+    engine_tensor_parallel: int = Field(default=1, ge=1)
     trainer_device: str = "cpu"
     """Where the trainer's model runs (cpu, cuda, cuda:N); a resumed run may move."""
     resume: bool = False
 
     def config(self) -> dict[str, Any]:
-        """What a --resume must match (the output path, the trainer's device and --resume itself excluded)."""
-        train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device"})
+        """What a --resume must match (the output path, where the engine and the trainer run, and --resume
+        itself excluded: a resumed run may move)."""
+        train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device", "engine_gpu_memory",
+                                                      "engine_tensor_parallel"})
         train["urls"] = [redact(u) for u in self.urls]
         return {"train": train}
 
@@ -98,6 +103,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
         make_engine,
         players,
     )
+    from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model, trainer_device
@@ -109,7 +115,8 @@ def prepare(options: TrainConfig) -> TrainLoop:
     tasks = _task_source(options, factory, load_tasks)
     choice = EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
                           max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib,
-                          seed=options.plan.seed)
+                          seed=options.plan.seed, gpu_memory=options.engine_gpu_memory,
+                          tensor_parallel=options.engine_tensor_parallel)
     engine = make_engine(choice)  # refuses bad engine options before the tokenizer loads
     model_dir = resolve(options.model)
     renderer_name = options.renderer or default_renderer(options.model)
@@ -130,7 +137,10 @@ def prepare(options: TrainConfig) -> TrainLoop:
     if options.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
         preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
                   max_tokens=options.max_tokens)
-    learner = Learner(load_model(model_dir).to(device), options.learner)
+    model = load_model(model_dir)
+    check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
+               dtype=options.learner.dtype)  # before the model moves to a GPU it may not fit
+    learner = Learner(model.to(device), options.learner)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http", make_player=make_player)
 

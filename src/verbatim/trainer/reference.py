@@ -65,6 +65,13 @@ def trainer_device(text: str) -> str:
     return str(device)
 
 
+def visible_gpus() -> list[int]:
+    """The memory (bytes) of each CUDA device torch sees here, in index order; empty without one."""
+    if not torch.cuda.is_available():
+        return []
+    return [int(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())]
+
+
 def reference_logprobs(model: nn.Module, token_ids: Any,
                        positions: torch.Tensor | Sequence[int] | None = None, temperature: float = 1.0) -> torch.Tensor:
     """log π(token_t | tokens_<t) of the sequence ``token_ids`` (T tokens), from ``model(ids).logits``

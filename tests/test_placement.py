@@ -1,0 +1,134 @@
+"""Where the engine and the trainer run: the placement check (pure), the flags that reach it, and the
+flags that reach vLLM (its own config built from ours, and the server's command line).
+
+This machine has no GPU: what a GPU run does with these settings is not run here (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from verbatim.cli.app import app
+from verbatim.engine.fleet import split_devices
+from verbatim.engine.runtime import VLLM_GPU_MEMORY, EngineConfig
+from verbatim.errors import InputError
+from verbatim.jobs.placement import check_placement, device_list, trainer_bytes
+
+GIB = 1 << 30
+runner = CliRunner()
+
+
+def test_a_cpu_run_asks_nothing_of_gpus():
+    check_placement([], trainer_device="cpu", parameters=10**9)
+    check_placement([], tensor_parallel=2)  # the CPU engine's own tensor parallelism: vLLM's to refuse
+
+
+def test_a_gpu_share_without_a_gpu_is_refused():
+    with pytest.raises(InputError, match="--engine-gpu-memory 0.5: this machine has no GPU"):
+        check_placement([], gpu_memory=0.5)
+
+
+def test_more_tensor_parallel_gpus_than_there_are_is_refused():
+    with pytest.raises(InputError, match="--engine-tensor-parallel 4 needs 4 GPUs; this process sees 2"):
+        check_placement([80 * GIB, 80 * GIB], tensor_parallel=4)
+    check_placement([80 * GIB, 80 * GIB], tensor_parallel=2)
+
+
+def test_a_served_engine_is_placed_where_it_is_started():
+    with pytest.raises(InputError, match="a served engine is placed where it is started"):
+        check_placement([80 * GIB], engine="http", gpu_memory=0.5)
+    check_placement([80 * GIB], engine="http", trainer_device="cuda:0", parameters=10**9)  # all of it the trainer's
+
+
+def test_a_colocated_trainer_gets_what_the_engine_leaves_and_the_line_names_the_numbers():
+    one_billion = 10**9  # 16 GB of fp32 weights, gradients and AdamW moments (14.9 GiB)
+    with pytest.raises(InputError) as refused:
+        check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion)
+    line = str(refused.value)
+    assert "shares GPU 0 with the engine, which takes 0.92 of its 80.0 GiB (vLLM's default), leaving 6.4 GiB" in line
+    assert "needs at least 14.9 GiB (1.00 B parameters × 16 bytes" in line
+    check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion, gpu_memory=0.5)  # 40 GiB left
+    check_placement([80 * GIB, 80 * GIB], trainer_device="cuda:1", parameters=one_billion)  # a GPU of its own
+    with pytest.raises(InputError, match="shares GPU 1 with the engine"):
+        check_placement([80 * GIB, 80 * GIB], trainer_device="cuda:1", parameters=one_billion, tensor_parallel=2)
+
+
+def test_a_trainer_alone_on_a_gpu_too_small_is_refused():
+    with pytest.raises(InputError, match=r"the trainer needs at least 134.1 GiB .* the GPU has 80.0 GiB"):
+        check_placement([80 * GIB, 80 * GIB], trainer_device="cuda:1", parameters=8 * 10**9, dtype="bf16")
+
+
+@given(total=st.integers(1, 200), share=st.one_of(st.none(), st.floats(0.05, 1.0)),
+       parameters=st.integers(0, 20 * 10**9), dtype=st.sampled_from(["fp32", "bf16"]),
+       colocated=st.booleans())
+def test_refused_exactly_when_the_floor_exceeds_the_room(total, share, parameters, dtype, colocated):
+    gpus = [total * GIB, total * GIB]
+    device = "cuda:0" if colocated else "cuda:1"
+    room = total * GIB * (1 - (VLLM_GPU_MEMORY if share is None else share)) if colocated else total * GIB
+    try:
+        check_placement(gpus, gpu_memory=share, trainer_device=device, parameters=parameters, dtype=dtype)
+        refused = False
+    except InputError:
+        refused = True
+    assert refused == (trainer_bytes(parameters, dtype) > room)
+
+
+def test_fleet_devices_are_split_by_tensor_parallel_without_reuse():
+    assert split_devices((0, 1, 2, 3), 2, 2) == [(0, 1), (2, 3)]
+    assert split_devices((3, 1), 2, 1) == [(3,), (1,)]
+    assert split_devices(None, 3, 2) == [None, None, None]
+    with pytest.raises(InputError, match="--devices names 3 GPUs; 2 replicas × --tensor-parallel 2 use 4"):
+        split_devices((0, 1, 2), 2, 2)
+    with pytest.raises(InputError, match="names a GPU twice"):
+        split_devices((0, 0), 2, 1)
+    assert device_list("0,2") == (0, 2) and device_list(None) is None
+    with pytest.raises(InputError, match="must be GPU indices"):
+        device_list("0,gpu1")
+
+
+def test_the_server_command_carries_the_placement(default_model_dir):
+    from verbatim.engine.server import server_command
+
+    argv, env = server_command(EngineConfig(model=str(default_model_dir), gpu_memory=0.45, tensor_parallel=2,
+                                            devices=(2, 3)))
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    plain, plain_env = server_command(EngineConfig(model=str(default_model_dir)))
+    assert "--tensor-parallel-size" not in plain and "--gpu-memory-utilization" not in plain
+    assert plain_env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_the_in_process_engine_settings_reach_vllms_own_config(default_model_dir):
+    """vLLM builds its config from our arguments (no engine starts): the share and the parallel size arrive."""
+    from verbatim.engine.inproc import engine_args
+    from verbatim.engine.runtime import configure_environment, import_vllm
+
+    config = EngineConfig(model=str(default_model_dir), gpu_memory=0.4, tensor_parallel=3)  # 9 heads, 3 KV heads
+    configure_environment(config)
+    import_vllm()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    vllm_config = AsyncEngineArgs(**engine_args(config, default_model_dir)).create_engine_config()
+    assert vllm_config.cache_config.gpu_memory_utilization == 0.4
+    assert vllm_config.parallel_config.tensor_parallel_size == 3
+    default = AsyncEngineArgs(**engine_args(EngineConfig(model=str(default_model_dir)), default_model_dir))
+    assert default.create_engine_config().cache_config.gpu_memory_utilization == VLLM_GPU_MEMORY
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("flags,gpus,needle", [
+    (["--engine-gpu-memory", "0.5"], [], "--engine-gpu-memory 0.5: this machine has no GPU"),
+    (["--engine-tensor-parallel", "2"], [16 * GIB], "--engine-tensor-parallel 2 needs 2 GPUs; this process sees 1"),
+])
+def test_the_commands_refuse_a_bad_placement_before_anything_starts(tmp_path, monkeypatch, command, flags, gpus,
+                                                                   needle):
+    """The machine's GPUs stand in as ``gpus`` (this one has none to show a second case)."""
+    monkeypatch.setattr("verbatim.trainer.reference.visible_gpus", lambda: gpus)
+    out = tmp_path / "run"
+    result = runner.invoke(app, [command, "--env", "guess", "--out", str(out), *flags])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and not out.exists()
