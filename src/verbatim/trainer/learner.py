@@ -47,8 +47,10 @@ from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
-from verbatim.trainer.checkpoint import same_memory
 from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.distributed.sharding import ShardedModel, WholeModel
+from verbatim.trainer.distributed.split import rows_of
+from verbatim.trainer.distributed.team import Team
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.truncation import outside_support
@@ -132,9 +134,11 @@ def row_logprobs(logp: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Ten
 
 
 class Learner:
-    """A causal LM, its AdamW optimizer and its policy version."""
+    """A causal LM, its AdamW optimizer and its policy version; with a ``team`` of more than one rank, the
+    model is sharded over the ranks (FSDP2, :mod:`verbatim.trainer.distributed`), each rank trains the rows
+    of its own groups, and every rank makes the same update one process would."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0) -> None:
+    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0, team: Team | None = None) -> None:
         refuse_dropout(model)
         self.model = model.train()
         self.config = config
@@ -143,6 +147,8 @@ class Learner:
         self.path_options = checkpointed_path(model, config) if config.checkpoint_layers else {}
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.team = team or Team()
+        self.placement = ShardedModel(model, self.team) if self.team.size > 1 else WholeModel(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     # -- the step ------------------------------------------------------------------------------
@@ -166,7 +172,13 @@ class Learner:
         ids, mask = batch.token_ids.to(device), batch.loss_mask.to(device)
         sequences = tuple(ids[i, : int(batch.lengths[i])] for i in range(rows))
         lm, path = self.trainer_lm(step.temperature)
-        logp_old = old_logprobs(lm, sequences, mask, self.config.microbatch)
+        here = rows_of(step.groups, batch.lengths.tolist(), self.team.size, self.team.rank)
+        ours = torch.zeros(rows, dtype=torch.bool, device=device)
+        ours[here] = True
+        with self.placement.gathered():
+            logp_old = self.team.sum_(old_logprobs(lm, sequences, mask & ours[:, None], self.config.microbatch))
+            support = (outside_support(lm, sequences, mask, *step.truncation, self.config.microbatch,
+                                       self.config.logprob_chunk) if step.truncation is not None else None)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
@@ -176,7 +188,7 @@ class Learner:
         norms = []
         for update_rows in self.update_splits(rows):
             loss_u, norm = self._update(lm, path, sequences, fix.weights, fix.keep, logp_old, advantages,
-                                        step.groups, update_rows)
+                                        step.groups, update_rows, set(here))
             loss += loss_u
             norms.append(norm)
         self.version += 1
@@ -184,9 +196,8 @@ class Learner:
                    "grad_norm_max": float(max(norms)), "updates": len(norms), "trainer_path": path,
                    "temperature": step.temperature, "kept_tokens": int(fix.keep.sum()),
                    "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict()}
-        if step.truncation is not None:
-            metrics["outside_support"] = outside_support(lm, sequences, mask, *step.truncation,
-                                                         self.config.microbatch, self.config.logprob_chunk)
+        if support is not None:
+            metrics["outside_support"] = support
         return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}
 
     def trainer_lm(self, temperature: float = 1.0) -> tuple[LearnerLM, TrainerPath]:
@@ -202,16 +213,18 @@ class Learner:
 
     def _update(self, lm: PrefixCausalLM, path: TrainerPath, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
                 keep: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
-                rows: list[int]) -> tuple[float, float]:
+                rows: list[int], here: set[int]) -> tuple[float, float]:
         coef = torch.zeros_like(weights)
         coef[rows] = loss_coefficients(weights[rows], keep[rows], self.config.loss.normaliser)
         trained = keep & (advantages != 0)[:, None]  # a zero advantage gives zero gradient: skip its forward
         batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp_old, advantages=advantages,
                           groups=tuple(tuple(g) for g in groups))
-        loss = backward_rows(lm, batch, rows, self.config.loss.clip_eps, prefixflow=path == "prefixflow",
-                             microbatch=self.config.microbatch, offload=self.config.prefix_activations)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        with self.placement.update():  # this rank's rows; leaving it, the gradient is the update's whole one
+            loss = backward_rows(lm, batch, [r for r in rows if r in here], self.config.loss.clip_eps,
+                                 prefixflow=path == "prefixflow", microbatch=self.config.microbatch,
+                                 offload=self.config.prefix_activations)
+        loss = self.team.total(loss)
+        norm = self.placement.grad_norm(self.config.max_grad_norm)
         if not np.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainerError(f"the gradient norm is {norm} at version {self.version}",
@@ -246,21 +259,17 @@ class Learner:
     # -- weights for the engine ---------------------------------------------------------------
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights by name, each once (a tied output layer is left to its embedding)."""
-        seen: set[tuple[Any, ...]] = set()
-        weights = {}
-        for name, tensor in self.model.state_dict().items():
-            key = same_memory(tensor)
-            if key in seen:
-                continue
-            seen.add(key)
-            weights[name] = tensor.detach()
-        return weights
+        """The model's weights by name, each once (a tied output layer is left to its embedding). Sharded,
+        every rank must call it, and rank 0 alone receives them."""
+        return self.placement.weights()
 
     def keep_weights_in(self, views: dict[str, torch.Tensor]) -> int:
         """Let each parameter named in ``views`` live in its view (equal values, shape and dtype: the engine's
         shared buffer, engine/weight_push.py), so pushing the weights copies nothing. The parameters stay the
         optimizer's own objects; returns how many moved."""
+        if self.team.size > 1:
+            raise TrainerError("a sharded learner's parameters cannot live in the engine's buffer",
+                               hint="push its weights by copy (the in-memory push is for one process)")
         moved = 0
         for name, param in self.model.named_parameters():
             view = views.get(name)

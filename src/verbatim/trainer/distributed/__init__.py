@@ -1,0 +1,6 @@
+"""The trainer on more than one process: torch.distributed, FSDP2 sharding, a step's groups split over ranks.
+
+:mod:`.team` is the process group the learner's ranks share (gloo on CPU, NCCL on GPUs); :mod:`.split`
+assigns a step's groups to ranks whole, balanced by tokens (pure); :mod:`.sharding` shards a model with
+FSDP2 and runs one optimizer update's forward and backward on each rank's own rows.
+"""

@@ -1,0 +1,158 @@
+"""A model sharded over the learner's ranks with FSDP2, and the same interface for one process.
+
+:class:`ShardedModel` applies ``fully_shard`` to every decoder layer (the classes Hugging Face names in
+``_no_split_modules``) and to the whole model: between steps each rank holds 1/N of the parameters, of
+their gradients and of AdamW's state. A rank's share of a step is uneven (its own groups, whole), and
+FSDP's per-layer all-gathers are collectives every rank must join in the same order, so the update
+runs in three moves every rank makes together:
+
+1. :meth:`ShardedModel.gathered`: all-gather the parameters once; the rank's forwards and backwards (the
+   plain path or PrefixFlow's phases, any number of each) then run on full weights with no collective,
+   their gradients accumulating unreduced (``set_requires_gradient_sync(False)``);
+2. on leaving an update (:meth:`ShardedModel.update`), one forward and backward of a single token with a
+   zero loss through the root, gradient sync on: FSDP reduce-scatters every gradient, summed (divide
+   factor 1: the loss already carries the step's global normaliser), so each rank holds its shard of
+   the step's whole gradient;
+3. reshard: the optimizer steps on the shards.
+
+The price: during a step every rank holds the whole model and its whole gradient; between steps, and
+for the optimizer's state at all times, 1/N (docs/scale.md says what that means in bytes).
+
+:class:`WholeModel` is one process: the model as it is, every method a no-op where there is nothing to
+share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from verbatim.errors import TrainerError
+from verbatim.trainer.checkpoint import same_memory
+from verbatim.trainer.distributed.team import Team
+
+
+def unique_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor once: a tied output layer is left to its embedding (what the engine loads)."""
+    seen: set[tuple[Any, ...]] = set()
+    weights = {}
+    for name, tensor in state.items():
+        key = same_memory(tensor)
+        if key not in seen:
+            seen.add(key)
+            weights[name] = tensor.detach()
+    return weights
+
+
+def without_aliases(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the second name of a tied parameter (gathered copies no longer share memory)."""
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
+
+
+class WholeModel:
+    """The model in one process."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.team = Team()
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def update(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return unique_weights(self.model.state_dict())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the module classes Hugging Face keeps whole (``_no_split_modules``)."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds and m is not model]
+    if not layers:
+        raise TrainerError(f"{type(model).__name__} names no decoder layer class (_no_split_modules), so FSDP "
+                           "cannot shard it layer by layer", hint="train it in one process (--trainer-procs 1)")
+    return layers
+
+
+class ShardedModel:
+    """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
+
+    def __init__(self, model: nn.Module, team: Team) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        self.model = model
+        self.team = team
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in self.units:
+            unit.set_reshard_after_backward(False, recurse=False)
+            unit.set_gradient_divide_factor(1.0)  # a sum: the loss carries the step's global normaliser
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+            unit.set_reduce_scatter_unused_params(True)  # every rank reduces the same tensors
+        self.device = next(model.parameters()).device
+        with torch.no_grad():
+            self._through_root()  # the first forward through the root makes it FSDP's root
+        self._reshard()  # the optimizer is built on the shards
+
+    def _through_root(self) -> torch.Tensor:
+        return self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device)).logits
+
+    def _sync(self, on: bool) -> None:
+        for unit in self.units:
+            unit.set_requires_gradient_sync(on, recurse=False)
+
+    def _unshard(self) -> None:
+        for unit in self.units:
+            unit.unshard()
+
+    def _reshard(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The whole parameters on every rank, for forwards without a gradient."""
+        self._unshard()
+        try:
+            yield
+        finally:
+            self._reshard()
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[None]:
+        """One optimizer update's backward on this rank's rows; leaving it, the step's gradient is summed
+        over the ranks and each rank holds its shard of it. An error inside skips the collective (the other
+        ranks stop at the run's timeout)."""
+        self._unshard()
+        self._sync(False)
+        yield
+        self._sync(True)
+        (self._through_root().sum() * 0.0).backward()
+        self._reshard()
+
+    def grad_norm(self, max_norm: float) -> float:
+        """Clip the sharded gradient to ``max_norm`` (its norm over every rank's shard); return the norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0 (gathered tensor by tensor into CPU memory), nothing on the others.
+        Every rank must call it: each gather is a collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return without_aliases(self.model, full) if self.team.leader else {}

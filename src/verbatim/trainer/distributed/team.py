@@ -1,0 +1,64 @@
+"""The process group the learner's ranks share: who this process is, and the sums they agree on.
+
+:func:`join` starts or joins the default torch.distributed group from the environment torchrun (or
+``verbatim train --trainer-procs``) sets: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+NCCL where the trainer runs on a GPU, gloo on the CPU. :class:`Team` is that group as the learner uses
+it: an all-reduced sum, and nothing else, so one process is the same team of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verbatim.errors import InputError
+
+ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Team:
+    """This process's place among the learner's ranks (``size`` 1: one process, no group)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the rank that plays rollouts, pushes weights and writes what one process writes."""
+        return self.rank == 0
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (every rank ends with the sum)."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def total(self, value: float) -> float:
+        """A float summed over the ranks (in float64)."""
+        return float(self.sum_(torch.tensor([value], dtype=torch.float64)).item())
+
+
+def backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(device: torch.device, timeout_s: float = 600.0) -> Team:
+    """Join (or start) the default process group named by the environment; a process with no such
+    environment is a team of one."""
+    if dist.is_initialized():
+        return Team(dist.get_rank(), dist.get_world_size())
+    missing = [name for name in ENVIRONMENT if name not in os.environ]
+    if len(missing) == len(ENVIRONMENT):
+        return Team()
+    if missing:
+        raise InputError(f"torch.distributed needs {', '.join(missing)} in the environment beside "
+                         f"{', '.join(n for n in ENVIRONMENT if n not in missing)}",
+                         hint="launch with torchrun, or set all four")
+    dist.init_process_group(backend(device), timeout=datetime.timedelta(seconds=timeout_s))
+    return Team(dist.get_rank(), dist.get_world_size())

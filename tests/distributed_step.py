@@ -1,0 +1,53 @@
+"""One learner step of a tiny random Llama, as a process of a torch.distributed team or alone.
+
+Run by tests/test_trainer_distributed.py: once with no torch.distributed environment (one process),
+and as two processes with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, as torchrun
+sets them. Rank 0 (or the lone process) writes the gradients AdamW stepped on, per update, the
+weights the engine would receive after the step, and the step's metrics to ``sys.argv[1]``.
+``--divide N`` sets FSDP's gradient divide factor to N: N=2 averages over the ranks instead of summing,
+the mistake the comparison must catch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from test_trainer_learner import step_rows
+
+from verbatim.bench.prefixflow_exactness import tiny_llama
+from verbatim.trainer.distributed.team import join
+from verbatim.trainer.learner import Learner, LearnerConfig
+
+CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
+"""Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""
+
+
+def main(out: str, divide: float | None) -> None:
+    torch.set_num_threads(1)
+    team = join(torch.device("cpu"), timeout_s=120)
+    model = tiny_llama(tied=True, seed=1)
+    step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
+    learner = Learner(model, CONFIG, team=team)
+    if divide is not None:
+        for unit in learner.placement.units:
+            unit.set_gradient_divide_factor(divide)
+    names = {id(p): n for n, p in learner.model.named_parameters()}
+    updates: list[dict[str, torch.Tensor]] = []
+
+    def record(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        grads = {names[id(p)]: p.grad for group in optimizer.param_groups for p in group["params"]}
+        updates.append({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()})
+
+    learner.optimizer.register_step_pre_hook(record)
+    metrics = learner.train_step(step)
+    weights = learner.engine_weights()
+    if team.leader:
+        keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates")
+        torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
+                    "team": team.size, "version": learner.version}, out)
+
+
+if __name__ == "__main__":
+    divide = float(sys.argv[sys.argv.index("--divide") + 1]) if "--divide" in sys.argv else None
+    main(sys.argv[1], divide)

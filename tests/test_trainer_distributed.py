@@ -1,0 +1,140 @@
+"""The learner on more than one process: groups split over ranks, FSDP2 on gloo, one update as one process makes.
+
+The step of tests/distributed_step.py (a tiny random Llama, three groups of three rows, two updates,
+PrefixFlow, clipping that bites) runs once alone and once as two processes that join a gloo group from
+the environment torchrun sets. The gradients AdamW steps on, the pre-clip norm, the loss and the weights
+the engine would receive must agree to PrefixFlow's float32 tolerance: a rank's gradient lost, counted
+twice or averaged instead of summed shows in the norm and in every update.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_trainer_learner import assert_same_grads
+
+from verbatim.errors import InputError, TrainerError
+from verbatim.trainer.distributed.split import assign_groups, rows_of
+from verbatim.trainer.distributed.team import Team, join
+
+STEP = Path(__file__).resolve().parent / "distributed_step.py"
+
+
+# -- the split: pure ----------------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 5000), max_size=40), st.integers(1, 9))
+def test_every_group_goes_to_one_rank_and_no_rank_carries_more_than_one_group_above_the_lightest(tokens, ranks):
+    owned = assign_groups(tokens, ranks)
+    assert len(owned) == ranks
+    assert sorted(g for groups in owned for g in groups) == list(range(len(tokens)))
+    loads = [sum(tokens[g] for g in groups) for groups in owned]
+    assert max(loads) - min(loads) <= max(tokens, default=0)
+    assert owned == assign_groups(list(tokens), ranks)  # every rank computes the same split
+
+
+def test_groups_are_balanced_by_tokens_not_by_count():
+    assert assign_groups([900, 100, 100, 100, 100, 100], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert assign_groups([5, 5, 5], 1) == [[0, 1, 2]]
+    assert assign_groups([], 3) == [[], [], []]
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=12), st.integers(1, 5), st.data())
+def test_the_ranks_rows_are_their_groups_whole(sizes, ranks, data):
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(list(range(start, start + size)))
+        start += size
+    lengths = data.draw(st.lists(st.integers(1, 300), min_size=start, max_size=start))
+    per_rank = [rows_of(groups, lengths, ranks, rank) for rank in range(ranks)]
+    assert sorted(r for rows in per_rank for r in rows) == list(range(start))
+    for rows in per_rank:
+        assert all(set(g) <= set(rows) or not set(g) & set(rows) for g in groups)
+
+
+def test_a_bad_split_is_refused():
+    with pytest.raises(TrainerError, match="at least one rank"):
+        assign_groups([1], 0)
+    with pytest.raises(TrainerError, match="rank 2 is not one of the 2 ranks"):
+        rows_of([[0]], [3], 2, 2)
+
+
+# -- the team -----------------------------------------------------------------------------------
+
+
+def test_a_process_without_a_torch_distributed_environment_is_a_team_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert join(torch.device("cpu")) == Team(0, 1)
+    assert Team().total(2.5) == 2.5 and Team().leader
+
+
+def test_half_an_environment_is_refused_naming_what_is_missing(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(InputError, match="needs MASTER_ADDR, MASTER_PORT in the environment beside RANK, WORLD_SIZE"):
+        join(torch.device("cpu"))
+
+
+# -- two ranks, one update --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run(out: Path, ranks: int, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STEP.parent), env.get("PYTHONPATH")) if p)
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(STEP), str(out), *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=env if ranks == 1 else env | {"RANK": str(rank), "WORLD_SIZE": str(ranks),
+                                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in range(ranks)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)[-3000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("alone") / "step.pt", 1)
+
+
+def assert_same_step(two: dict, one: dict) -> None:
+    assert (two["team"], one["team"], two["version"]) == (2, 1, 1)
+    assert len(two["updates"]) == len(one["updates"]) == 2
+    for mine, theirs in zip(two["updates"], one["updates"]):
+        assert_same_grads(mine, theirs)
+    for key in ("loss", "grad_norm", "grad_norm_max"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    assert {k: two["metrics"][k] for k in ("rows", "updates", "kept_tokens")} == \
+        {k: one["metrics"][k] for k in ("rows", "updates", "kept_tokens")}
+    assert sorted(two["weights"]) == sorted(one["weights"])  # the tied output layer once, as one process sends
+    for name, expected in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_two_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path):
+    assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
+    assert_same_step(_run(tmp_path / "two.pt", 2), alone)
+
+
+def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_path):
+    averaged = _run(tmp_path / "averaged.pt", 2, "--divide", "2")
+    with pytest.raises(AssertionError):
+        assert_same_step(averaged, alone)
+    assert averaged["metrics"]["grad_norm"] == pytest.approx(alone["metrics"]["grad_norm"] / 2, rel=1e-4)
