@@ -25,7 +25,7 @@ CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=
 
 def main(out: str, divide: float | None) -> None:
     torch.set_num_threads(1)
-    team = join(torch.device("cpu"), timeout_s=120)
+    team = join("cpu", timeout_s=120)
     model = tiny_llama(tied=True, seed=1)
     step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
     learner = Learner(model, CONFIG, team=team)

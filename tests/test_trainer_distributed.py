@@ -73,7 +73,7 @@ def test_a_bad_split_is_refused():
 def test_a_process_without_a_torch_distributed_environment_is_a_team_of_one(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    assert join(torch.device("cpu")) == Team(0, 1)
+    assert join("cpu") == Team(0, 1)
     assert Team().total(2.5) == 2.5 and Team().leader
 
 
@@ -83,7 +83,7 @@ def test_half_an_environment_is_refused_naming_what_is_missing(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(InputError, match="needs MASTER_ADDR, MASTER_PORT in the environment beside RANK, WORLD_SIZE"):
-        join(torch.device("cpu"))
+        join("cpu")
 
 
 # -- two ranks, one update --------------------------------------------------------------------------

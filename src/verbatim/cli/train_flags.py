@@ -133,6 +133,9 @@ def train_flags(
     trainer_device: str = typer.Option("cpu", "--trainer-device",
                                        help="Where the trainer's model runs: cpu, cuda or cuda:N (the engine "
                                             "places itself; weights reach it through CPU memory)."),
+    trainer_procs: int = typer.Option(1, "--trainer-procs", min=1,
+                                      help="Trainer processes the model is sharded over (FSDP2: gloo on the CPU, "
+                                           "NCCL on GPUs); under torchrun, leave it out. docs/scale.md."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
     config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
@@ -183,7 +186,7 @@ def train_flags(
                                urls=tuple(url), route=route,
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                engine_gpu_memory=engine_gpu_memory, engine_tensor_parallel=engine_tensor_parallel,
-                               trainer_device=trainer_device, resume=resume)
+                               trainer_device=trainer_device, trainer_procs=trainer_procs, resume=resume)
     train_command(options, console, summary_json)
 
 

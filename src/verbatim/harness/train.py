@@ -59,7 +59,7 @@ from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfi
 from verbatim.harness.train_resume import CHECKPOINTS, set_aside, trained_steps
 from verbatim.harness.train_step import step_input, step_logprobs, step_record
 from verbatim.trainer.advantages import Advantage
-from verbatim.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from verbatim.trainer.checkpoint import latest_checkpoint
 from verbatim.trainer.learner import Learner
 from verbatim.trainer.logprob_files import step_file, write_logprobs
 
@@ -199,7 +199,7 @@ class TrainLoop:
         if latest is None:
             rewrite_metrics(self.out, [])
             return 0
-        state = await asyncio.to_thread(load_checkpoint, latest, self.learner.model, self.learner.optimizer)
+        state = await asyncio.to_thread(self.learner.restore, latest)
         self.learner.version = int(state["version"])
         self.history = list(state.get("metrics", []))
         rewrite_metrics(self.out, self.history)
@@ -293,8 +293,8 @@ class TrainLoop:
         """Commit step ``n`` (the learner after it, the metrics so far) as a checkpoint; returns the seconds."""
         state = {"version": self.learner.version, "config": self.manifest.config, "metrics": self.history}
         began = time.perf_counter()
-        await asyncio.to_thread(save_checkpoint, self.checkpoints, n, self.learner.model, self.learner.optimizer,
-                                state, self.plan.keep_checkpoints, model_files(self.model_dir))
+        await asyncio.to_thread(self.learner.save, self.checkpoints, n, state, self.plan.keep_checkpoints,
+                                model_files(self.model_dir))
         self._checkpointed = n
         return round(time.perf_counter() - began, 3)
 

@@ -69,13 +69,16 @@ class TrainConfig(Frozen):
     engine_tensor_parallel: int = Field(default=1, ge=1)
     trainer_device: str = "cpu"
     """Where the trainer's model runs (cpu, cuda, cuda:N); a resumed run may move."""
+    trainer_procs: int = Field(default=1, ge=1)
+    """Trainer processes the learner is sharded over (FSDP2; :mod:`verbatim.jobs.trainer_team`); under torchrun,
+    the processes it launched. A resumed run may change it."""
     resume: bool = False
 
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
         train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device", "engine_gpu_memory",
-                                                      "engine_tensor_parallel"})
+                                                      "engine_tensor_parallel", "trainer_procs"})
         train["urls"] = [redact(u) for u in self.urls]
         return {"train": train}
 
@@ -104,13 +107,15 @@ def prepare(options: TrainConfig) -> TrainLoop:
         players,
     )
     from verbatim.jobs.placement import check_here
+    from verbatim.jobs.trainer_team import join_team, rank_device
     from verbatim.renderers.registry import get_renderer
+    from verbatim.trainer.distributed.lead import Lead
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model, trainer_device
 
     out = Path(options.out)
     config = options.config()
-    device = trainer_device(options.trainer_device)
+    device = rank_device(trainer_device(options.trainer_device))
     factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     tasks = _task_source(options, factory, load_tasks)
     choice = EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
@@ -140,7 +145,10 @@ def prepare(options: TrainConfig) -> TrainLoop:
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
                dtype=options.learner.dtype)  # before the model moves to a GPU it may not fit
-    learner = Learner(model.to(device), options.learner)
+    team, group = join_team(device)  # with more than one rank, the others wait here for rank 0
+    learner: Any = Learner(model.to(device), options.learner, team=team)
+    if group is not None:
+        learner = Lead(learner, group)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http", make_player=make_player)
 
@@ -207,7 +215,13 @@ def run_training(config: TrainConfig, console: Console | None = None,
     (its ``history`` holds the steps trained). A ``--resume`` of a complete run says so, trains nothing and
     returns the recorded steps without ``on_end``; it never starts the engine.
     """
+    from verbatim.jobs.trainer_team import check_procs, end_followers, follow_run, following, start_followers
+
+    if following():  # a rank above 0 under torchrun: its learner follows rank 0's
+        follow_run(config)
+        return []
     console = console or Console(stderr=True)
+    check_procs(config.trainer_procs)
     trained = check(config)
     if config.resume and trained >= config.plan.steps:
         from verbatim.harness.metrics_log import read_metrics
@@ -215,10 +229,25 @@ def run_training(config: TrainConfig, console: Console | None = None,
         console.print(f"{config.out} is complete: all {trained} steps are trained (pass a higher --steps with "
                       "--resume to train more)", soft_wrap=True)
         return read_metrics(config.out)
-    loop = prepare(config)
-    loop.on_step = on_step
+    followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
+    released = False
     try:
-        return asyncio.run(execute(loop, config, console))
+        loop = prepare(config)
+        loop.on_step = on_step
+        try:
+            metrics = asyncio.run(execute(loop, config, console))
+            released = _release(loop.learner)
+            return metrics
+        finally:
+            if on_end is not None:
+                on_end(loop)
     finally:
-        if on_end is not None:
-            on_end(loop)
+        end_followers(followers, wait_s=60.0 if released else 0.0)
+
+
+def _release(learner: Any) -> bool:
+    """Let the follower ranks go after a run that ended well (a failed one's followers are stopped instead)."""
+    close = getattr(learner, "close", None)
+    if close is not None:
+        close()
+    return True

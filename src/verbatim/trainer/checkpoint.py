@@ -266,6 +266,20 @@ def _read_state(path: Path) -> dict[str, Any] | None:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Load weights (strict), the optimizer's state and the RNG states; return the saved state.json."""
+    state, tensors = read_checkpoint(path)
+    check_fit(path, tensors, model.state_dict())
+    model.load_state_dict(tensors, strict=True)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(read_optimizer(path))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
+    restore_rng(path)
+    return state
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A complete checkpoint's state.json and its weights by name (aliases included), loading nothing."""
     path = Path(path)
     state = _read_state(path)
     if state is None:
@@ -274,16 +288,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if state["schema"] != CHECKPOINT_SCHEMA:
         raise CheckpointError(f"checkpoint {path} has schema {state['schema']}; this verbatim reads schema "
                               f"{CHECKPOINT_SCHEMA}", hint="resume with the verbatim version that wrote it")
-    tensors = _read_model(path / "model.safetensors")
-    _check_fit(path, tensors, model.state_dict())
-    model.load_state_dict(tensors, strict=True)
-    if optimizer is not None:
-        try:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
-    _restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
-    return state
+    return state, _read_model(path / "model.safetensors")
+
+
+def read_optimizer(path: Path) -> dict[str, Any]:
+    """The optimizer state a checkpoint holds, as saved."""
+    return torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+def restore_rng(path: Path) -> None:
+    """The RNG states a checkpoint saved, restored in this process."""
+    _restore_rng(torch.load(Path(path) / "rng.pt", map_location="cpu", weights_only=True))
 
 
 def _read_model(path: Path) -> dict[str, torch.Tensor]:
@@ -298,7 +313,7 @@ def _read_model(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_fit(path: Path, saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+def check_fit(path: Path, saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     shapes = sorted(f"{n} {tuple(saved[n].shape)} (the model's {tuple(expected[n].shape)})"

@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -262,6 +263,16 @@ class Learner:
         """The model's weights by name, each once (a tied output layer is left to its embedding). Sharded,
         every rank must call it, and rank 0 alone receives them."""
         return self.placement.weights()
+
+    def save(self, root: Path, step: int, state: dict[str, Any], keep: int = 2,
+             model_files: Sequence[Path] = ()) -> Path | None:
+        """Checkpoint the learner as step ``step`` (:func:`~verbatim.trainer.checkpoint.save_checkpoint`); a
+        sharded learner's ranks all call it and rank 0 writes."""
+        return self.placement.save(self.optimizer, root, step, state, keep, model_files)
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` (weights, optimizer state, RNG); returns its state.json."""
+        return self.placement.restore(self.optimizer, path)
 
     def keep_weights_in(self, views: dict[str, torch.Tensor]) -> int:
         """Let each parameter named in ``views`` live in its view (equal values, shape and dtype: the engine's

@@ -25,14 +25,23 @@ share.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.checkpoint import same_memory
+from verbatim.trainer.checkpoint import (
+    check_fit,
+    load_checkpoint,
+    read_checkpoint,
+    read_optimizer,
+    restore_rng,
+    same_memory,
+    save_checkpoint,
+)
 from verbatim.trainer.distributed.team import Team
 
 
@@ -73,6 +82,45 @@ class WholeModel:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return unique_weights(self.model.state_dict())
+
+    def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
+             model_files: Sequence[Path]) -> Path:
+        return save_checkpoint(root, step, self.model, optimizer, state, keep, model_files)
+
+    def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+        """A checkpoint of one process, or of a team (its optimizer state keyed by parameter name)."""
+        if not _by_name(read_optimizer(path)):
+            return load_checkpoint(path, self.model, optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        saved = load_checkpoint(path, self.model, None)
+        set_optimizer_state_dict(self.model, optimizer, read_optimizer(path),
+                                 options=StateDictOptions(full_state_dict=True))
+        return saved
+
+
+class _Held:
+    """A state dict standing in for the module or optimizer :func:`save_checkpoint` reads it from."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
+def _by_name(optimizer_state: dict[str, Any]) -> bool:
+    """Whether an optimizer state is keyed by parameter name (a team's) rather than by index (one process's)."""
+    return any(isinstance(key, str) for key in optimizer_state.get("state", {}))
+
+
+def _named(optimizer_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """One process's optimizer state (parameters by index, in the model's order) keyed by parameter name."""
+    if _by_name(optimizer_state):
+        return optimizer_state
+    names = [name for name, _ in model.named_parameters()]
+    groups = [group | {"params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]]
+    return {"state": {names[i]: value for i, value in optimizer_state["state"].items()}, "param_groups": groups}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -156,3 +204,34 @@ class ShardedModel:
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return without_aliases(self.model, full) if self.team.leader else {}
+
+    def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
+             model_files: Sequence[Path]) -> Path | None:
+        """A checkpoint as one process writes it, from the whole state gathered on rank 0 (the optimizer's keyed
+        by parameter name), so any number of ranks, one included, resumes from it. Every rank calls it; rank 0
+        writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        weights, moments = get_state_dict(self.model, optimizer,
+                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.team.leader:
+            return None
+        return save_checkpoint(root, step, _Held(weights), _Held(moments), state, keep,
+                               model_files)
+
+    def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+        """Rank 0 reads the checkpoint (of a team or of one process) and every rank takes its shards of it.
+        Every rank calls it; the others' ``path`` is not read."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        saved: dict[str, Any] = {}
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, Any] = {}
+        if self.team.leader:
+            saved, weights = read_checkpoint(path)
+            check_fit(path, weights, {n: p for n, p in self.model.state_dict().items()})
+            moments = _named(read_optimizer(path), self.model)
+            restore_rng(path)
+        set_state_dict(self.model, optimizer, model_state_dict=weights, optim_state_dict=moments,
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return saved

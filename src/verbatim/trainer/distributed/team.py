@@ -43,14 +43,15 @@ class Team:
         return float(self.sum_(torch.tensor([value], dtype=torch.float64)).item())
 
 
-def backend(device: torch.device) -> str:
+def backend(device: str) -> str:
     """NCCL for CUDA devices, gloo for the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def join(device: torch.device, timeout_s: float = 600.0) -> Team:
+def join(device: str, timeout_s: float = 600.0) -> Team:
     """Join (or start) the default process group named by the environment; a process with no such
-    environment is a team of one."""
+    environment is a team of one. ``device``: where this rank trains (cpu, cuda, cuda:N); a collective that
+    waits longer than ``timeout_s`` fails."""
     if dist.is_initialized():
         return Team(dist.get_rank(), dist.get_world_size())
     missing = [name for name in ENVIRONMENT if name not in os.environ]

@@ -1,0 +1,117 @@
+"""The trainer's processes: the team a training run's learner is sharded over.
+
+``verbatim train`` run by torchrun (any ``--nnodes``/``--nproc-per-node``) finds ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` in its environment and joins that group: rank 0 runs the loop
+(rollouts, the engine, the run's files), every other rank follows its learner calls
+(:mod:`verbatim.trainer.distributed.lead`). Without torchrun, ``--trainer-procs N`` starts N − 1
+followers on this machine (``python -m verbatim.jobs.trainer_team``, the config in their environment,
+their output in ``trainer-rank{R}.log`` of the run) and leads them as rank 0. A follower dies with the
+command: when rank 0 ends, its next call fails, and the engine's reaper stops it with the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from verbatim.errors import InputError
+
+CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
+"""A spawned follower's TrainConfig, as JSON."""
+TEAM = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+JOIN_TIMEOUT_S = 600.0
+"""How long a collective of the learner's waits for every rank (a rank that died or hangs ends the run)."""
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TEAM)
+
+
+def following() -> bool:
+    """Whether this process is a rank above 0 that torchrun launched (it follows rank 0's learner)."""
+    return launched_by_torchrun() and int(os.environ["RANK"]) > 0
+
+
+def rank_device(device: str) -> str:
+    """``cuda`` under torchrun means this rank's own GPU (``LOCAL_RANK``)."""
+    local = os.environ.get("LOCAL_RANK")
+    return f"cuda:{local}" if device == "cuda" and local is not None else device
+
+
+def check_procs(procs: int) -> None:
+    """--trainer-procs against the group torchrun launched (it says how many ranks there are)."""
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if procs not in (1, world):
+            raise InputError(f"--trainer-procs {procs} under torchrun, which launched {world} processes",
+                             hint="drop --trainer-procs: torchrun's --nnodes × --nproc-per-node say how many")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_followers(config_json: str, procs: int, out: Path) -> list[subprocess.Popen]:
+    """Ranks 1..procs-1 on this machine, this process rank 0 (its environment set to join them)."""
+    if procs <= 1 or launched_by_torchrun():
+        return []
+    port = str(_free_port())
+    os.environ.update(RANK="0", WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    out.mkdir(parents=True, exist_ok=True)
+    followers = []
+    for rank in range(1, procs):
+        env = dict(os.environ, RANK=str(rank), **{CONFIG_VARIABLE: config_json})
+        with open(out / f"trainer-rank{rank}.log", "ab") as log:
+            followers.append(subprocess.Popen([sys.executable, "-m", "verbatim.jobs.trainer_team"], env=env,
+                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    return followers
+
+
+def join_team(device: str) -> tuple[Any, Any]:
+    """This process in the team (a team of one without an environment) and the group rank 0 announces on."""
+    from verbatim.trainer.distributed.lead import control_group
+    from verbatim.trainer.distributed.team import join
+
+    team = join(device, timeout_s=JOIN_TIMEOUT_S)
+    return team, (control_group() if team.size > 1 else None)
+
+
+def follow_run(config: Any) -> int:
+    """A follower rank: the model and the learner rank 0 builds, then its calls until it stops."""
+    from verbatim.engine.models import resolve
+    from verbatim.trainer.distributed.lead import follow
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.reference import load_model, trainer_device
+
+    device = rank_device(trainer_device(config.trainer_device))
+    team, group = join_team(device)
+    learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
+    return follow(learner, group)
+
+
+def end_followers(followers: list[subprocess.Popen], wait_s: float = 60.0) -> list[int | None]:
+    """Wait for followers released by rank 0 (killed past ``wait_s``); their exit codes."""
+    codes = []
+    for proc in followers:
+        try:
+            codes.append(proc.wait(timeout=wait_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+    return codes
+
+
+def main() -> None:
+    from verbatim.jobs.train import TrainConfig
+
+    follow_run(TrainConfig.model_validate_json(os.environ[CONFIG_VARIABLE]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Rank 0 leads, the other ranks follow: the learner calls every rank makes together.
+
+The training loop (rollouts, the engine, the run's files) runs on rank 0 only. Its learner is a
+:class:`Lead`: before each call that needs every rank (a step, gathering the weights for the engine, a
+checkpoint, a resume) it announces the call, with what the other ranks need to make it, on a gloo group
+of its own (objects travel on the CPU whatever device trains); :func:`follow` is the other ranks' loop,
+making each announced call on their own :class:`~verbatim.trainer.learner.Learner` until rank 0 says
+``stop``. Everything else the loop reads (``version``, ``config``) is rank 0's learner's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from verbatim.trainer.learner import Learner, StepInput
+
+STOP = "stop"
+
+
+def control_group() -> Any:
+    """The gloo group the announcements travel on; every rank creates it, in the same order."""
+    return dist.new_group(backend="gloo")
+
+
+def _hear(group: Any) -> tuple[Any, ...]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _say(group: Any, *call: Any) -> None:
+    dist.broadcast_object_list([call], src=0, group=group)
+
+
+class Lead:
+    """Rank 0's learner: the calls every rank makes are announced first."""
+
+    def __init__(self, learner: Learner, group: Any) -> None:
+        self.learner = learner
+        self.group = group
+        self.closed = False
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.learner.version = value
+
+    @property
+    def config(self) -> Any:
+        return self.learner.config
+
+    @property
+    def team(self) -> Any:
+        return self.learner.team
+
+    def train_step(self, step: StepInput, at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        _say(self.group, "train_step", step, at, self.learner.version)
+        return self.learner.train_step(step, at)
+
+    def engine_weights(self) -> dict[str, Any]:
+        _say(self.group, "engine_weights")
+        return self.learner.engine_weights()
+
+    def keep_weights_in(self, views: dict[str, Any]) -> int:
+        """Sharded parameters cannot live in the engine's buffer: every push copies into it."""
+        return 0
+
+    def save(self, root: Path, step: int, state: dict[str, Any], keep: int, model_files: Any) -> Path | None:
+        _say(self.group, "save")
+        return self.learner.save(root, step, state, keep, model_files)
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        _say(self.group, "restore")
+        return self.learner.restore(path)
+
+    def close(self) -> None:
+        """Release the followers (they return from :func:`follow`); once."""
+        if not self.closed:
+            self.closed = True
+            _say(self.group, STOP)
+
+
+def follow(learner: Learner, group: Any) -> int:
+    """Make rank 0's announced calls on ``learner`` until it says stop; returns the steps trained."""
+    steps = 0
+    while True:
+        call = _hear(group)
+        kind = call[0]
+        if kind == STOP:
+            return steps
+        if kind == "train_step":
+            _, step, at, version = call
+            learner.version = version
+            learner.train_step(step, at)
+            steps += 1
+        elif kind == "engine_weights":
+            learner.engine_weights()
+        elif kind == "save":
+            learner.save(Path(), 0, {}, 1, ())
+        elif kind == "restore":
+            learner.restore(Path())
+        else:
+            raise RuntimeError(f"rank {learner.team.rank}: rank 0 announced an unknown call {kind!r}")
