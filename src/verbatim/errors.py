@@ -87,6 +87,10 @@ class TrainerError(VerbatimError):
     exit_code = 2
 
 
+class TeamError(VerbatimError):
+    """A trainer rank died or stopped answering: the run stops (exit code 1) and ``--resume`` goes on."""
+
+
 class CheckpointError(TrainerError):
     """A trainer checkpoint that cannot be written, or read into this model and optimizer. Exit code 2."""
 

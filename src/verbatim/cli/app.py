@@ -129,7 +129,7 @@ def _os_line(exc: OSError) -> str:
 
 def _error(line: str, code: int) -> int:
     """One line on stderr, every over-long word in it (a pasted file, a 100 kB URL) cut short."""
-    err_console.print(f"error: {shorten(line)}")
+    err_console.print(f"error: {shorten(line)}", markup=False)  # a message may hold brackets (paths, gloo)
     return code
 
 

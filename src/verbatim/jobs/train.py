@@ -215,7 +215,14 @@ def run_training(config: TrainConfig, console: Console | None = None,
     (its ``history`` holds the steps trained). A ``--resume`` of a complete run says so, trains nothing and
     returns the recorded steps without ``on_end``; it never starts the engine.
     """
-    from verbatim.jobs.trainer_team import check_procs, end_followers, follow_run, following, start_followers
+    from verbatim.jobs.trainer_team import (
+        check_procs,
+        end_followers,
+        follow_run,
+        following,
+        named_ranks,
+        start_followers,
+    )
 
     if following():  # a rank above 0 under torchrun: its learner follows rank 0's
         follow_run(config)
@@ -232,15 +239,16 @@ def run_training(config: TrainConfig, console: Console | None = None,
     followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
     released = False
     try:
-        loop = prepare(config)
-        loop.on_step = on_step
-        try:
-            metrics = asyncio.run(execute(loop, config, console))
-            released = _release(loop.learner)
-            return metrics
-        finally:
-            if on_end is not None:
-                on_end(loop)
+        with named_ranks(followers):
+            loop = prepare(config)
+            loop.on_step = on_step
+            try:
+                metrics = asyncio.run(execute(loop, config, console))
+                released = _release(loop.learner)
+                return metrics
+            finally:
+                if on_end is not None:
+                    on_end(loop)
     finally:
         end_followers(followers, wait_s=60.0 if released else 0.0)
 

@@ -11,14 +11,18 @@ command: when rank 0 ends, its next call fails, and the engine's reaper stops it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from verbatim.errors import InputError
+from verbatim.errors import InputError, TeamError
 
 CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
 """A spawned follower's TrainConfig, as JSON."""
@@ -93,6 +97,27 @@ def follow_run(config: Any) -> int:
     team, group = join_team(device)
     learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
     return follow(learner, group)
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+@contextlib.contextmanager
+def named_ranks(followers: list[subprocess.Popen], settle_s: float = 2.0) -> Iterator[None]:
+    """A lost rank named: a :class:`TeamError` inside says which follower ended and how (the others still
+    running are stopped by :func:`end_followers`)."""
+    try:
+        yield
+    except TeamError as exc:
+        deadline = time.monotonic() + settle_s  # the dead rank's exit may lag its closed connection
+        while followers and all(p.poll() is None for p in followers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ended = [f"trainer rank {rank} ended ({_how(p.returncode)})"
+                 for rank, p in enumerate(followers, start=1) if p.poll() is not None]
+        if not ended:
+            raise
+        raise TeamError(f"{', '.join(ended)}: {exc.message}", hint=exc.hint) from exc
 
 
 def end_followers(followers: list[subprocess.Popen], wait_s: float = 60.0) -> list[int | None]:

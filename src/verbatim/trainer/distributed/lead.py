@@ -10,14 +10,19 @@ making each announced call on their own :class:`~verbatim.trainer.learner.Learne
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from verbatim.errors import TeamError
 from verbatim.trainer.learner import Learner, StepInput
 
 STOP = "stop"
+LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
+"""What gloo's RuntimeError says when a peer rank is gone or silent."""
 
 
 def control_group() -> Any:
@@ -33,6 +38,27 @@ def _hear(group: Any) -> tuple[Any, ...]:
 
 def _say(group: Any, *call: Any) -> None:
     dist.broadcast_object_list([call], src=0, group=group)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a collective's error, without gloo's source location."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0][:200]
+
+
+@contextlib.contextmanager
+def _together(call: str) -> Iterator[None]:
+    """A call every rank makes: a rank lost in it (its connection closed, or silent past the group's timeout)
+    is one :class:`TeamError`."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        if not isinstance(exc, dist.DistError) and not any(word in str(exc) for word in LOST):
+            raise  # an error of the step itself, not of the team
+        raise TeamError(f"a trainer rank stopped during {call}: {_reason(exc)}",
+                        hint="the run stopped; rerun the same command with --resume to go on") from exc
 
 
 class Lead:
@@ -60,24 +86,28 @@ class Lead:
         return self.learner.team
 
     def train_step(self, step: StepInput, at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
-        _say(self.group, "train_step", step, at, self.learner.version)
-        return self.learner.train_step(step, at)
+        with _together("a training step"):
+            _say(self.group, "train_step", step, at, self.learner.version)
+            return self.learner.train_step(step, at)
 
     def engine_weights(self) -> dict[str, Any]:
-        _say(self.group, "engine_weights")
-        return self.learner.engine_weights()
+        with _together("the gathering of the weights for the engine"):
+            _say(self.group, "engine_weights")
+            return self.learner.engine_weights()
 
     def keep_weights_in(self, views: dict[str, Any]) -> int:
         """Sharded parameters cannot live in the engine's buffer: every push copies into it."""
         return 0
 
     def save(self, root: Path, step: int, state: dict[str, Any], keep: int, model_files: Any) -> Path | None:
-        _say(self.group, "save")
-        return self.learner.save(root, step, state, keep, model_files)
+        with _together("a checkpoint"):
+            _say(self.group, "save")
+            return self.learner.save(root, step, state, keep, model_files)
 
     def restore(self, path: Path) -> dict[str, Any]:
-        _say(self.group, "restore")
-        return self.learner.restore(path)
+        with _together("a resume"):
+            _say(self.group, "restore", str(path))
+            return self.learner.restore(path)
 
     def close(self) -> None:
         """Release the followers (they return from :func:`follow`); once."""
@@ -104,6 +134,6 @@ def follow(learner: Learner, group: Any) -> int:
         elif kind == "save":
             learner.save(Path(), 0, {}, 1, ())
         elif kind == "restore":
-            learner.restore(Path())
+            learner.restore(Path(call[1]))
         else:
             raise RuntimeError(f"rank {learner.team.rank}: rank 0 announced an unknown call {kind!r}")

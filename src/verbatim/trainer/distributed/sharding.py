@@ -220,18 +220,15 @@ class ShardedModel:
                                model_files)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        """Rank 0 reads the checkpoint (of a team or of one process) and every rank takes its shards of it.
-        Every rank calls it; the others' ``path`` is not read."""
+        """Every rank reads the checkpoint (of a team or of one process: the run folder is on a file system every
+        rank sees) and keeps its shards of it; rank 0 restores its RNG."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        saved: dict[str, Any] = {}
-        weights: dict[str, torch.Tensor] = {}
-        moments: dict[str, Any] = {}
+        saved, weights = read_checkpoint(path)
+        check_fit(path, weights, dict(self.model.state_dict()))
+        moments = _named(read_optimizer(path), self.model)
         if self.team.leader:
-            saved, weights = read_checkpoint(path)
-            check_fit(path, weights, {n: p for n, p in self.model.state_dict().items()})
-            moments = _named(read_optimizer(path), self.model)
             restore_rng(path)
         set_state_dict(self.model, optimizer, model_state_dict=weights, optim_state_dict=moments,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                       options=StateDictOptions(full_state_dict=True))
         return saved
