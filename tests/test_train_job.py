@@ -64,3 +64,30 @@ def test_a_scripts_bad_config_is_refused_before_any_model_loads(tmp_path, built)
     with pytest.raises(InputError, match="--updates-per-step 3 is more than the 2 rollouts"):
         run_training(config)
     assert built == [] and not (tmp_path / "run").exists()
+
+
+def test_a_rank_above_0_under_torchrun_follows_without_touching_the_run_folder(tmp_path, monkeypatch):
+    """torchrun starts `verbatim train` on every rank: rank 0 owns the folder and prints, the others follow."""
+    import verbatim.jobs.trainer_team as trainer_team
+
+    followed = []
+    monkeypatch.setattr(trainer_team, "follow_run", lambda config: followed.append(config) or 0)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")  # rank 0 got there first: a follower must not refuse the folder
+    result = CliRunner().invoke(app, ["train", "--env", "guess", "--steps", "1", "--out", str(out),
+                                      "--summary-json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    assert len(followed) == 1 and followed[0].out == str(out) and followed[0].trainer_procs == 1
+    assert not (tmp_path / "s.json").exists() and result.output.strip() == ""
+
+
+def test_trainer_procs_other_than_torchruns_count_is_refused(tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["train", "--env", "guess", "--steps", "1", "--trainer-procs", "3",
+                                      "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert "--trainer-procs 3 under torchrun, which launched 2 processes" in result.output

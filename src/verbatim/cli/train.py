@@ -71,7 +71,10 @@ def summary(history: list[dict[str, Any]], options: TrainConfig, wall_s: float,
 def train_command(options: TrainConfig, console: Console, summary_json: str | None = None) -> list[dict]:
     from verbatim.cli.run import warn_ignored_fields, write_summary_json
     from verbatim.harness.summary import summed
+    from verbatim.jobs.trainer_team import following
 
+    if following():  # a rank above 0 under torchrun: rank 0 owns the run folder and prints; this one trains
+        return run_training(options, console)
     started = time.perf_counter()
     check_run_dir(options.out)
     if summary_json:
