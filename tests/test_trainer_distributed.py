@@ -10,7 +10,6 @@ twice or averaged instead of summed shows in the norm and in every update.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_trainer_learner import assert_same_grads
 
+from verbatim.engine.server import free_port
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.distributed.split import assign_groups, rows_of
 from verbatim.trainer.distributed.team import Team, join
@@ -89,16 +89,10 @@ def test_half_an_environment_is_refused_naming_what_is_missing(monkeypatch):
 # -- two ranks, one update --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _run(out: Path, ranks: int, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STEP.parent), env.get("PYTHONPATH")) if p)
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(STEP), str(out), *extra], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=env if ranks == 1 else env | {"RANK": str(rank), "WORLD_SIZE": str(ranks),

@@ -244,7 +244,8 @@ def run_training(config: TrainConfig, console: Console | None = None,
             loop.on_step = on_step
             try:
                 metrics = asyncio.run(execute(loop, config, console))
-                released = _release(loop.learner)
+                getattr(loop.learner, "close", lambda: None)()  # a Lead lets its followers go
+                released = True
                 return metrics
             finally:
                 if on_end is not None:
@@ -252,10 +253,3 @@ def run_training(config: TrainConfig, console: Console | None = None,
     finally:
         end_followers(followers, wait_s=60.0 if released else 0.0)
 
-
-def _release(learner: Any) -> bool:
-    """Let the follower ranks go after a run that ended well (a failed one's followers are stopped instead)."""
-    close = getattr(learner, "close", None)
-    if close is not None:
-        close()
-    return True

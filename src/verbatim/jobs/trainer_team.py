@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,17 +54,13 @@ def check_procs(procs: int) -> None:
                              hint="drop --trainer-procs: torchrun's --nnodes × --nproc-per-node say how many")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def start_followers(config_json: str, procs: int, out: Path) -> list[subprocess.Popen]:
     """Ranks 1..procs-1 on this machine, this process rank 0 (its environment set to join them)."""
     if procs <= 1 or launched_by_torchrun():
         return []
-    port = str(_free_port())
+    from verbatim.engine.server import free_port
+
+    port = str(free_port())
     os.environ.update(RANK="0", WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     out.mkdir(parents=True, exist_ok=True)
     followers = []

@@ -270,12 +270,18 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     check_fit(path, tensors, model.state_dict())
     model.load_state_dict(tensors, strict=True)
     if optimizer is not None:
-        try:
-            optimizer.load_state_dict(read_optimizer(path))
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
+        load_optimizer(path, optimizer, read_optimizer(path))
     restore_rng(path)
     return state
+
+
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``saved`` (read from the checkpoint at ``path``) into ``optimizer``, refused in one line if it is another
+    optimizer's."""
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

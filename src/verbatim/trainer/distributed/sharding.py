@@ -36,6 +36,7 @@ from verbatim.errors import TrainerError
 from verbatim.trainer.checkpoint import (
     check_fit,
     load_checkpoint,
+    load_optimizer,
     read_checkpoint,
     read_optimizer,
     restore_rng,
@@ -88,14 +89,16 @@ class WholeModel:
         return save_checkpoint(root, step, self.model, optimizer, state, keep, model_files)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        """A checkpoint of one process, or of a team (its optimizer state keyed by parameter name)."""
-        if not _by_name(read_optimizer(path)):
-            return load_checkpoint(path, self.model, optimizer)
+        """A checkpoint of one process, or of a team (its optimizer state keyed by parameter name); the
+        optimizer's file is read once."""
+        moments = read_optimizer(path)
+        saved = load_checkpoint(path, self.model, None)
+        if not _by_name(moments):
+            load_optimizer(path, optimizer, moments)
+            return saved
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        saved = load_checkpoint(path, self.model, None)
-        set_optimizer_state_dict(self.model, optimizer, read_optimizer(path),
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, optimizer, moments, options=StateDictOptions(full_state_dict=True))
         return saved
 
 
@@ -225,7 +228,7 @@ class ShardedModel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         saved, weights = read_checkpoint(path)
-        check_fit(path, weights, dict(self.model.state_dict()))
+        check_fit(path, weights, self.model.state_dict())
         moments = _named(read_optimizer(path), self.model)
         if self.team.leader:
             restore_rng(path)
