@@ -16,7 +16,7 @@ import torch
 from test_trainer_learner import step_rows
 
 from verbatim.bench.prefixflow_exactness import tiny_llama
-from verbatim.trainer.distributed.team import join
+from verbatim.trainer.distributed.team import join, leave
 from verbatim.trainer.learner import Learner, LearnerConfig
 
 CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
@@ -46,6 +46,7 @@ def main(out: str, divide: float | None) -> None:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
                     "team": team.size, "version": learner.version}, out)
+    leave()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ twice or averaged instead of summed shows in the norm and in every update.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +134,24 @@ def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_pat
     with pytest.raises(AssertionError):
         assert_same_step(averaged, alone)
     assert averaged["metrics"]["grad_norm"] == pytest.approx(alone["metrics"]["grad_norm"] / 2, rel=1e-4)
+
+
+# -- a rank that hangs ------------------------------------------------------------------------------
+
+
+def test_a_hung_rank_ends_the_step_within_the_timeout_naming_it(tmp_path):
+    from verbatim.bench.prefixflow_exactness import tiny_llama
+
+    model_dir = tmp_path / "tiny"
+    tiny_llama(tied=True, seed=1).save_pretrained(model_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STEP.parent), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(STEP.parent / "team_hang.py"), str(model_dir), str(tmp_path / "run"),
+                           "8"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["first"] == 4  # both ranks answered the first step
+    assert result["error"].startswith("trainer rank 1 gave no answer within 8 s (hung; stopped with the run): "
+                                      "a trainer rank stopped during a training step"), result["error"]
+    assert 8 <= result["seconds"] < 8 + 20  # bounded by the timeout, not by the days a follower waits between calls
+    assert result["follower_codes"] == [-signal.SIGKILL]  # the hung rank is stopped with the run

@@ -136,6 +136,9 @@ def train_flags(
     trainer_procs: int = typer.Option(1, "--trainer-procs", min=1,
                                       help="Trainer processes the model is sharded over (FSDP2: gloo on the CPU, "
                                            "NCCL on GPUs); under torchrun, leave it out. docs/scale.md."),
+    trainer_timeout: float = typer.Option(600.0, "--trainer-timeout", min=1,
+                                          help="Seconds a step's collectives wait for a silent trainer rank before "
+                                               "the run stops naming it (--trainer-procs > 1 or torchrun)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
     config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
@@ -186,7 +189,8 @@ def train_flags(
                                urls=tuple(url), route=route,
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                engine_gpu_memory=engine_gpu_memory, engine_tensor_parallel=engine_tensor_parallel,
-                               trainer_device=trainer_device, trainer_procs=trainer_procs, resume=resume)
+                               trainer_device=trainer_device, trainer_procs=trainer_procs,
+                               trainer_timeout_s=trainer_timeout, resume=resume)
     train_command(options, console, summary_json)
 
 

@@ -72,13 +72,17 @@ class TrainConfig(Frozen):
     trainer_procs: int = Field(default=1, ge=1)
     """Trainer processes the learner is sharded over (FSDP2; :mod:`verbatim.jobs.trainer_team`); under torchrun,
     the processes it launched. A resumed run may change it."""
+    trainer_timeout_s: float = Field(default=600.0, gt=0)
+    """How long a call every trainer rank makes (a step's collectives, a checkpoint) waits for a silent rank
+    before the run stops naming it; followers wait for rank 0's next call as long as rollouts take."""
     resume: bool = False
 
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
         train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device", "engine_gpu_memory",
-                                                      "engine_tensor_parallel", "trainer_procs"})
+                                                      "engine_tensor_parallel", "trainer_procs",
+                                                      "trainer_timeout_s"})
         train["urls"] = [redact(u) for u in self.urls]
         return {"train": train}
 
@@ -145,7 +149,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
                dtype=options.learner.dtype)  # before the model moves to a GPU it may not fit
-    team, group = join_team(device)  # with more than one rank, the others wait here for rank 0
+    team, group = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team)
     if group is not None:
         learner = Lead(learner, group)
@@ -220,6 +224,7 @@ def run_training(config: TrainConfig, console: Console | None = None,
         end_followers,
         follow_run,
         following,
+        leave_team,
         named_ranks,
         start_followers,
     )
@@ -239,7 +244,7 @@ def run_training(config: TrainConfig, console: Console | None = None,
     followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
     released = False
     try:
-        with named_ranks(followers):
+        with named_ranks(followers, config.trainer_timeout_s):
             loop = prepare(config)
             loop.on_step = on_step
             try:
@@ -252,4 +257,5 @@ def run_training(config: TrainConfig, console: Console | None = None,
                     on_end(loop)
     finally:
         end_followers(followers, wait_s=60.0 if released else 0.0)
+        leave_team()
 

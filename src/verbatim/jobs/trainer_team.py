@@ -26,8 +26,6 @@ from verbatim.errors import InputError, TeamError
 CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
 """A spawned follower's TrainConfig, as JSON."""
 TEAM = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-JOIN_TIMEOUT_S = 600.0
-"""How long a collective of the learner's waits for every rank (a rank that died or hangs ends the run)."""
 
 
 def launched_by_torchrun() -> bool:
@@ -72,13 +70,14 @@ def start_followers(config_json: str, procs: int, out: Path) -> list[subprocess.
     return followers
 
 
-def join_team(device: str) -> tuple[Any, Any]:
-    """This process in the team (a team of one without an environment) and the group rank 0 announces on."""
+def join_team(device: str, timeout_s: float) -> tuple[Any, Any]:
+    """This process in the team (a team of one without an environment) and the channel rank 0 announces on.
+    ``timeout_s``: how long a call every rank makes waits for a silent rank (``--trainer-timeout``)."""
     from verbatim.trainer.distributed.lead import control_group
     from verbatim.trainer.distributed.team import join
 
-    team = join(device, timeout_s=JOIN_TIMEOUT_S)
-    return team, (control_group() if team.size > 1 else None)
+    team = join(device, timeout_s=timeout_s)
+    return team, (control_group(timeout_s) if team.size > 1 else None)
 
 
 def follow_run(config: Any) -> int:
@@ -89,9 +88,20 @@ def follow_run(config: Any) -> int:
     from verbatim.trainer.reference import load_model, trainer_device
 
     device = rank_device(trainer_device(config.trainer_device))
-    team, group = join_team(device)
-    learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
-    return follow(learner, group)
+    team, group = join_team(device, config.trainer_timeout_s)
+    try:
+        learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
+        return follow(learner, group)
+    finally:
+        leave_team()
+
+
+def leave_team() -> None:
+    """Leave the learner's process group if this process joined one (torch is not imported for a run without)."""
+    if "torch.distributed" in sys.modules:
+        from verbatim.trainer.distributed.team import leave
+
+        leave()
 
 
 def _how(code: int) -> str:
@@ -99,20 +109,24 @@ def _how(code: int) -> str:
 
 
 @contextlib.contextmanager
-def named_ranks(followers: list[subprocess.Popen], settle_s: float = 2.0) -> Iterator[None]:
-    """A lost rank named: a :class:`TeamError` inside says which follower ended and how (the others still
-    running are stopped by :func:`end_followers`)."""
+def named_ranks(followers: list[subprocess.Popen], timeout_s: float, settle_s: float = 2.0) -> Iterator[None]:
+    """A lost rank named: a :class:`TeamError` inside says which follower ended and how, or, when none ended,
+    which are still running but gave no answer within ``timeout_s`` (hung). :func:`end_followers` stops
+    those still running."""
     try:
         yield
     except TeamError as exc:
         deadline = time.monotonic() + settle_s  # the dead rank's exit may lag its closed connection
         while followers and all(p.poll() is None for p in followers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        ended = [f"trainer rank {rank} ended ({_how(p.returncode)})"
+        named = [f"trainer rank {rank} ended ({_how(p.returncode)})"
                  for rank, p in enumerate(followers, start=1) if p.poll() is not None]
-        if not ended:
+        if not named:  # nobody died: the silent ones hang
+            named = [f"trainer rank {rank} gave no answer within {timeout_s:g} s (hung; stopped with the run)"
+                     for rank, p in enumerate(followers, start=1) if p.poll() is None]
+        if not named:
             raise
-        raise TeamError(f"{', '.join(ended)}: {exc.message}", hint=exc.hint) from exc
+        raise TeamError(f"{', '.join(named)}: {exc.message}", hint=exc.hint) from exc
 
 
 def end_followers(followers: list[subprocess.Popen], wait_s: float = 60.0) -> list[int | None]:

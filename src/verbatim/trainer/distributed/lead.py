@@ -2,19 +2,27 @@
 
 The training loop (rollouts, the engine, the run's files) runs on rank 0 only. Its learner is a
 :class:`Lead`: before each call that needs every rank (a step, gathering the weights for the engine, a
-checkpoint, a resume) it announces the call, with what the other ranks need to make it, on a gloo group
+checkpoint, a resume) it announces the call, with what the other ranks need to make it, on gloo groups
 of its own (objects travel on the CPU whatever device trains); :func:`follow` is the other ranks' loop,
 making each announced call on their own :class:`~verbatim.trainer.learner.Learner` until rank 0 says
 ``stop``. Everything else the loop reads (``version``, ``config``) is rank 0's learner's.
+
+Between two calls rank 0 plays rollouts, for as long as they take, so a follower waits for the next call
+on a :class:`Channel`'s ``bell``, a one-number broadcast with a timeout of days (a rank 0 that dies closes
+its connections, which ends the wait at once). The call itself travels on ``words``, whose timeout is the
+team's: a follower that hangs fails rank 0's announcement or the step's first collective within it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from verbatim.errors import TeamError
@@ -23,21 +31,39 @@ from verbatim.trainer.learner import Learner, StepInput
 STOP = "stop"
 LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
 """What gloo's RuntimeError says when a peer rank is gone or silent."""
+BETWEEN_CALLS = datetime.timedelta(days=7)
+"""How long a follower waits for rank 0's next call (rank 0 plays a step's rollouts meanwhile)."""
 
 
-def control_group() -> Any:
-    """The gloo group the announcements travel on; every rank creates it, in the same order."""
-    return dist.new_group(backend="gloo")
+@dataclass(frozen=True)
+class Channel:
+    """The gloo groups rank 0 announces on: ``bell`` rings before each call (followers wait on it while rank 0
+    plays rollouts), ``words`` carries the call within the team's timeout."""
+
+    bell: Any
+    words: Any
 
 
-def _hear(group: Any) -> tuple[Any, ...]:
+def control_group(timeout_s: float) -> Channel:
+    """The announcements' groups; every rank creates them, in the same order. ``timeout_s``: the team's."""
+    bell = dist.new_group(backend="gloo", timeout=BETWEEN_CALLS)
+    return Channel(bell, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+
+
+def _hear(channel: Channel) -> tuple[Any, ...]:
+    dist.broadcast(torch.zeros(1), src=0, group=channel.bell)
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0, group=channel.words)
     return box[0]
 
 
-def _say(group: Any, *call: Any) -> None:
-    dist.broadcast_object_list([call], src=0, group=group)
+def _say(channel: Channel, *call: Any) -> None:
+    """The bell is not waited for until the words have gone: a silent rank fails the words within the team's
+    timeout, where the bell's wait would take days."""
+    bell = torch.ones(1)
+    rung = dist.broadcast(bell, src=0, group=channel.bell, async_op=True)
+    dist.broadcast_object_list([call], src=0, group=channel.words)
+    rung.wait()
 
 
 def _reason(exc: BaseException) -> str:
@@ -64,7 +90,7 @@ def _together(call: str) -> Iterator[None]:
 class Lead:
     """Rank 0's learner: the calls every rank makes are announced first."""
 
-    def __init__(self, learner: Learner, group: Any) -> None:
+    def __init__(self, learner: Learner, group: Channel) -> None:
         self.learner = learner
         self.group = group
         self.closed = False
@@ -116,7 +142,7 @@ class Lead:
             _say(self.group, STOP)
 
 
-def follow(learner: Learner, group: Any) -> int:
+def follow(learner: Learner, group: Channel) -> int:
     """Make rank 0's announced calls on ``learner`` until it says stop; returns the steps trained."""
     steps = 0
     while True:

@@ -140,20 +140,24 @@ class ShardedModel:
     """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
 
     def __init__(self, model: nn.Module, team: Team) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self.model = model
         self.team = team
+        self.device = next(model.parameters()).device
+        group = team.group or dist.group.WORLD  # the team's own group: its timeout
+        mesh = DeviceMesh.from_group(group, self.device.type)
         for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
         self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in self.units:
             unit.set_reshard_after_backward(False, recurse=False)
             unit.set_gradient_divide_factor(1.0)  # a sum: the loss carries the step's global normaliser
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
             unit.set_reduce_scatter_unused_params(True)  # every rank reduces the same tensors
-        self.device = next(model.parameters()).device
         with torch.no_grad():
             self._through_root()  # the first forward through the root makes it FSDP's root
         self._reshard()  # the optimizer is built on the shards

@@ -2,15 +2,19 @@
 
 :func:`join` starts or joins the default torch.distributed group from the environment torchrun (or
 ``verbatim train --trainer-procs``) sets: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
-NCCL where the trainer runs on a GPU, gloo on the CPU. :class:`Team` is that group as the learner uses
-it: an all-reduced sum, and nothing else, so one process is the same team of one.
+NCCL where the trainer runs on a GPU, gloo on the CPU. Ranks start at their own pace (a model to load, a
+node to boot), so the default group waits :data:`START_TIMEOUT` for them; the learner's collectives run
+on a group of their own whose timeout is the run's (a silent rank fails a step within it).
+:class:`Team` is that group as the learner uses it: an all-reduced sum, and nothing else, so one process
+is the same team of one.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,8 @@ import torch.distributed as dist
 from verbatim.errors import InputError
 
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+START_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long the first rank waits for the last to join."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class Team:
 
     rank: int = 0
     size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+    """The learner's process group (None: one process)."""
 
     @property
     def leader(self) -> bool:
@@ -35,7 +43,7 @@ class Team:
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (every rank ends with the sum)."""
         if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def total(self, value: float) -> float:
@@ -50,10 +58,10 @@ def backend(device: str) -> str:
 
 def join(device: str, timeout_s: float = 600.0) -> Team:
     """Join (or start) the default process group named by the environment; a process with no such
-    environment is a team of one. ``device``: where this rank trains (cpu, cuda, cuda:N); a collective that
-    waits longer than ``timeout_s`` fails."""
+    environment is a team of one. ``device``: where this rank trains (cpu, cuda, cuda:N); a collective of the
+    learner's that waits longer than ``timeout_s`` fails."""
     if dist.is_initialized():
-        return Team(dist.get_rank(), dist.get_world_size())
+        return _team(device, timeout_s)
     missing = [name for name in ENVIRONMENT if name not in os.environ]
     if len(missing) == len(ENVIRONMENT):
         return Team()
@@ -61,5 +69,17 @@ def join(device: str, timeout_s: float = 600.0) -> Team:
         raise InputError(f"torch.distributed needs {', '.join(missing)} in the environment beside "
                          f"{', '.join(n for n in ENVIRONMENT if n not in missing)}",
                          hint="launch with torchrun, or set all four")
-    dist.init_process_group(backend(device), timeout=datetime.timedelta(seconds=timeout_s))
-    return Team(dist.get_rank(), dist.get_world_size())
+    dist.init_process_group(backend(device), timeout=max(START_TIMEOUT, datetime.timedelta(seconds=timeout_s)))
+    return _team(device, timeout_s)
+
+
+def _team(device: str, timeout_s: float) -> Team:
+    """This rank in a new group of every rank, whose collectives fail past ``timeout_s``."""
+    group = dist.new_group(backend=backend(device), timeout=datetime.timedelta(seconds=timeout_s))
+    return Team(dist.get_rank(), dist.get_world_size(), group)
+
+
+def leave() -> None:
+    """Leave the process group, if this process joined one (its threads end before the interpreter's)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
