@@ -289,6 +289,49 @@ def bench_train_step(
 
 
 # ---------------------------------------------------------------------------
+# bench train-scale: one step on one rank and on a team
+# ---------------------------------------------------------------------------
+
+
+@bench_app.command("train-scale")
+def bench_train_scale(
+    ranks: list[int] = typer.Option(None, "--ranks", min=1, help="Team sizes beside one process (repeatable; "
+                                    "default 2)."),
+    model: str = typer.Option("default", "--model", help="default (SmolLM2-135M-Instruct), 0.5b, or a bundled "
+                              "name or folder."),
+    reply: int = typer.Option(128, "--reply", min=1, help="Model tokens per rollout (after a 64-token prompt)."),
+    threads: int = typer.Option(None, "--threads", min=1, help="Torch threads per rank (default: the cores "
+                                "shared evenly over the ranks)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per rank of each team, one per line."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                               "bench-train-scale section (docs/benchmarks.md)."),
+) -> None:
+    """One learner step of a fixed batch on one process and on a team of ranks (FSDP2: gloo on the CPU, NCCL
+    on GPUs): time, tokens/s per rank, and the parameters and optimizer state each rank holds."""
+    from verbatim.bench.train_scale import SECTION, ScaleWork, markdown_table, run_bench, section_text
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    work = ScaleWork(model=model, reply=reply, threads=threads)
+
+    def show(team: list[dict]) -> None:
+        for r in team:
+            if as_json:
+                print(strict_json(r), flush=True)
+            else:
+                err_console.print(f"{r['ranks']} rank(s), rank {r['rank']}: {r['step_s']:.1f} s, holds "
+                                  f"{r['params_mib'] + r['optimizer_mib']:.0f} MiB")
+
+    teams = run_bench(work, [1, *(ranks or [2])], progress=show)
+    if not as_json:
+        console.print(markdown_table(teams))
+    if write is not None:
+        command = _command("train-scale", ranks=ranks or None, model=model, reply=None if reply == 128 else reply,
+                           threads=threads, write=write)
+        docsection.write_section(write, SECTION, section_text(teams, work, command), libraries=("torch",))
+
+
+# ---------------------------------------------------------------------------
 # bench learn: verbatim train learns, and the correction's ablation
 # ---------------------------------------------------------------------------
 

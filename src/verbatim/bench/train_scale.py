@@ -1,0 +1,202 @@
+"""``verbatim bench train-scale``: one learner step of a fixed batch on one rank and on several.
+
+Each team size in :data:`RANKS` runs the same step (the default model; ``groups`` groups of
+``group_size`` rollouts sharing a ``prompt``-token prompt, ``reply`` model tokens each: the synthetic
+rows of :mod:`verbatim.bench.train_step`) as that many fresh processes of a torch.distributed team,
+launched the way torchrun launches them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``):
+gloo on the CPU, NCCL where every rank has a GPU of its own. One rank is the learner in one process,
+no group. Each rank trains a warm-up step (AdamW's state, the kernels), then the measured one, and
+reports:
+
+* the step's time, and the step's model tokens per second, over the team and per rank;
+* what the rank holds between steps: its parameters and AdamW's state, counted from the tensors
+  themselves (its shards under FSDP2), so sharding shows as bytes, not as the allocator's noise;
+* the step's peak: the rise of the resident set over the step (CPU), or the device's peak allocation
+  (GPU).
+
+The same step must make the same update on every team size: the loss and the gradient's norm are
+compared (a rank's gradient lost or doubled would show there), and so is what the ranks hold: a team
+whose ranks hold no less than one process fails the benchmark, as does any rank's failure
+(:class:`~verbatim.errors.BenchmarkError`: no table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from verbatim.errors import BenchmarkError
+
+SECTION = "bench-train-scale"
+RANKS = (1, 2)
+TEAM_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class ScaleWork:
+    """The measured step, the same on every team size."""
+
+    model: str = "default"
+    groups: int = 4
+    group_size: int = 2
+    prompt: int = 64
+    reply: int = 128
+    microbatch: int = 2
+    threads: int | None = None
+    """Torch threads per rank (None: the machine's cores shared evenly over the team's ranks)."""
+
+    def threads_for(self, ranks: int) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def _held_mib(learner: Any) -> tuple[float, float]:
+    """This rank's parameters and AdamW state, in MiB (a DTensor counts its local shard only)."""
+    def local_bytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    params = sum(local_bytes(p) for p in learner.model.parameters())
+    state = sum(local_bytes(v) for s in learner.optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return params / 2**20, state / 2**20
+
+
+def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
+    """This process's rank of a team of ``ranks``: a warm-up step, then the measured step."""
+    from verbatim.bench.prefixflow import peak_rss_mb
+    from verbatim.bench.train_step import Workload, build_model, step_input
+    from verbatim.trainer.distributed.team import join, leave
+    from verbatim.trainer.learner import Learner, LearnerConfig
+
+    torch.set_num_threads(work.threads_for(ranks))
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
+    team = join(device, timeout_s=900)
+    model = build_model(work.model).to(device)
+    learner = Learner(model, LearnerConfig(microbatch=work.microbatch), team=team)
+    rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
+    vocab = int(learner.model.get_input_embeddings().weight.shape[0])
+    learner.train_step(step_input(vocab, rows, seed=1, reply=8))
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    with peak_rss_mb() as peak:
+        started = time.perf_counter()
+        metrics = learner.train_step(step_input(vocab, rows))
+        seconds = time.perf_counter() - started
+    params_mib, optimizer_mib = _held_mib(learner)
+    step_peak = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else peak.mb
+    leave()
+    return {"ranks": ranks, "rank": team.rank, "backend": "nccl" if gpu else ("gloo" if ranks > 1 else "none"),
+            "device": device, "threads": work.threads_for(ranks), "step_s": round(seconds, 2),
+            "tokens": metrics["kept_tokens"], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            "params_mib": round(params_mib, 1), "optimizer_mib": round(optimizer_mib, 1),
+            "step_peak_mib": None if step_peak is None else round(step_peak, 1),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def run_team(work: ScaleWork, ranks: int) -> list[dict[str, Any]]:
+    """The step on a team of ``ranks`` fresh processes; every rank's report, by rank."""
+    from verbatim.engine.server import free_port
+
+    job = json.dumps({"work": asdict(work), "ranks": ranks})
+    base = {k: v for k, v in os.environ.items() if k not in TEAM_ENV}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "verbatim.bench.train_scale", job], stdout=subprocess.PIPE,
+                              text=True, env=base if ranks == 1 else base | {
+                                  "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in range(ranks)]
+    outputs = [proc.communicate()[0] for proc in procs]
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0 or not outputs[rank].strip()]
+    if failed:
+        codes = ", ".join(f"rank {r}: exit code {procs[r].returncode}" for r in failed)
+        raise BenchmarkError(f"the step on {ranks} rank(s) failed ({codes})", hint="its error is above")
+    return sorted((json.loads(out.strip().splitlines()[-1]) for out in outputs), key=lambda r: r["rank"])
+
+
+def check_scaling(teams: Sequence[list[dict[str, Any]]]) -> None:
+    """The same update on every team size, and less held per rank on a bigger team; else one line."""
+    alone = teams[0][0]
+    for team in teams[1:]:
+        for r in team:
+            for key in ("loss", "grad_norm"):
+                if abs(r[key] - alone[key]) > 1e-4 * max(1.0, abs(alone[key])):
+                    raise BenchmarkError(f"{r['ranks']} ranks made another update than one process: {key} "
+                                         f"{r[key]:.6g} against {alone[key]:.6g} (rank {r['rank']})")
+            if r["tokens"] != alone["tokens"]:
+                raise BenchmarkError(f"{r['ranks']} ranks trained {r['tokens']} tokens, one process "
+                                     f"{alone['tokens']}")
+            if r["params_mib"] + r["optimizer_mib"] >= alone["params_mib"] + alone["optimizer_mib"]:
+                raise BenchmarkError(f"rank {r['rank']} of {r['ranks']} holds "
+                                     f"{r['params_mib'] + r['optimizer_mib']:.0f} MiB of parameters and AdamW "
+                                     f"state, no less than one process's "
+                                     f"{alone['params_mib'] + alone['optimizer_mib']:.0f} MiB")
+
+
+def run_bench(work: ScaleWork, ranks: Sequence[int] = RANKS,
+              progress: Callable[[list[dict[str, Any]]], None] | None = None) -> list[list[dict[str, Any]]]:
+    """Every team size of ``ranks`` (one process first: the reference), checked against each other."""
+    teams = []
+    for size in sorted(set(ranks) | {1}):
+        teams.append(run_team(work, size))
+        if progress is not None:
+            progress(teams[-1])
+    check_scaling(teams)
+    return teams
+
+
+def markdown_table(teams: Sequence[list[dict[str, Any]]]) -> str:
+    """One row per rank of each team size; throughput and memory against one process."""
+    alone = teams[0][0]
+    lines = ["| ranks | rank | backend | threads | step (s) | tokens/s (team) | tokens/s per rank "
+             "| parameters held (MiB) | AdamW state held (MiB) | held vs 1 rank | step peak (MiB) "
+             "| held + step peak (MiB) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    held_alone = alone["params_mib"] + alone["optimizer_mib"]
+    for team in teams:
+        step_s = max(r["step_s"] for r in team)
+        for r in team:
+            held = r["params_mib"] + r["optimizer_mib"]
+            peak, top = (("n/a", "n/a") if r["step_peak_mib"] is None else
+                         (f"{r['step_peak_mib']:.0f}", f"{held + r['step_peak_mib']:.0f}"))
+            lines.append(f"| {r['ranks']} | {r['rank']} | {r['backend']} | {r['threads']} | {r['step_s']:.1f} "
+                         f"| {r['tokens'] / step_s:.0f} | {r['tokens'] / step_s / r['ranks']:.0f} "
+                         f"| {r['params_mib']:.0f} | {r['optimizer_mib']:.0f} | {held / held_alone:.2f}x "
+                         f"| {peak} | {top} |")
+    return "\n".join(lines)
+
+
+def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command: str) -> str:
+    """The table and how it was measured, for the section ``--write`` replaces."""
+    alone = teams[0][0]
+    gpu = any(r["backend"] == "nccl" for team in teams for r in team)
+    where = ("every rank on a GPU of its own, NCCL" if gpu else
+             "CPU processes on gloo; no GPU here, so NCCL was not measured")
+    return (markdown_table(teams) + f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}; {where}; the "
+            f"{work.model} model, {alone['parameters'] / 1e6:.0f}M parameters; one step of {work.groups} groups × "
+            f"{work.group_size} rollouts of {work.prompt} prompt + {work.reply} model tokens, microbatch "
+            f"{work.microbatch}, after a warm-up step; every team made the same update: loss "
+            f"{alone['loss']:.6g}, gradient norm {alone['grad_norm']:.6g}). Tokens/s: the step's model tokens "
+            "over its slowest rank's time. Held: the rank's parameters and AdamW state between steps, from the "
+            "tensors (FSDP2 shards). Step peak: the resident set's rise over the step (CPU) or the device's peak "
+            "allocation (GPU); during an update a rank gathers the whole weights and holds the whole gradient "
+            "(docs/scale.md), so a rank's rise exceeds one process's by about the weights: sharding lowers what a "
+            "rank holds between steps, not yet the peak of a step (the last column).")
+
+
+def _child(job: dict[str, Any]) -> None:
+    from verbatim.durable import strict_json
+
+    print(strict_json(measure_rank(ScaleWork(**job["work"]), job["ranks"])), flush=True)
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

@@ -1,0 +1,69 @@
+"""``verbatim bench train-scale``: one step on one process and on a team, the same update, less held per rank."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from verbatim.bench import train_scale
+from verbatim.bench.prefixflow_exactness import tiny_llama
+from verbatim.cli.app import app
+from verbatim.errors import BenchmarkError
+
+
+@pytest.fixture(scope="module")
+def tiny_work(tmp_path_factory) -> train_scale.ScaleWork:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(tied=True, seed=0).save_pretrained(folder)
+    return train_scale.ScaleWork(model=str(folder), groups=2, group_size=2, prompt=6, reply=5, microbatch=2,
+                                 threads=1)
+
+
+def _rank(ranks: int, rank: int, **changes: object) -> dict:
+    row = {"ranks": ranks, "rank": rank, "backend": "gloo" if ranks > 1 else "none", "threads": 1, "step_s": 2.0,
+           "tokens": 40, "loss": 0.5, "grad_norm": 1.25, "params_mib": 100.0 / ranks, "optimizer_mib": 200.0 / ranks,
+           "step_peak_mib": 50.0, "parameters": 1000}
+    return row | changes
+
+
+def test_two_ranks_make_the_update_one_process_makes_and_each_holds_half(tiny_work):
+    teams = train_scale.run_bench(tiny_work, [2])
+    alone, pair = teams
+    assert [r["rank"] for r in alone] == [0] and [r["rank"] for r in pair] == [0, 1]
+    assert alone[0]["backend"] == "none" and {r["backend"] for r in pair} == {"gloo"}
+    assert all(r["tokens"] == 2 * 2 * 5 for team in teams for r in team)
+    for r in pair:
+        assert r["loss"] == pytest.approx(alone[0]["loss"], rel=1e-4)
+        assert r["optimizer_mib"] == pytest.approx(alone[0]["optimizer_mib"] / 2, rel=0.05)  # AdamW's state, sharded
+        assert r["params_mib"] == pytest.approx(alone[0]["params_mib"] / 2, rel=0.05)
+    table = train_scale.markdown_table(teams)
+    assert [line.count("|") for line in table.splitlines()] == [13] * 5  # head, rule, three ranks
+    assert "| 1.00x |" in table and "| 0.50x |" in table
+    text = train_scale.section_text(teams, tiny_work, "verbatim bench train-scale")
+    assert "Measured by `verbatim bench train-scale`" in text and "NCCL was not measured" in text
+
+
+def test_a_team_that_makes_another_update_or_holds_as_much_is_an_error_not_a_table():
+    alone = [_rank(1, 0)]
+    train_scale.check_scaling([alone, [_rank(2, 0), _rank(2, 1)]])
+    with pytest.raises(BenchmarkError, match="2 ranks made another update than one process: grad_norm 0.625"):
+        train_scale.check_scaling([alone, [_rank(2, 0), _rank(2, 1, grad_norm=0.625)]])  # averaged, not summed
+    with pytest.raises(BenchmarkError, match="2 ranks trained 20 tokens, one process 40"):
+        train_scale.check_scaling([alone, [_rank(2, 0, tokens=20), _rank(2, 1)]])
+    with pytest.raises(BenchmarkError, match="rank 1 of 2 holds 300 MiB .* no less than one process's 300 MiB"):
+        train_scale.check_scaling([alone, [_rank(2, 0), _rank(2, 1, params_mib=100.0, optimizer_mib=200.0)]])
+
+
+def test_a_rank_that_fails_is_an_error_not_a_table(tmp_path):
+    work = train_scale.ScaleWork(model=str(tmp_path / "no-model"), threads=1)
+    with pytest.raises(BenchmarkError, match=r"the step on 1 rank\(s\) failed \(rank 0: exit code 1\)"):
+        train_scale.run_bench(work, [2])
+
+
+def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_scale, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
+    result = CliRunner().invoke(app, ["bench", "train-scale", "--write", "missing.md"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--write missing.md: no such file" in lines[0], result.output
