@@ -5,12 +5,15 @@ and as two processes with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`
 sets them. Rank 0 (or the lone process) writes the gradients AdamW stepped on, per update, the
 weights the engine would receive after the step, and the step's metrics to ``sys.argv[1]``.
 ``--divide N`` sets FSDP's gradient divide factor to N: N=2 averages over the ranks instead of summing,
-the mistake the comparison must catch.
+the mistake the comparison must catch. ``--save DIR`` checkpoints the learner after the step into DIR
+(every rank writes its optimizer shards) and records the whole optimizer state; ``--restore CKPT`` skips
+the step and records the whole optimizer state of a fresh learner restored from CKPT instead.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from test_trainer_learner import step_rows
@@ -23,12 +26,27 @@ CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=
 """Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""
 
 
-def main(out: str, divide: float | None) -> None:
+def whole_moments(learner: Learner) -> dict:
+    """The optimizer's state, every tensor whole, keyed by parameter name, on rank 0 (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(learner.model, learner.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True)).get("state", {})
+
+
+def main(out: str, divide: float | None, save: str | None, restore: str | None) -> None:
     torch.set_num_threads(1)
     team = join("cpu", timeout_s=120)
     model = tiny_llama(tied=True, seed=1)
     step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
     learner = Learner(model, CONFIG, team=team)
+    if restore is not None:
+        saved = learner.restore(Path(restore))
+        moments = whole_moments(learner)
+        if team.leader:
+            torch.save({"moments": moments, "saved": saved, "team": team.size}, out)
+        leave()
+        return
     if divide is not None:
         for unit in learner.placement.units:
             unit.set_gradient_divide_factor(divide)
@@ -42,13 +60,19 @@ def main(out: str, divide: float | None) -> None:
     learner.optimizer.register_step_pre_hook(record)
     metrics = learner.train_step(step)
     weights = learner.engine_weights()
+    written = learner.save(Path(save), 1, {"version": learner.version}, 2, ()) if save is not None else None
+    moments = whole_moments(learner) if save is not None else None
     if team.leader:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
-                    "team": team.size, "version": learner.version}, out)
+                    "team": team.size, "version": learner.version, "moments": moments,
+                    "written": str(written)}, out)
     leave()
 
 
 if __name__ == "__main__":
-    divide = float(sys.argv[sys.argv.index("--divide") + 1]) if "--divide" in sys.argv else None
-    main(sys.argv[1], divide)
+    def option(flag: str) -> str | None:
+        return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+
+    divide = option("--divide")
+    main(sys.argv[1], None if divide is None else float(divide), option("--save"), option("--restore"))

@@ -155,3 +155,56 @@ def test_a_hung_rank_ends_the_step_within_the_timeout_naming_it(tmp_path):
                                       "a trainer rank stopped during a training step"), result["error"]
     assert 8 <= result["seconds"] < 8 + 20  # bounded by the timeout, not by the days a follower waits between calls
     assert result["follower_codes"] == [-signal.SIGKILL]  # the hung rank is stopped with the run
+
+
+# -- checkpoints: the optimizer's shards, any number of ranks -----------------------------------------
+
+
+def _same_moments(mine: dict, theirs: dict) -> None:
+    assert sorted(mine) == sorted(theirs)
+    for name, state in theirs.items():
+        assert sorted(mine[name]) == sorted(state), name
+        for key, value in state.items():
+            torch.testing.assert_close(mine[name][key], value, rtol=0, atol=0, msg=f"{name} {key}")
+
+
+@pytest.fixture(scope="module")
+def team_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
+    """Two ranks' step, checkpointed: the folder and the whole optimizer state the team held."""
+    folder = tmp_path_factory.mktemp("team-ckpt")
+    saved = _run(folder / "step.pt", 2, "--save", str(folder / "checkpoints"))
+    return Path(saved["written"]), saved
+
+
+def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights(team_checkpoint):
+    from verbatim.trainer.checkpoint import latest_checkpoint, read_checkpoint
+
+    path, saved = team_checkpoint
+    assert latest_checkpoint(path.parent) == path and path.name == "step-000001"
+    shards = sorted(p.name for p in (path / "optimizer").iterdir())
+    assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2  # one file a rank
+    assert not (path / "optimizer.pt").exists()
+    state, weights = read_checkpoint(path)
+    assert state["version"] == 1
+    for name, tensor in saved["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_any_number_of_ranks_restores_the_teams_optimizer_state_exactly(team_checkpoint, tmp_path, ranks):
+    path, saved = team_checkpoint
+    restored = _run(tmp_path / "restored.pt", ranks, "--restore", str(path))
+    assert restored["team"] == ranks and restored["saved"]["version"] == 1
+    _same_moments(restored["moments"], saved["moments"])
+
+
+def test_a_team_checkpoint_missing_a_shard_is_not_complete(team_checkpoint, tmp_path):
+    import shutil
+
+    from verbatim.trainer.checkpoint import latest_checkpoint
+
+    path, _ = team_checkpoint
+    copy = tmp_path / "checkpoints" / path.name
+    shutil.copytree(path, copy)
+    (copy / "optimizer" / ".metadata").unlink()
+    assert latest_checkpoint(copy.parent) is None

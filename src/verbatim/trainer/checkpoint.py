@@ -6,7 +6,9 @@ is a Hugging Face model folder: ``from_pretrained``, ``verbatim run --model``, `
 * ``model.safetensors``: the model's ``state_dict()``; a tensor that two names share (tied
   embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``) is stored once, under its
   first name, and the other names are recorded in the file's metadata and restored on load;
-* ``optimizer.pt``: ``optimizer.state_dict()`` (``torch.save``);
+* ``optimizer.pt``: ``optimizer.state_dict()`` (``torch.save``); a sharded learner's ranks write an
+  ``optimizer/`` folder instead, ``torch.distributed.checkpoint``'s format (each rank's shards in its own
+  file, ``.metadata`` beside them), which any number of ranks, one included, loads;
 * ``rng.pt``: the Python ``random``, NumPy and torch generator states (and CUDA's, when CUDA
   is in use);
 * ``state.json``: ``{"schema": 1, "step": N, **state}`` (the loop's JSON: version, config, metrics).
@@ -40,7 +42,10 @@ from verbatim.durable import fsync_dir, fsync_file, strict_json
 from verbatim.errors import CheckpointError, InputError
 
 CHECKPOINT_SCHEMA = 1
-FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+FILES = ("model.safetensors", "rng.pt", "state.json")
+"""Every checkpoint's files; beside them the optimizer's: ``optimizer.pt``, or the ``optimizer/`` shards."""
+OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_SHARDS = "optimizer"
 TMP_PREFIX = ".tmp-"
 _STEP_NAME = re.compile(r"step-(\d+)")
 _ALIASES_KEY = "verbatim_aliases"
@@ -57,12 +62,15 @@ def step_dir_name(step: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int = 2, model_files: Sequence[Path] = ()) -> Path:
+def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    state: dict[str, Any], keep: int = 2, model_files: Sequence[Path] = (),
+                    tmp: Path | None = None) -> Path:
     """Write ``root/step-{step:06d}/`` atomically, then keep only the newest ``keep`` checkpoints.
 
     ``model_files`` (the model folder's config and tokenizer files) are copied in beside the weights:
     the checkpoint is then a Hugging Face model folder (``from_pretrained``, ``verbatim run --model``).
+    ``tmp``: a folder of :func:`checkpoint_tmp` the team has written its ``optimizer/`` shards into
+    (``optimizer`` None), finished and published here.
 
     A failure while writing removes the half-written folder, leaves older checkpoints untouched and
     raises a one-line :class:`CheckpointError` that names the folder and the OS reason.
@@ -81,11 +89,12 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     root = Path(root)
     final = root / step_dir_name(step)
     written = _Write(final)
+    written.tmp = tmp
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        written.tmp = tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=root))
+        written.tmp = tmp = tmp or checkpoint_tmp(root, step)
         _write_model(tmp / "model.safetensors", model)
-        _write_torch(tmp / "optimizer.pt", optimizer.state_dict())
+        if optimizer is not None:
+            _write_torch(tmp / OPTIMIZER_FILE, optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
         for source in model_files:
@@ -106,6 +115,18 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         shutil.rmtree(written.aside.parent, ignore_errors=True)
     _prune(root, step, keep)
     return final
+
+
+def checkpoint_tmp(root: Path, step: int) -> Path:
+    """A fresh ``.tmp-`` folder in ``root`` that step ``step``'s checkpoint is written into, then published."""
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root))
+
+
+def sharded_optimizer(path: Path) -> Path | None:
+    """The ``optimizer/`` shards of the checkpoint at ``path`` (a team's), or None (one process's file)."""
+    shards = Path(path) / OPTIMIZER_SHARDS
+    return shards if (shards / ".metadata").is_file() else None
 
 
 def _write_model(path: Path, model: nn.Module) -> None:
@@ -249,7 +270,8 @@ def _complete_steps(root: Path) -> dict[int, Path]:
     found = {}
     for path in root.iterdir():
         match = _STEP_NAME.fullmatch(path.name)
-        if match and path.is_dir() and _read_state(path) is not None and all((path / f).is_file() for f in FILES):
+        if (match and path.is_dir() and _read_state(path) is not None and all((path / f).is_file() for f in FILES)
+                and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None)):
             found[int(match.group(1))] = path
     return found
 
@@ -299,7 +321,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
 
 def read_optimizer(path: Path) -> dict[str, Any]:
     """The optimizer state a checkpoint holds, as saved."""
-    return torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True)
+    return torch.load(Path(path) / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
 
 
 def restore_rng(path: Path) -> None:

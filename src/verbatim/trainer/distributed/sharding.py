@@ -32,9 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from verbatim.errors import TrainerError
+from verbatim.errors import CheckpointError, TrainerError
 from verbatim.trainer.checkpoint import (
+    OPTIMIZER_SHARDS,
     check_fit,
+    checkpoint_tmp,
     load_checkpoint,
     load_optimizer,
     read_checkpoint,
@@ -42,6 +44,7 @@ from verbatim.trainer.checkpoint import (
     restore_rng,
     same_memory,
     save_checkpoint,
+    sharded_optimizer,
 )
 from verbatim.trainer.distributed.team import Team
 
@@ -89,17 +92,36 @@ class WholeModel:
         return save_checkpoint(root, step, self.model, optimizer, state, keep, model_files)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        """A checkpoint of one process, or of a team (its optimizer state keyed by parameter name); the
-        optimizer's file is read once."""
-        moments = read_optimizer(path)
+        """A checkpoint of one process, or of a team (its optimizer's shards, or its state keyed by parameter
+        name); the optimizer's file is read once."""
+        shards = sharded_optimizer(path)
+        moments = None if shards is not None else read_optimizer(path)
         saved = load_checkpoint(path, self.model, None)
-        if not _by_name(moments):
+        if shards is not None:
+            load_shards(self.model, optimizer, shards, group=None)
+        elif not _by_name(moments):
             load_optimizer(path, optimizer, moments)
-            return saved
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, optimizer, moments, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(self.model, optimizer, moments, options=StateDictOptions(full_state_dict=True))
         return saved
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, shards: Path, group: Any) -> None:
+    """An ``optimizer/`` folder of ``torch.distributed.checkpoint`` into ``optimizer``, resharded for this team
+    (``group``; None: one process, whole tensors). The state it is read into is the optimizer's own, made by
+    ``get_optimizer_state_dict`` (which gives a fresh optimizer its state's tensors first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    moments = get_optimizer_state_dict(model, optimizer)
+    try:
+        dcp.load(moments, checkpoint_id=str(shards), process_group=group, no_dist=group is None)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {shards.parent} holds another optimizer's state: "
+                              f"{str(exc).strip().splitlines()[0][:200]}") from exc
+    set_optimizer_state_dict(model, optimizer, moments)
 
 
 class _Held:
@@ -214,28 +236,47 @@ class ShardedModel:
 
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path | None:
-        """A checkpoint as one process writes it, from the whole state gathered on rank 0 (the optimizer's keyed
-        by parameter name), so any number of ranks, one included, resumes from it. Every rank calls it; rank 0
-        writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        """A checkpoint every rank writes: the optimizer's state as each rank's shards
+        (``torch.distributed.checkpoint``, into the folder rank 0 makes and names to the others), the weights
+        gathered to rank 0, which finishes the folder as one process does and publishes it. Every rank calls it
+        (only rank 0's ``root`` and ``step`` count); a rank lost before the end leaves no checkpoint."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
-        weights, moments = get_state_dict(self.model, optimizer,
-                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        moments = get_optimizer_state_dict(self.model, optimizer)
+        box = [str(checkpoint_tmp(Path(root), step)) if self.team.leader else None]
+        dist.broadcast_object_list(box, src=0, group=self.team.group)
+        tmp = Path(box[0])
+        dcp.save(moments, checkpoint_id=str(tmp / OPTIMIZER_SHARDS), process_group=self.team.group)
         if not self.team.leader:
             return None
-        return save_checkpoint(root, step, _Held(weights), _Held(moments), state, keep,
-                               model_files)
+        return save_checkpoint(root, step, _Held(weights), None, state, keep, model_files, tmp=tmp)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
         """Every rank reads the checkpoint (of a team or of one process: the run folder is on a file system every
-        rank sees) and keeps its shards of it; rank 0 restores its RNG."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        rank sees) and keeps its shards of it, a team's optimizer shards resharded to this team's size; rank 0
+        restores its RNG."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         saved, weights = read_checkpoint(path)
         check_fit(path, weights, self.model.state_dict())
-        moments = _named(read_optimizer(path), self.model)
         if self.team.leader:
             restore_rng(path)
-        set_state_dict(self.model, optimizer, model_state_dict=weights, optim_state_dict=moments,
-                       options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+        shards = sharded_optimizer(path)
+        if shards is not None:
+            load_shards(self.model, optimizer, shards, group=self.team.group)
+        else:
+            set_optimizer_state_dict(self.model, optimizer, _named(read_optimizer(path), self.model),
+                                     options=StateDictOptions(full_state_dict=True))
         return saved
