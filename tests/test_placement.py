@@ -15,7 +15,7 @@ from verbatim.cli.app import app
 from verbatim.engine.fleet import split_devices
 from verbatim.engine.runtime import VLLM_GPU_MEMORY, EngineConfig
 from verbatim.errors import InputError
-from verbatim.jobs.placement import check_placement, device_list, trainer_bytes
+from verbatim.jobs.placement import bytes_per_parameter, check_placement, device_list, trainer_bytes
 
 GIB = 1 << 30
 runner = CliRunner()
@@ -132,3 +132,17 @@ def test_the_commands_refuse_a_bad_placement_before_anything_starts(tmp_path, mo
     result = runner.invoke(app, [command, "--env", "guess", "--out", str(out), *flags])
     assert result.exit_code == 2, result.output
     assert needle in result.output and not out.exists()
+
+
+def test_a_sharded_trainers_rank_needs_the_gathered_weights_and_gradient_and_its_share_of_the_rest():
+    assert bytes_per_parameter("fp32") == 16 and bytes_per_parameter("bf16") == 18
+    assert bytes_per_parameter("fp32", 2) == 14 and bytes_per_parameter("fp32", 4) == 11
+    assert bytes_per_parameter("bf16", 4) == 13  # the bfloat16 copy is the whole model's, on every rank
+    one_billion = 10**9
+    with pytest.raises(InputError) as refused:  # 14.9 GiB alone; 10.2 GiB a rank of 4, still above 6.4 GiB
+        check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion, ranks=4)
+    assert ("each of the 4 trainer ranks needs at least 10.2 GiB (1.00 B parameters × 11 bytes: the float32 "
+            "weights and gradient gathered during an update, 1/4 of the weights and AdamW state)") in str(refused.value)
+    with pytest.raises(InputError):
+        check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion)  # one process: 14.9
+    check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion, ranks=4)  # a rank: 10.2

@@ -7,7 +7,9 @@ The engine takes GPUs ``0 .. tensor_parallel − 1`` of the visible ones (vLLM's
 
 The trainer's floor is its parameters' float32 weights, gradients and AdamW moments (16 bytes a
 parameter; bf16 autocast adds a bfloat16 copy, 2 more); activations come on top, so a placement that
-passes may still run out, but one that fails cannot fit.
+passes may still run out, but one that fails cannot fit. A rank of a sharded trainer (N ranks) holds
+1/N of the weights and of AdamW's state, and during an update the whole weights and gradient it
+gathers: 8 + 12/N bytes a parameter.
 """
 
 from __future__ import annotations
@@ -37,16 +39,35 @@ def device_list(text: str | None) -> tuple[int, ...] | None:
     return devices
 
 
-def trainer_bytes(parameters: int, dtype: str) -> int:
-    """The least memory the trainer's model needs on its device (no activations)."""
-    return parameters * TRAINER_BYTES_PER_PARAMETER[dtype]
+def bytes_per_parameter(dtype: str, ranks: int = 1) -> float:
+    """What a parameter costs the device of one of ``ranks`` trainer ranks (no activations)."""
+    if ranks == 1:
+        return TRAINER_BYTES_PER_PARAMETER[dtype]
+    return 8 + 12 / ranks + TRAINER_BYTES_PER_PARAMETER[dtype] - 16  # gathered weights and gradient, 1/N of the rest
+
+
+def trainer_bytes(parameters: int, dtype: str, ranks: int = 1) -> int:
+    """The least memory the trainer's model needs on a rank's device (no activations)."""
+    return int(parameters * bytes_per_parameter(dtype, ranks))
+
+
+def _floor_text(parameters: int, dtype: str, ranks: int) -> str:
+    need = trainer_bytes(parameters, dtype, ranks)
+    copy = ", a bfloat16 copy" if dtype == "bf16" else ""
+    if ranks == 1:
+        return (f"the trainer needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B parameters × "
+                f"{TRAINER_BYTES_PER_PARAMETER[dtype]} bytes: float32 weights, gradients and AdamW state{copy})")
+    return (f"each of the {ranks} trainer ranks needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B "
+            f"parameters × {bytes_per_parameter(dtype, ranks):.4g} bytes: the float32 weights and gradient "
+            f"gathered during an update, 1/{ranks} of the weights and AdamW state{copy})")
 
 
 def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: float | None = None,
                     tensor_parallel: int = 1, trainer_device: str | None = None, parameters: int = 0,
-                    dtype: str = "fp32") -> None:
+                    dtype: str = "fp32", ranks: int = 1) -> None:
     """Refuse a placement that cannot work. ``gpus``: the memory (bytes) of each GPU this process sees, in
-    index order (empty: none); ``trainer_device``: ``cpu``, ``cuda`` or ``cuda:N`` (None: no trainer)."""
+    index order (empty: none); ``trainer_device``: ``cpu``, ``cuda`` or ``cuda:N`` (None: no trainer), the
+    device of one of ``ranks`` trainer ranks."""
     if engine != "inproc":
         if gpu_memory is not None or tensor_parallel > 1:
             raise InputError("--engine-gpu-memory and --engine-tensor-parallel set the in-process engine; a served "
@@ -62,15 +83,13 @@ def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: 
     index = _cuda_index(trainer_device)
     if index is None or index >= len(gpus):
         return  # the CPU, or a GPU that is not there (refused where the trainer's device is read)
-    need, total = trainer_bytes(parameters, dtype), gpus[index]
+    need, total = trainer_bytes(parameters, dtype, ranks), gpus[index]
     shared = engine == "inproc" and index < tensor_parallel
     share = gpu_memory if gpu_memory is not None else VLLM_GPU_MEMORY
     room = total * (1 - share) if shared else total
     if need <= room:
         return
-    floor = (f"the trainer needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B parameters × "
-             f"{TRAINER_BYTES_PER_PARAMETER[dtype]} bytes: float32 weights, gradients and AdamW state"
-             f"{', a bfloat16 copy' if dtype == 'bf16' else ''})")
+    floor = _floor_text(parameters, dtype, ranks)
     if not shared:
         raise InputError(f"--trainer-device {trainer_device}: {floor}; the GPU has {total / GIB:.1f} GiB")
     whose = "vLLM's default" if gpu_memory is None else "--engine-gpu-memory"
@@ -80,7 +99,7 @@ def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: 
 
 
 def check_here(choice: EngineChoice, trainer_device: str | None = None, parameters: int = 0,
-               dtype: str = "fp32") -> None:
+               dtype: str = "fp32", ranks: int = 1) -> None:
     """:func:`check_placement` against the GPUs torch sees on this machine, asked only when a GPU is in question
     (a CPU run never loads torch's CUDA)."""
     asked = (choice.gpu_memory is not None or choice.tensor_parallel > 1
@@ -91,7 +110,7 @@ def check_here(choice: EngineChoice, trainer_device: str | None = None, paramete
 
     check_placement(visible_gpus(), engine=choice.kind, gpu_memory=choice.gpu_memory,
                     tensor_parallel=choice.tensor_parallel, trainer_device=trainer_device, parameters=parameters,
-                    dtype=dtype)
+                    dtype=dtype, ranks=ranks)
 
 
 def _cuda_index(device: str | None) -> int | None:

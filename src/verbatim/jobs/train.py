@@ -111,7 +111,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
         players,
     )
     from verbatim.jobs.placement import check_here
-    from verbatim.jobs.trainer_team import join_team, rank_device
+    from verbatim.jobs.trainer_team import join_team, rank_device, team_size
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.distributed.lead import Lead
     from verbatim.trainer.learner import Learner
@@ -148,7 +148,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
                   max_tokens=options.max_tokens)
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
-               dtype=options.learner.dtype)  # before the model moves to a GPU it may not fit
+               dtype=options.learner.dtype, ranks=team_size(options.trainer_procs))  # before the model moves
     team, group = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team)
     if group is not None:

@@ -37,6 +37,11 @@ def following() -> bool:
     return launched_by_torchrun() and int(os.environ["RANK"]) > 0
 
 
+def team_size(procs: int) -> int:
+    """The trainer's ranks: torchrun's count under torchrun, else ``--trainer-procs``."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else procs
+
+
 def rank_device(device: str) -> str:
     """``cuda`` under torchrun means this rank's own GPU (``LOCAL_RANK``)."""
     local = os.environ.get("LOCAL_RANK")
