@@ -11,19 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from subprocess_cli import cli
-
-from verbatim.datamodel import Source
-from verbatim.harness.store import read_run
-from verbatim.trainer.checkpoint import load_checkpoint
-from verbatim.trainer.reference import load_model, reference_logprobs
+from trained_run import assert_step_two_has_step_one_logprobs, assert_two_steps
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md)
 
 
 def test_two_trainer_processes_train_the_default_model_on_the_real_engine(tmp_path, default_model_dir):
@@ -33,29 +25,8 @@ def test_two_trainer_processes_train_the_default_model_on_the_real_engine(tmp_pa
                "--checkpoint-every", "1", "--trainer-procs", "2", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert (out / "trainer-rank1.log").exists()
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["version"] for x in lines] == [1, 2]
-    for record in lines:
-        assert record["rows"] == 4 and record["grad_norm"] > 0
-        assert record["mismatch_mean_abs"] < 1e-4, record  # the engine held the trainer's weights of that version
-    lint = cli("lint", "trace", str(out))
-    assert lint.returncode == 0, lint.stdout + lint.stderr
-
-    base = load_model(default_model_dir).eval()
-    trained = load_model(default_model_dir)
-    assert load_checkpoint(out / "checkpoints" / "step-000001", trained, None)["version"] == 1
-    trained.eval()
-    moved = 0.0
-    for rollout in (r for r in read_run(out).rollouts if r.info["step"] == 2):
-        tokens = rollout.tokens
-        at = np.flatnonzero(tokens.source == Source.MODEL)
-        assert set(tokens.policy_version[at].tolist()) == {1}
-        with torch.no_grad():
-            want = reference_logprobs(trained, tokens.token_id, at).numpy()
-            before = reference_logprobs(base, tokens.token_id, at).numpy()
-        assert np.abs(want - tokens.logprob[at]).max() < AGREEMENT, rollout.rollout_id
-        moved = max(moved, float(np.abs(before - tokens.logprob[at]).max()))
-    assert moved > 10 * AGREEMENT, "step 1 did not move the weights: the push proves nothing"
+    assert_two_steps(out, rows=4)
+    assert_step_two_has_step_one_logprobs(out, default_model_dir)
 
 
 def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finishes_it(tmp_path):

@@ -1,0 +1,55 @@
+"""Checks of a finished two-step ``verbatim train`` run, shared by the engine tests that train end to end.
+
+After two synchronous steps with ``--checkpoint-every 1``: versions 1 and 2 in ``metrics.jsonl``, each step's
+π_old equal to the μ its rollouts were sampled with (the engine held the trainer's weights of that version),
+``lint trace`` clean, and the tokens of step 2 carrying the logprobs of step 1's checkpoint (loaded here in
+one process), not the base model's: the push moved the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from subprocess_cli import cli
+
+from verbatim.datamodel import Source
+from verbatim.harness.store import read_run
+from verbatim.trainer.checkpoint import load_checkpoint
+from verbatim.trainer.reference import load_model, reference_logprobs
+
+AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md)
+
+
+def assert_two_steps(out: Path, **expected: Any) -> list[dict[str, Any]]:
+    """Versions 1 and 2, every record with ``expected``'s values and the engine's μ equal to π_old; lint clean."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [1, 2]
+    for record in lines:
+        assert {key: record[key] for key in expected} == expected, record
+        assert record["grad_norm"] > 0 and record["mismatch_mean_abs"] < 1e-4, record
+    lint = cli("lint", "trace", str(out))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    return lines
+
+
+def assert_step_two_has_step_one_logprobs(out: Path, model_dir: Path) -> None:
+    """Step 2's model tokens: version 1, the logprobs of step 1's checkpoint, far from the base model's."""
+    base = load_model(model_dir).eval()
+    trained = load_model(model_dir)
+    assert load_checkpoint(out / "checkpoints" / "step-000001", trained, None)["version"] == 1
+    trained.eval()
+    moved = 0.0
+    for rollout in (r for r in read_run(out).rollouts if r.info["step"] == 2):
+        tokens = rollout.tokens
+        at = np.flatnonzero(tokens.source == Source.MODEL)
+        assert set(tokens.policy_version[at].tolist()) == {1}
+        with torch.no_grad():
+            want = reference_logprobs(trained, tokens.token_id, at).numpy()
+            before = reference_logprobs(base, tokens.token_id, at).numpy()
+        assert np.abs(want - tokens.logprob[at]).max() < AGREEMENT, rollout.rollout_id
+        moved = max(moved, float(np.abs(before - tokens.logprob[at]).max()))
+    assert moved > 10 * AGREEMENT, "step 1 did not move the weights: the push proves nothing"
