@@ -24,6 +24,7 @@ from test_trainer_learner import assert_same_grads
 
 from verbatim.engine.server import free_port
 from verbatim.errors import InputError, TrainerError
+from verbatim.trainer.distributed import ENVIRONMENT
 from verbatim.trainer.distributed.split import assign_groups, rows_of
 from verbatim.trainer.distributed.team import Team, join
 
@@ -91,9 +92,15 @@ def test_half_an_environment_is_refused_naming_what_is_missing(monkeypatch):
 # -- two ranks, one update --------------------------------------------------------------------------
 
 
-def _run(out: Path, ranks: int, *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+def _plain_env() -> dict[str, str]:
+    """This environment without a team's variables, the tests' folder importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STEP.parent), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _run(out: Path, ranks: int, *extra: str) -> dict:
+    env = _plain_env()
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(STEP), str(out), *extra], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
@@ -144,8 +151,7 @@ def test_a_hung_rank_ends_the_step_within_the_timeout_naming_it(tmp_path):
 
     model_dir = tmp_path / "tiny"
     tiny_llama(tied=True, seed=1).save_pretrained(model_dir)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STEP.parent), env.get("PYTHONPATH")) if p)
+    env = _plain_env()
     done = subprocess.run([sys.executable, str(STEP.parent / "team_hang.py"), str(model_dir), str(tmp_path / "run"),
                            "8"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from verbatim.errors import BenchmarkError
+from verbatim.trainer.distributed import ENVIRONMENT
 
 SECTION = "bench-train-scale"
 RANKS = (1, 2)
-TEAM_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK")
 
 
 @dataclass(frozen=True)

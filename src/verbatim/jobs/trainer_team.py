@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from verbatim.errors import InputError, TeamError
+from verbatim.trainer.distributed import ENVIRONMENT
 
 CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
 """A spawned follower's TrainConfig, as JSON."""
-TEAM = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in TEAM)
+    return all(name in os.environ for name in ENVIRONMENT)
 
 
 def following() -> bool:

@@ -4,3 +4,6 @@
 assigns a step's groups to ranks whole, balanced by tokens (pure); :mod:`.sharding` shards a model with
 FSDP2 and runs one optimizer update's forward and backward on each rank's own rows.
 """
+
+ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The variables torchrun sets and a rank joins its team from (here, free of torch: the CLI reads them at start)."""

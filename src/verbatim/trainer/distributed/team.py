@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from verbatim.errors import InputError
+from verbatim.trainer.distributed import ENVIRONMENT
 
-ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 START_TIMEOUT = datetime.timedelta(minutes=30)
 """How long the first rank waits for the last to join."""
 
