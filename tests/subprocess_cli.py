@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``launcher``: what runs the CLI's module, e.g. torchrun's ``("-m", "torch.distributed.run", ...)``."""
     tests = str(Path(__file__).resolve().parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", "verbatim.cli", *args], capture_output=True, text=True, timeout=1200,
-                          env=env)
+    return subprocess.run([sys.executable, *launcher, "-m", "verbatim.cli", *args], capture_output=True, text=True,
+                          timeout=1200, env=env)

@@ -3,7 +3,9 @@
 Two steps of the graded env (rewards differ within a group, so every step moves the weights), two
 groups (one a rank): versions go 0 → 2, `lint trace` is clean, each synchronous step's π_old equals the
 μ its rollouts were sampled with, and the tokens of step 2 have the logprobs of the checkpoint of step
-1 (written by rank 0 from the gathered shards, loaded here in one process), not the base weights'.
+1 (written by rank 0 from the gathered shards, loaded here in one process), not the base weights'. The
+same command under ``torchrun --nproc-per-node 2`` trains a step with rank 0 alone running the loop; a
+rank killed mid-run stops it with one line, and ``--resume`` finishes it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ def test_two_trainer_processes_train_the_default_model_on_the_real_engine(tmp_pa
     assert_two_steps(out, rows=4)
     assert_step_two_has_step_one_logprobs(out, default_model_dir)
 
+
+
+def test_torchrun_launches_the_same_train_command_as_a_team_of_two(tmp_path):
+    """The documented launch: plain torchrun on `verbatim train`; rank 0 runs the loop, rank 1 follows."""
+    out = tmp_path / "run"
+    done = cli("train", "--env", "graded_env:GradedFactory", "--steps", "1", "--groups", "2", "--group-size", "2",
+               "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4", "--kv-cache-gib", "1",
+               "--out", str(out), launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("training (") == 1  # rank 0 alone prints the run's table
+    assert not (out / "trainer-rank1.log").exists()  # torchrun started rank 1, not verbatim
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["version"], x["rows"]) for x in lines] == [(1, 1, 4)]
+    assert lines[0]["grad_norm"] > 0 and lines[0]["mismatch_mean_abs"] < 1e-4
+    lint = cli("lint", "trace", str(out))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
 
 def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finishes_it(tmp_path):
     """SIGKILL of rank 1 during step 2: one line names the rank, nothing past step 1 is committed, and
