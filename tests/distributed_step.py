@@ -13,6 +13,7 @@ the step and records the whole optimizer state of a fresh learner restored from 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     team = join("cpu", timeout_s=120)
     model = tiny_llama(tied=True, seed=1)
     step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
+    step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
     learner = Learner(model, CONFIG, team=team)
     if restore is not None:
         saved = learner.restore(Path(restore))
@@ -63,7 +65,8 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     written = learner.save(Path(save), 1, {"version": learner.version}, 2, ()) if save is not None else None
     moments = whole_moments(learner) if save is not None else None
     if team.leader:
-        keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates")
+        keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates",
+                "outside_support")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
                     "written": str(written)}, out)

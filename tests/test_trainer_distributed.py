@@ -124,8 +124,8 @@ def assert_same_step(two: dict, one: dict) -> None:
         assert_same_grads(mine, theirs)
     for key in ("loss", "grad_norm", "grad_norm_max"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
-    assert {k: two["metrics"][k] for k in ("rows", "updates", "kept_tokens")} == \
-        {k: one["metrics"][k] for k in ("rows", "updates", "kept_tokens")}
+    counts = ("rows", "updates", "kept_tokens", "outside_support")  # outside_support: each rank's rows, summed
+    assert {k: two["metrics"][k] for k in counts} == {k: one["metrics"][k] for k in counts}
     assert sorted(two["weights"]) == sorted(one["weights"])  # the tied output layer once, as one process sends
     for name, expected in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-6, msg=name)
@@ -133,6 +133,7 @@ def assert_same_step(two: dict, one: dict) -> None:
 
 def test_two_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path):
     assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
+    assert 0 < alone["metrics"]["outside_support"] < alone["metrics"]["model_tokens"]
     assert_same_step(_run(tmp_path / "two.pt", 2), alone)
 
 

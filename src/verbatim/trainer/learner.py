@@ -178,8 +178,9 @@ class Learner:
         ours[here] = True
         with self.placement.gathered():
             logp_old = self.team.sum_(old_logprobs(lm, sequences, mask & ours[:, None], self.config.microbatch))
-            support = (outside_support(lm, sequences, mask, *step.truncation, self.config.microbatch,
-                                       self.config.logprob_chunk) if step.truncation is not None else None)
+            support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
+                                                           self.config.microbatch, self.config.logprob_chunk)))
+                       if step.truncation is not None else None)  # each rank counts its own rows
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
