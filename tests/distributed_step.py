@@ -7,7 +7,8 @@ weights the engine would receive after the step, and the step's metrics to ``sys
 ``--divide N`` sets FSDP's gradient divide factor to N: N=2 averages over the ranks instead of summing,
 the mistake the comparison must catch. ``--save DIR`` checkpoints the learner after the step into DIR
 (every rank writes its optimizer shards) and records the whole optimizer state; ``--restore CKPT`` skips
-the step and records the whole optimizer state of a fresh learner restored from CKPT instead.
+the step and records the whole optimizer state of a fresh learner restored from CKPT instead;
+``--no-step`` saves before any update (the optimizer's state still empty).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     learner = Learner(model, CONFIG, team=team)
     if restore is not None:
         saved = learner.restore(Path(restore))
+        empty = not learner.optimizer.state  # before whole_moments, which fills an empty state
         moments = whole_moments(learner)
         if team.leader:
-            torch.save({"moments": moments, "saved": saved, "team": team.size}, out)
+            torch.save({"moments": moments, "saved": saved, "team": team.size, "empty": empty}, out)
         leave()
         return
     if divide is not None:
@@ -60,6 +62,12 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         updates.append({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()})
 
     learner.optimizer.register_step_pre_hook(record)
+    if "--no-step" in sys.argv:
+        written = learner.save(Path(save), 0, {"version": 0}, 2, ())
+        if team.leader:
+            torch.save({"written": str(written)}, out)
+        leave()
+        return
     metrics = learner.train_step(step)
     weights = learner.engine_weights()
     written = learner.save(Path(save), 1, {"version": learner.version}, 2, ()) if save is not None else None

@@ -215,3 +215,12 @@ def test_a_team_checkpoint_missing_a_shard_is_not_complete(team_checkpoint, tmp_
     shutil.copytree(path, copy)
     (copy / "optimizer" / ".metadata").unlink()
     assert latest_checkpoint(copy.parent) is None
+
+
+def test_a_team_checkpoint_before_any_update_restores_an_empty_optimizer_state(tmp_path):
+    """No fake step: a state filled with zeros and step 1 would bias AdamW's first real update."""
+    written = Path(_run(tmp_path / "empty.pt", 2, "--no-step", "--save", str(tmp_path / "checkpoints"))["written"])
+    assert (written / "optimizer.pt").is_file() and not (written / "optimizer").exists()
+    for ranks in (1, 2):
+        restored = _run(tmp_path / f"restored-{ranks}.pt", ranks, "--restore", str(written))
+        assert restored["empty"] and restored["saved"]["version"] == 0

@@ -249,7 +249,10 @@ class ShardedModel:
         )
 
         weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        moments = get_optimizer_state_dict(self.model, optimizer)
+        if not optimizer.state:  # no update yet (every row so far failed): nothing to shard, written as one process
+            return (save_checkpoint(root, step, _Held(weights), optimizer, state, keep, model_files)
+                    if self.team.leader else None)
+        moments = get_optimizer_state_dict(self.model, optimizer)  # (it would give an empty state a fake step)
         box = [str(checkpoint_tmp(Path(root), step)) if self.team.leader else None]
         dist.broadcast_object_list(box, src=0, group=self.team.group)
         tmp = Path(box[0])
@@ -277,6 +280,8 @@ class ShardedModel:
         if shards is not None:
             load_shards(self.model, optimizer, shards, group=self.team.group)
         else:
-            set_optimizer_state_dict(self.model, optimizer, _named(read_optimizer(path), self.model),
-                                     options=StateDictOptions(full_state_dict=True))
+            moments = read_optimizer(path)
+            if moments.get("state"):  # an empty one stays empty (loading it would take a fake step first)
+                set_optimizer_state_dict(self.model, optimizer, _named(moments, self.model),
+                                         options=StateDictOptions(full_state_dict=True))
         return saved
