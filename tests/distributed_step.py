@@ -8,6 +8,7 @@ weights the engine would receive after the step, and the step's metrics to ``sys
 the mistake the comparison must catch. ``--save DIR`` checkpoints the learner after the step into DIR
 (every rank writes its optimizer shards) and records the whole optimizer state; ``--restore CKPT`` skips
 the step and records the whole optimizer state of a fresh learner restored from CKPT instead;
+``--dtype bf16`` trains in bfloat16 (autocast in one process, FSDP's mixed precision on a team);
 ``--no-step`` saves before any update (the optimizer's state still empty).
 """
 
@@ -28,6 +29,10 @@ CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=
 """Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""
 
 
+def option(flag: str) -> str | None:
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+
+
 def whole_moments(learner: Learner) -> dict:
     """The optimizer's state, every tensor whole, keyed by parameter name, on rank 0 (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -42,7 +47,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     model = tiny_llama(tied=True, seed=1)
     step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
-    learner = Learner(model, CONFIG, team=team)
+    learner = Learner(model, CONFIG.model_copy(update={"dtype": option("--dtype") or "fp32"}), team=team)
     if restore is not None:
         saved = learner.restore(Path(restore))
         empty = not learner.optimizer.state  # before whole_moments, which fills an empty state
@@ -54,6 +59,8 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     if divide is not None:
         for unit in learner.placement.units:
             unit.set_gradient_divide_factor(divide)
+    gathered: list[str] = []  # the dtype of the weights a decoder layer computes with
+    model.model.layers[0].register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
     names = {id(p): n for n, p in learner.model.named_parameters()}
     updates: list[dict[str, torch.Tensor]] = []
 
@@ -65,7 +72,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     if "--no-step" in sys.argv:
         written = learner.save(Path(save), 0, {"version": 0}, 2, ())
         if team.leader:
-            torch.save({"written": str(written)}, out)
+            torch.save({"written": str(written), "gathered": sorted(set(gathered))}, out)
         leave()
         return
     metrics = learner.train_step(step)
@@ -77,13 +84,10 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
                 "outside_support")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
-                    "written": str(written)}, out)
+                    "written": str(written), "gathered": sorted(set(gathered))}, out)
     leave()
 
 
 if __name__ == "__main__":
-    def option(flag: str) -> str | None:
-        return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
-
     divide = option("--divide")
     main(sys.argv[1], None if divide is None else float(divide), option("--save"), option("--restore"))

@@ -137,12 +137,12 @@ def test_the_commands_refuse_a_bad_placement_before_anything_starts(tmp_path, mo
 def test_a_sharded_trainers_rank_needs_the_gathered_weights_and_gradient_and_its_share_of_the_rest():
     assert bytes_per_parameter("fp32") == 16 and bytes_per_parameter("bf16") == 18
     assert bytes_per_parameter("fp32", 2) == 14 and bytes_per_parameter("fp32", 4) == 11
-    assert bytes_per_parameter("bf16", 4) == 13  # the bfloat16 copy is the whole model's, on every rank
+    assert bytes_per_parameter("bf16", 4) == 11  # weights gathered in bfloat16, no autocast copy, float32 gradient
     one_billion = 10**9
     with pytest.raises(InputError) as refused:  # 14.9 GiB alone; 10.2 GiB a rank of 4, still above 6.4 GiB
         check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion, ranks=4)
-    assert ("each of the 4 trainer ranks needs at least 10.2 GiB (1.00 B parameters × 11 bytes: the float32 "
-            "weights and gradient gathered during an update, 1/4 of the weights and AdamW state)") in str(refused.value)
+    assert ("each of the 4 trainer ranks needs at least 10.2 GiB (1.00 B parameters × 11 bytes: the weights and "
+            "gradient gathered during an update, 1/4 of the float32 weights and AdamW state)") in str(refused.value)
     with pytest.raises(InputError):
         check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion)  # one process: 14.9
     check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion, ranks=4)  # a rank: 10.2

@@ -144,6 +144,23 @@ def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_pat
     assert averaged["metrics"]["grad_norm"] == pytest.approx(alone["metrics"]["grad_norm"] / 2, rel=1e-4)
 
 
+
+def test_bf16_on_a_team_gathers_bfloat16_weights_reduces_in_float32_and_makes_one_processs_update(tmp_path):
+    """FSDP's mixed precision: the decoder computes with bfloat16 weights (one process: autocast over float32,
+    so its residual stream stays float32 and the two differ by bfloat16's rounding, not by a rank's gradient)."""
+    one = _run(tmp_path / "one.pt", 1, "--dtype", "bf16")
+    two = _run(tmp_path / "two.pt", 2, "--dtype", "bf16")
+    assert one["gathered"] == ["torch.float32"] and two["gathered"] == ["torch.bfloat16"]
+    assert {t.dtype for t in two["weights"].values()} == {torch.float32}  # the engine gets the float32 master
+    for key in ("loss", "grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=5e-3), key
+    for mine, theirs in zip(two["updates"], one["updates"], strict=True):
+        for name, grad in theirs.items():
+            assert mine[name].dtype == torch.float32  # reduced and stepped on in float32
+            assert float((mine[name] - grad).norm()) <= 0.1 * float(grad.norm()) + 1e-6, name
+    averaged = _run(tmp_path / "averaged.pt", 2, "--dtype", "bf16", "--divide", "2")
+    assert averaged["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"] / 2, rel=5e-3)
+
 # -- a rank that hangs ------------------------------------------------------------------------------
 
 

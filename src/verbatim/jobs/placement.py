@@ -8,8 +8,9 @@ The engine takes GPUs ``0 .. tensor_parallel − 1`` of the visible ones (vLLM's
 The trainer's floor is its parameters' float32 weights, gradients and AdamW moments (16 bytes a
 parameter; bf16 autocast adds a bfloat16 copy, 2 more); activations come on top, so a placement that
 passes may still run out, but one that fails cannot fit. A rank of a sharded trainer (N ranks) holds
-1/N of the weights and of AdamW's state, and during an update the whole weights and gradient it
-gathers: 8 + 12/N bytes a parameter.
+1/N of the float32 weights and of AdamW's state, and during an update the whole weights and gradient it
+gathers: 8 + 12/N bytes a parameter (with ``bf16`` too: FSDP gathers the weights in bfloat16, no autocast
+copy, and accumulates the gradient in float32).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def bytes_per_parameter(dtype: str, ranks: int = 1) -> float:
     """What a parameter costs the device of one of ``ranks`` trainer ranks (no activations)."""
     if ranks == 1:
         return TRAINER_BYTES_PER_PARAMETER[dtype]
-    return 8 + 12 / ranks + TRAINER_BYTES_PER_PARAMETER[dtype] - 16  # gathered weights and gradient, 1/N of the rest
+    # the weights and gradient gathered during an update (bf16: weights in bfloat16, the gradient's bfloat16
+    # and float32 accumulation, no autocast copy: 8 bytes as well), 1/N of the float32 weights and AdamW state
+    return 8 + 12 / ranks
 
 
 def trainer_bytes(parameters: int, dtype: str, ranks: int = 1) -> int:
@@ -53,13 +56,13 @@ def trainer_bytes(parameters: int, dtype: str, ranks: int = 1) -> int:
 
 def _floor_text(parameters: int, dtype: str, ranks: int) -> str:
     need = trainer_bytes(parameters, dtype, ranks)
-    copy = ", a bfloat16 copy" if dtype == "bf16" else ""
     if ranks == 1:
+        copy = ", a bfloat16 copy" if dtype == "bf16" else ""
         return (f"the trainer needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B parameters × "
                 f"{TRAINER_BYTES_PER_PARAMETER[dtype]} bytes: float32 weights, gradients and AdamW state{copy})")
     return (f"each of the {ranks} trainer ranks needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B "
-            f"parameters × {bytes_per_parameter(dtype, ranks):.4g} bytes: the float32 weights and gradient "
-            f"gathered during an update, 1/{ranks} of the weights and AdamW state{copy})")
+            f"parameters × {bytes_per_parameter(dtype, ranks):.4g} bytes: the weights and gradient gathered during "
+            f"an update, 1/{ranks} of the float32 weights and AdamW state)")
 
 
 def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: float | None = None,

@@ -77,7 +77,7 @@ class LearnerConfig(BaseModel):
     PrefixFlow where the family has an adapter (:mod:`verbatim.trainer.adapters`)."""
     dtype: Precision = "fp32"
     """The forward's dtype: fp32, or bf16 (autocast over fp32 master weights and fp32 AdamW state; log π in
-    float32)."""
+    float32; on a team, FSDP's mixed precision gathers the weights in bfloat16 and reduces in float32)."""
     checkpoint_layers: bool = False
     """Activation checkpointing: keep each decoder layer's input only, recompute the layer in the backward."""
     logprob_chunk: int = Field(default=512, ge=0)
@@ -149,7 +149,8 @@ class Learner:
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.team = team or Team()
-        self.placement = ShardedModel(model, self.team) if self.team.size > 1 else WholeModel(model)
+        self.placement = (ShardedModel(model, self.team, config.dtype) if self.team.size > 1
+                          else WholeModel(model))
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     # -- the step ------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ runs in three moves every rank makes together:
    the step's whole gradient;
 3. reshard: the optimizer steps on the shards.
 
+With ``bf16`` the gather is FSDP's mixed precision: bfloat16 weights, the gradient accumulated and reduced
+in float32 into the float32 shards.
+
 The price: during a step every rank holds the whole model and its whole gradient; between steps, and
 for the optimizer's state at all times, 1/N (docs/scale.md says what that means in bytes).
 
@@ -161,19 +164,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class ShardedModel:
     """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
 
-    def __init__(self, model: nn.Module, team: Team) -> None:
+    def __init__(self, model: nn.Module, team: Team, dtype: str = "fp32") -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.model = model
         self.team = team
         self.device = next(model.parameters()).device
         group = team.group or dist.group.WORLD  # the team's own group: its timeout
         mesh = DeviceMesh.from_group(group, self.device.type)
+        # bf16: the weights gathered in bfloat16 (half the gather's memory), gradients reduced in float32
+        mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
+                 else MixedPrecisionPolicy())
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed)
         self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in self.units:
             unit.set_reshard_after_backward(False, recurse=False)
