@@ -28,6 +28,7 @@ from typing import Any
 from verbatim.datamodel import Rollout, Source
 from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.errors import InputError
+from verbatim.harness.config_changes import config_differences
 from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics, rewrite_metrics
 from verbatim.harness.store import RunLock, batch_files, read_batch, read_manifest, read_run
 
@@ -61,8 +62,6 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
 
 def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """The settings of the first run, or more --steps under a constant learning rate."""
-    from verbatim.trainer.checkpoint import config_differences
-
     changed = [line for line in config_differences(with_added(saved, now), now)
                if not line.startswith(f"{_EVERY_KEY}:")]
     before = saved.get("plan", {}).get("steps")

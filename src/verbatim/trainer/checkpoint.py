@@ -22,7 +22,6 @@ leftovers of a killed write. One trainer writes a root at a time.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -42,15 +41,14 @@ from verbatim.durable import fsync_dir, fsync_file, strict_json
 from verbatim.errors import CheckpointError, InputError
 
 CHECKPOINT_SCHEMA = 1
-FILES = ("model.safetensors", "rng.pt", "state.json")
-"""Every checkpoint's files; beside them the optimizer's: ``optimizer.pt``, or the ``optimizer/`` shards."""
 OPTIMIZER_FILE = "optimizer.pt"
+FILES = ("model.safetensors", OPTIMIZER_FILE, "rng.pt", "state.json")
+"""A one-process checkpoint's files (a team's holds the ``optimizer/`` shards in place of ``optimizer.pt``)."""
 OPTIMIZER_SHARDS = "optimizer"
 TMP_PREFIX = ".tmp-"
 _STEP_NAME = re.compile(r"step-(\d+)")
 _ALIASES_KEY = "verbatim_aliases"
 _RESERVED = ("schema", "step")
-_MISSING = object()  # a key on one side only
 
 
 def step_dir_name(step: int) -> str:
@@ -270,10 +268,15 @@ def _complete_steps(root: Path) -> dict[int, Path]:
     found = {}
     for path in root.iterdir():
         match = _STEP_NAME.fullmatch(path.name)
-        if (match and path.is_dir() and _read_state(path) is not None and all((path / f).is_file() for f in FILES)
-                and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None)):
+        if match and path.is_dir() and _read_state(path) is not None and _complete(path):
             found[int(match.group(1))] = path
     return found
+
+
+def _complete(path: Path) -> bool:
+    """Every file of a checkpoint there, the optimizer's as one file or as a team's shards."""
+    return (all((path / f).is_file() for f in FILES if f != OPTIMIZER_FILE)
+            and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None))
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:
@@ -388,67 +391,3 @@ def _restore_rng(state: Mapping[str, Any]) -> None:
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
         torch.cuda.set_rng_state_all(cuda)
-
-
-# ---------------------------------------------------------------------------
-# config differences
-# ---------------------------------------------------------------------------
-
-
-def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """``"key.sub: saved -> now"`` for every dotted key whose value differs or exists on one side only, sorted."""
-    before, after = _flatten(saved), _flatten(now)
-    keys = set(before) | set(after)
-    lines = []
-    for key in sorted(keys):
-        old, new = before.get(key, _MISSING), after.get(key, _MISSING)
-        if not _same(old, new) and not _filled(key, old, new, keys):
-            lines.append(f"{key}: {_show(old)} -> {_show(new)}")
-    return lines
-
-
-def _filled(key: str, old: Any, new: Any, keys: set[str]) -> bool:
-    """An empty mapping on one side whose keys the other side holds: their own lines say what changed."""
-    emptied = (old is _MISSING and new == {}) or (new is _MISSING and old == {})
-    return emptied and any(k.startswith(f"{key}.") for k in keys)
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            flat[name] = _plain(value)
-    return flat
-
-
-def _plain(value: Any) -> Any:
-    """JSON's view of a value: tuples are lists, mappings are dicts (a saved config went through JSON)."""
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as JSON values: True is not 1, NaN is NaN."""
-    if a is _MISSING or b is _MISSING:
-        return a is b
-    if isinstance(a, bool) != isinstance(b, bool):
-        return False
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-def _show(value: Any) -> str:
-    if value is _MISSING:
-        return "(missing)"
-    return repr(value) if isinstance(value, str) else str(value)
