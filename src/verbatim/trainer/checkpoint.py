@@ -306,7 +306,12 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict[str
     try:
         optimizer.load_state_dict(saved)
     except (ValueError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}") from exc
+        raise another_optimizer(path, exc) from exc
+
+
+def another_optimizer(path: Path, exc: BaseException) -> CheckpointError:
+    """The one line refusing the checkpoint at ``path``, whose optimizer state ``exc`` would not load."""
+    return CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}")
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from verbatim.errors import CheckpointError, TrainerError
+from verbatim.errors import TrainerError
 from verbatim.trainer.checkpoint import (
     OPTIMIZER_SHARDS,
+    another_optimizer,
     check_fit,
     checkpoint_tmp,
     load_checkpoint,
@@ -95,23 +97,32 @@ class WholeModel:
         return save_checkpoint(root, step, self.model, optimizer, state, keep, model_files)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        """A checkpoint of one process, or of a team (its optimizer's shards, or its state keyed by parameter
-        name); the optimizer's file is read once."""
-        shards = sharded_optimizer(path)
-        moments = None if shards is not None else read_optimizer(path)
+        """A checkpoint of one process or of a team, weights and RNG, then its optimizer state."""
         saved = load_checkpoint(path, self.model, None)
-        if shards is not None:
-            load_shards(self.model, optimizer, shards, group=None)
-        elif not _by_name(moments):
-            load_optimizer(path, optimizer, moments)
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, optimizer, moments, options=StateDictOptions(full_state_dict=True))
+        restore_optimizer(self.model, optimizer, path, group=None)
         return saved
 
 
-def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, shards: Path, group: Any) -> None:
+def restore_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, group: Any) -> None:
+    """The optimizer state of the checkpoint at ``path`` into ``optimizer`` of this team (``group``; None: one
+    process), whichever wrote it: a team's shards (resharded), or one file keyed by index (one process's,
+    loaded as such in one process) or by parameter name. An empty state stays empty: torch's loaders would
+    first give the optimizer a fake step (its step count 1)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    shards = sharded_optimizer(path)
+    if shards is not None:
+        _load_shards(model, optimizer, shards, group)
+        return
+    moments = read_optimizer(path)
+    if group is None and not _by_name(moments):
+        load_optimizer(path, optimizer, moments)
+    elif moments.get("state"):
+        set_optimizer_state_dict(model, optimizer, _named(moments, model),
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def _load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, shards: Path, group: Any) -> None:
     """An ``optimizer/`` folder of ``torch.distributed.checkpoint`` into ``optimizer``, resharded for this team
     (``group``; None: one process, whole tensors). The state it is read into is the optimizer's own, made by
     ``get_optimizer_state_dict`` (which gives a fresh optimizer its state's tensors first)."""
@@ -122,8 +133,7 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, shards: Path
     try:
         dcp.load(moments, checkpoint_id=str(shards), process_group=group, no_dist=group is None)
     except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {shards.parent} holds another optimizer's state: "
-                              f"{str(exc).strip().splitlines()[0][:200]}") from exc
+        raise another_optimizer(shards.parent, exc) from exc
     set_optimizer_state_dict(model, optimizer, moments)
 
 
@@ -165,15 +175,14 @@ class ShardedModel:
     """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
 
     def __init__(self, model: nn.Module, team: Team, dtype: str = "fp32") -> None:
-        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.model = model
         self.team = team
         self.device = next(model.parameters()).device
-        group = team.group or dist.group.WORLD  # the team's own group: its timeout
-        mesh = DeviceMesh.from_group(group, self.device.type)
+        self.group = team.group or dist.group.WORLD  # the team's own group: its timeout
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
         # bf16: the weights gathered in bfloat16 (half the gather's memory), gradients reduced in float32
         mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
                  else MixedPrecisionPolicy())
@@ -246,7 +255,6 @@ class ShardedModel:
         (``torch.distributed.checkpoint``, into the folder rank 0 makes and names to the others), the weights
         gathered to rank 0, which finishes the folder as one process does and publishes it. Every rank calls it
         (only rank 0's ``root`` and ``step`` count); a rank lost before the end leaves no checkpoint."""
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -260,9 +268,9 @@ class ShardedModel:
                     if self.team.leader else None)
         moments = get_optimizer_state_dict(self.model, optimizer)  # (it would give an empty state a fake step)
         box = [str(checkpoint_tmp(Path(root), step)) if self.team.leader else None]
-        dist.broadcast_object_list(box, src=0, group=self.team.group)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         tmp = Path(box[0])
-        dcp.save(moments, checkpoint_id=str(tmp / OPTIMIZER_SHARDS), process_group=self.team.group)
+        dcp.save(moments, checkpoint_id=str(tmp / OPTIMIZER_SHARDS), process_group=self.group)
         if not self.team.leader:
             return None
         return save_checkpoint(root, step, _Held(weights), None, state, keep, model_files, tmp=tmp)
@@ -271,23 +279,12 @@ class ShardedModel:
         """Every rank reads the checkpoint (of a team or of one process: the run folder is on a file system every
         rank sees) and keeps its shards of it, a team's optimizer shards resharded to this team's size; rank 0
         restores its RNG."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         saved, weights = read_checkpoint(path)
         check_fit(path, weights, self.model.state_dict())
         if self.team.leader:
             restore_rng(path)
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
-        shards = sharded_optimizer(path)
-        if shards is not None:
-            load_shards(self.model, optimizer, shards, group=self.team.group)
-        else:
-            moments = read_optimizer(path)
-            if moments.get("state"):  # an empty one stays empty (loading it would take a fake step first)
-                set_optimizer_state_dict(self.model, optimizer, _named(moments, self.model),
-                                         options=StateDictOptions(full_state_dict=True))
+        restore_optimizer(self.model, optimizer, path, group=self.group)
         return saved
