@@ -24,7 +24,7 @@ from test_trainer_learner import assert_same_grads
 
 from verbatim.engine.server import free_port
 from verbatim.errors import InputError, TrainerError
-from verbatim.trainer.distributed import ENVIRONMENT
+from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 from verbatim.trainer.distributed.split import assign_groups, rows_of
 from verbatim.trainer.distributed.team import Team, join
 
@@ -101,11 +101,10 @@ def _plain_env() -> dict[str, str]:
 
 def _run(out: Path, ranks: int, *extra: str) -> dict:
     env = _plain_env()
-    port = str(free_port())
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(STEP), str(out), *extra], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
-                              env=env if ranks == 1 else env | {"RANK": str(rank), "WORLD_SIZE": str(ranks),
-                                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                              env=env if ranks == 1 else env | on_this_machine(rank, ranks, port))
              for rank in range(ranks)]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "\n".join(outputs)[-3000:]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from verbatim.errors import BenchmarkError
-from verbatim.trainer.distributed import ENVIRONMENT
+from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 
 SECTION = "bench-train-scale"
 RANKS = (1, 2)
@@ -109,11 +109,10 @@ def run_team(work: ScaleWork, ranks: int) -> list[dict[str, Any]]:
 
     job = json.dumps({"work": asdict(work), "ranks": ranks})
     base = {k: v for k, v in os.environ.items() if k not in TEAM_ENV}
-    port = str(free_port())
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "verbatim.bench.train_scale", job], stdout=subprocess.PIPE,
-                              text=True, env=base if ranks == 1 else base | {
-                                  "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                              text=True, env=base if ranks == 1 else base | on_this_machine(rank, ranks, port) | {
+                                  "LOCAL_RANK": str(rank)})
              for rank in range(ranks)]
     outputs = [proc.communicate()[0] for proc in procs]
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0 or not outputs[rank].strip()]

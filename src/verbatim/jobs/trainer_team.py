@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verbatim.errors import InputError, TeamError
-from verbatim.trainer.distributed import ENVIRONMENT
+from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 
 CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
 """A spawned follower's TrainConfig, as JSON."""
@@ -63,12 +63,12 @@ def start_followers(config_json: str, procs: int, out: Path) -> list[subprocess.
         return []
     from verbatim.engine.server import free_port
 
-    port = str(free_port())
-    os.environ.update(RANK="0", WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    port = free_port()
+    os.environ.update(on_this_machine(0, procs, port))
     out.mkdir(parents=True, exist_ok=True)
     followers = []
     for rank in range(1, procs):
-        env = dict(os.environ, RANK=str(rank), **{CONFIG_VARIABLE: config_json})
+        env = dict(os.environ, **on_this_machine(rank, procs, port), **{CONFIG_VARIABLE: config_json})
         with open(out / f"trainer-rank{rank}.log", "ab") as log:
             followers.append(subprocess.Popen([sys.executable, "-m", "verbatim.jobs.trainer_team"], env=env,
                                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))

@@ -7,3 +7,9 @@ FSDP2 and runs one optimizer update's forward and backward on each rank's own ro
 
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The variables torchrun sets and a rank joins its team from (here, free of torch: the CLI reads them at start)."""
+
+
+def on_this_machine(rank: int, size: int, port: int) -> dict[str, str]:
+    """The environment of rank ``rank`` of a team of ``size`` processes started on this machine, meeting at
+    127.0.0.1:``port`` (what torchrun sets for one node)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
