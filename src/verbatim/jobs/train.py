@@ -149,10 +149,10 @@ def prepare(options: TrainConfig) -> TrainLoop:
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
                dtype=options.learner.dtype, ranks=team_size(options.trainer_procs))  # before the model moves
-    team, group = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
+    team, announcements = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team)
-    if group is not None:
-        learner = Lead(learner, group)
+    if announcements is not None:
+        learner = Lead(learner, announcements)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=options.engine == "http", make_player=make_player)
 

@@ -78,11 +78,11 @@ def start_followers(config_json: str, procs: int, out: Path) -> list[subprocess.
 def join_team(device: str, timeout_s: float) -> tuple[Any, Any]:
     """This process in the team (a team of one without an environment) and the channel rank 0 announces on.
     ``timeout_s``: how long a call every rank makes waits for a silent rank (``--trainer-timeout``)."""
-    from verbatim.trainer.distributed.lead import control_group
+    from verbatim.trainer.distributed.lead import open_channel
     from verbatim.trainer.distributed.team import join
 
     team = join(device, timeout_s=timeout_s)
-    return team, (control_group(timeout_s) if team.size > 1 else None)
+    return team, (open_channel(timeout_s) if team.size > 1 else None)
 
 
 def follow_run(config: Any) -> int:
@@ -93,10 +93,10 @@ def follow_run(config: Any) -> int:
     from verbatim.trainer.reference import load_model, trainer_device
 
     device = rank_device(trainer_device(config.trainer_device))
-    team, group = join_team(device, config.trainer_timeout_s)
+    team, announcements = join_team(device, config.trainer_timeout_s)
     try:
         learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
-        return follow(learner, group)
+        return follow(learner, announcements)
     finally:
         leave_team()
 

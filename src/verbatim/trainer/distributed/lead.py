@@ -44,7 +44,7 @@ class Channel:
     words: Any
 
 
-def control_group(timeout_s: float) -> Channel:
+def open_channel(timeout_s: float) -> Channel:
     """The announcements' groups; every rank creates them, in the same order. ``timeout_s``: the team's."""
     bell = dist.new_group(backend="gloo", timeout=BETWEEN_CALLS)
     return Channel(bell, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
@@ -90,9 +90,9 @@ def _together(call: str) -> Iterator[None]:
 class Lead:
     """Rank 0's learner: the calls every rank makes are announced first."""
 
-    def __init__(self, learner: Learner, group: Channel) -> None:
+    def __init__(self, learner: Learner, channel: Channel) -> None:
         self.learner = learner
-        self.group = group
+        self.channel = channel
         self.closed = False
 
     @property
@@ -113,12 +113,12 @@ class Lead:
 
     def train_step(self, step: StepInput, at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
         with _together("a training step"):
-            _say(self.group, "train_step", step, at, self.learner.version)
+            _say(self.channel, "train_step", step, at, self.learner.version)
             return self.learner.train_step(step, at)
 
     def engine_weights(self) -> dict[str, Any]:
         with _together("the gathering of the weights for the engine"):
-            _say(self.group, "engine_weights")
+            _say(self.channel, "engine_weights")
             return self.learner.engine_weights()
 
     def keep_weights_in(self, views: dict[str, Any]) -> int:
@@ -127,26 +127,26 @@ class Lead:
 
     def save(self, root: Path, step: int, state: dict[str, Any], keep: int, model_files: Any) -> Path | None:
         with _together("a checkpoint"):
-            _say(self.group, "save")
+            _say(self.channel, "save")
             return self.learner.save(root, step, state, keep, model_files)
 
     def restore(self, path: Path) -> dict[str, Any]:
         with _together("a resume"):
-            _say(self.group, "restore", str(path))
+            _say(self.channel, "restore", str(path))
             return self.learner.restore(path)
 
     def close(self) -> None:
         """Release the followers (they return from :func:`follow`); once."""
         if not self.closed:
             self.closed = True
-            _say(self.group, STOP)
+            _say(self.channel, STOP)
 
 
-def follow(learner: Learner, group: Channel) -> int:
+def follow(learner: Learner, channel: Channel) -> int:
     """Make rank 0's announced calls on ``learner`` until it says stop; returns the steps trained."""
     steps = 0
     while True:
-        call = _hear(group)
+        call = _hear(channel)
         kind = call[0]
         if kind == STOP:
             return steps
