@@ -226,7 +226,8 @@ class AgentSession:
         salt = cache_salt(player.config.cache_policy, player.engine.version, self.start_version)
         try:
             with player.first_request(spec.group_id, not self.ledger.turns):
-                completion = await player.engine.generate(self.ledger.view(), player.sampling,
+                completion = await player.engine.generate(self.ledger.view(),
+                                                          player.sampling_for(spec, len(self.ledger.turns)),
                                                           session_id=spec.rollout_id, group_id=spec.group_id,
                                                           cache_salt=salt)
         except VerbatimError as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -61,6 +62,19 @@ class RolloutSpec(Frozen):
     seed: int
     step: int | None = None
     """The training step it belongs to (recorded in ``info["step"]``), None outside training."""
+
+
+REQUEST_SEEDS = 2**31
+"""Request seeds lie in 0 .. this - 1: within every engine's range (vLLM seeds a torch generator per request;
+an OpenAI-style server takes a 32-bit ``seed``)."""
+
+
+def request_seed(rollout_seed: int, rollout_id: str, call: int) -> int:
+    """The sampling seed of a rollout's ``call``-th engine request: a pure function of the rollout's seed
+    (itself of the run's ``--seed``, step, group and index) and id, so a request draws the same tokens
+    whichever batch it lands in and whatever ran before it."""
+    digest = hashlib.blake2b(f"{rollout_seed}/{rollout_id}/{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % REQUEST_SEEDS
 
 
 CONTEXT_BUDGET = "context budget"
@@ -134,6 +148,10 @@ class RolloutPlayer:
         self.on_first_request = on_first_request
         self._tokenizing = threading.Lock()  # renderers run off the event loop, one call at a time
 
+    def sampling_for(self, spec: RolloutSpec, call: int) -> Sampling:
+        """The run's sampling settings with the seed of ``spec``'s ``call``-th request."""
+        return self.sampling.model_copy(update={"seed": request_seed(spec.seed, spec.rollout_id, call)})
+
     async def __aenter__(self) -> RolloutPlayer:
         return self
 
@@ -194,8 +212,9 @@ class RolloutPlayer:
         for turn in range(self.config.max_turns):
             salt = cache_salt(self.config.cache_policy, self.engine.version, start_version)
             with self.first_request(spec.group_id, turn == 0):
-                completion = await self.engine.generate(ledger.view(), self.sampling, session_id=spec.rollout_id,
-                                                        group_id=spec.group_id, cache_salt=salt)
+                completion = await self.engine.generate(ledger.view(), self.sampling_for(spec, turn),
+                                                        session_id=spec.rollout_id, group_id=spec.group_id,
+                                                        cache_salt=salt)
             ledger.append_completion(completion, sampling=self.recorded_sampling)
             if "route" in completion.extra:
                 state.setdefault("routes", []).append(completion.extra["route"])

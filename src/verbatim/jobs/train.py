@@ -150,7 +150,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
                dtype=options.learner.dtype, ranks=team_size(options.trainer_procs))  # before the model moves
     team, announcements = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
-    learner: Any = Learner(model.to(device), options.learner, team=team)
+    learner: Any = Learner(model.to(device), options.learner, team=team, seed=options.plan.seed)
     if announcements is not None:
         learner = Lead(learner, announcements)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,

@@ -95,7 +95,8 @@ def follow_run(config: Any) -> int:
     device = rank_device(trainer_device(config.trainer_device))
     team, announcements = join_team(device, config.trainer_timeout_s)
     try:
-        learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team)
+        learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team,
+                          seed=config.plan.seed)
         return follow(learner, announcements)
     finally:
         leave_team()

@@ -371,6 +371,14 @@ def _some(names: list[str], shown: int = 3) -> str:
 # ---------------------------------------------------------------------------
 
 
+def seed_generators(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's and torch's generators (every device's) with the run's seed, so the
+    states a checkpoint keeps in ``rng.pt`` are the same in two runs of one command."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _rng_state() -> dict[str, Any]:
     numpy_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {

@@ -47,7 +47,8 @@ from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
+from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, deterministic_kernels, refuse_dropout
+from verbatim.trainer.checkpoint import seed_generators
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.distributed.sharding import ShardedModel, WholeModel
 from verbatim.trainer.distributed.split import rows_of
@@ -139,8 +140,14 @@ class Learner:
     model is sharded over the ranks (FSDP2, :mod:`verbatim.trainer.distributed`), each rank trains the rows
     of its own groups, and every rank makes the same update one process would."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0, team: Team | None = None) -> None:
+    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0, team: Team | None = None,
+                 seed: int | None = None) -> None:
+        """``seed``: the run's, for the process's generators (none of the step's work draws from them; seeded,
+        a checkpoint's ``rng.pt`` repeats too)."""
         refuse_dropout(model)
+        deterministic_kernels()
+        if seed is not None:
+            seed_generators(seed)
         self.model = model.train()
         self.config = config
         if config.prefixflow:
