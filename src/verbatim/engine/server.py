@@ -65,6 +65,8 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
     argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if not config.chunked_prefill:
+        argv.append("--no-enable-chunked-prefill")
     if config.kv_blocks:
         argv += ["--num-gpu-blocks-override", str(config.kv_blocks)]
     if config.tensor_parallel > 1:
