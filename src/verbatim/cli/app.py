@@ -285,7 +285,8 @@ def run(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
-                             help="Seed of the env's tasks and of sampling (same seed, same tasks)."),
+                             help="Seed of the env's tasks and of every request's sampling seed (same seed, same "
+                                  "tasks and draws; docs/engine.md)."),
     out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
     engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
     url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),

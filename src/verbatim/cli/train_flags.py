@@ -112,7 +112,8 @@ def train_flags(
                                               "last step always get one); a resume trains the steps after the "
                                               "newest checkpoint again. 1 checkpoints every step."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
-                             help="Seed of the env's tasks, sampling and the trainer."),
+                             help="Seed of the env's tasks, of every request's sampling seed and of the trainer "
+                                  "(docs/engine.md: reproducible sampling)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
     out: str = typer.Option("runs/train", "--out", help="Run directory: trace, metrics.jsonl, checkpoints/."),
