@@ -1,7 +1,8 @@
 """The layers of docs/architecture.md, checked against every import in the package.
 
 Imports point one way: data model → renderers / engine / envs / trainer → harness → agents → jobs
-→ cli, with sim, lint and bench beside the harness. vLLM is imported only in engine/, torch only where
+→ cli, with sim, lint and bench beside the harness, and trackers on the data model alone (jobs and cli
+open them). vLLM is imported only in engine/, torch only where
 models run (engine/, trainer/, bench/).
 """
 
@@ -22,16 +23,17 @@ ALLOWED: dict[str, set[str]] = {
     "engine": DATA,
     "envs": DATA,
     "trainer": DATA,
+    "trackers": DATA,
     "harness": DATA | {"renderers", "engine", "envs", "trainer"},
     "agents": DATA | {"renderers", "engine", "envs", "harness"},
     # a run composed from one config (the CLI, a torchrun worker, a user's script): may play an agent
-    "jobs": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents"},
+    "jobs": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents", "trackers"},
     "sim": DATA | {"engine", "harness"},
     "lint": DATA | {"engine", "harness"},
     "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint"},
     "view": DATA | {"renderers", "engine", "envs", "trainer", "harness", "lint"},
     "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents", "jobs", "sim", "lint", "bench",
-                  "view"},
+                  "view", "trackers"},
 }
 THIRD_PARTY = {"vllm": {"engine"}, "torch": {"engine", "trainer", "bench"}}
 

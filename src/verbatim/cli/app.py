@@ -26,7 +26,7 @@ from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.plot import plot_command
 from verbatim.cli.show import show_command
-from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, train_flags
+from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, LOG_HELP, train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
@@ -312,6 +312,7 @@ def run(
     stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
                                      help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+    log: list[str] = typer.Option([], "--log", help=LOG_HELP.replace("each step's metrics", "the run's summary")),
     config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
@@ -326,7 +327,7 @@ def run(
                              route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
                              cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
                              kv_cache_gib=kv_cache_gib, engine_gpu_memory=engine_gpu_memory,
-                             engine_tensor_parallel=engine_tensor_parallel, resume=resume)
+                             engine_tensor_parallel=engine_tensor_parallel, resume=resume, log=tuple(log))
     run_command(options, console, summary_json)
 
 

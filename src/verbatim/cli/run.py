@@ -37,6 +37,7 @@ from verbatim.harness.summary import RunSummary
 from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
 from verbatim.jobs.engine_start import started
 from verbatim.paths import check_output_file, check_run_dir
+from verbatim.trackers.fanout import TrackerNames, open_trackers
 
 
 class RunOptions(Frozen):
@@ -75,6 +76,8 @@ class RunOptions(Frozen):
     stop_grace_s: float = Field(default=30.0, ge=0)
     """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
     resume: bool = False
+    log: TrackerNames = ()
+    """Experiment trackers the summary and a table of rollouts are also sent to (``--log``)."""
 
 
 DEFAULT_GROUPS = 2
@@ -176,19 +179,21 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
     return undo
 
 
-async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0) -> RunSummary:
+async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0,
+                  on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
     """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
     shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
     async with started(engine, console, run.out) as start_s:
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
-            summary = await _play_with_progress(run, resume, console)
+            summary = await _play_with_progress(run, resume, console, on_rollout)
         finally:
             undo_signals()
     return summary.model_copy(update={"engine_start_s": round(start_s, 3)})
 
 
-async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSummary:
+async def _play_with_progress(run: Run, resume: bool, console: Console,
+                              on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
     total = sum(len(g) for g in run.groups)
     stats = {"prompt": 0, "cached": 0, "generated": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -204,6 +209,8 @@ async def _play_with_progress(run: Run, resume: bool, console: Console) -> RunSu
             elapsed = progress.tasks[0].elapsed or 1e-9
             hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
             progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
+            if on_rollout is not None:
+                on_rollout(rollout)
 
         run.on_rollout = tick
         return await run.play(resume=resume)
@@ -214,13 +221,18 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
     if summary_json:
         check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before the run, not after it
     run, engine = prepare_run(options)
+    config = options.model_dump(mode="json", exclude={"log"}) | {"urls": [redact(u) for u in options.urls]}
+    trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
     try:
-        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s))
+        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s, trackers.rollout))
+        trackers.step(summary.model_dump())
     except VerbatimError:  # a stopped run: what it wrote is summarised before the one-line reason
         if run.summary is not None:
             console.print(summary_table(run.summary, run.out))
             _write_summary(run.summary, summary_json)
         raise
+    finally:
+        trackers.close()
     console.print(summary_table(summary, run.out))
     warn_ignored_fields(summary.ignored_request_fields, console)
     _write_summary(summary, summary_json)

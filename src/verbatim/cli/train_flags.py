@@ -15,6 +15,8 @@ from verbatim.envs.registry import FALLBACK_MAX_TURNS
 
 AGENT_HELP = ("Your agent instead of --env: FILE.py:FUNCTION or module:function, called per rollout as "
               "FUNCTION(task, client) with an OpenAI client of a token-exact endpoint; returns the reward.")
+LOG_HELP = ("Also send each step's metrics, the config and a table of sampled rollouts to this tracker: wandb, "
+            "tensorboard, mlflow or trackio (repeat for several; pip install 'verbatim[NAME]'). docs/trainer.md.")
 AGENT_CMD_HELP = ("Your agent as a command in any language, run per rollout with OPENAI_BASE_URL and OPENAI_API_KEY "
                   "set and the task as JSON on stdin; its last stdout line is the reward or {\"reward\": …}.")
 
@@ -141,6 +143,7 @@ def train_flags(
                                           help="Seconds a step's collectives wait for a silent trainer rank before "
                                                "the run stops naming it (--trainer-procs > 1 or torchrun)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
+    log: list[str] = typer.Option([], "--log", help=LOG_HELP),
     summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
     config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
 ) -> None:
@@ -191,7 +194,7 @@ def train_flags(
                                max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                engine_gpu_memory=engine_gpu_memory, engine_tensor_parallel=engine_tensor_parallel,
                                trainer_device=trainer_device, trainer_procs=trainer_procs,
-                               trainer_timeout_s=trainer_timeout, resume=resume)
+                               trainer_timeout_s=trainer_timeout, resume=resume, log=tuple(log))
     train_command(options, console, summary_json)
 
 

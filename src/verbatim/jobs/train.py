@@ -32,6 +32,7 @@ from verbatim.harness.train import TrainLoop, TrainPlan
 from verbatim.harness.train_resume import check_resumable
 from verbatim.harness.train_step import refuse_truncated
 from verbatim.jobs.engine_start import started
+from verbatim.trackers.fanout import TrackerNames, open_trackers
 from verbatim.trainer.learner import LearnerConfig
 
 
@@ -76,13 +77,16 @@ class TrainConfig(Frozen):
     """How long a call every trainer rank makes (a step's collectives, a checkpoint) waits for a silent rank
     before the run stops naming it; followers wait for rank 0's next call as long as rollouts take."""
     resume: bool = False
+    log: TrackerNames = ()
+    """Experiment trackers each step is also sent to (``--log``; :mod:`verbatim.trackers`); a resume may change
+    them."""
 
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
         train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device", "engine_gpu_memory",
                                                       "engine_tensor_parallel", "trainer_procs",
-                                                      "trainer_timeout_s"})
+                                                      "trainer_timeout_s", "log"})
         train["urls"] = [redact(u) for u in self.urls]
         return {"train": train}
 
@@ -241,12 +245,14 @@ def run_training(config: TrainConfig, console: Console | None = None,
         console.print(f"{config.out} is complete: all {trained} steps are trained (pass a higher --steps with "
                       "--resume to train more)", soft_wrap=True)
         return read_metrics(config.out)
+    trackers = open_trackers(config.log, Path(config.out), config.config()["train"])  # a missing one: exit 2 now
     followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
     released = False
     try:
         with named_ranks(followers, config.trainer_timeout_s):
             loop = prepare(config)
-            loop.on_step = on_step
+            loop.on_step = trackers.after(on_step)
+            loop.on_rollout = trackers.rollout
             try:
                 metrics = asyncio.run(execute(loop, config, console))
                 getattr(loop.learner, "close", lambda: None)()  # a Lead lets its followers go
@@ -256,6 +262,7 @@ def run_training(config: TrainConfig, console: Console | None = None,
                 if on_end is not None:
                     on_end(loop)
     finally:
+        trackers.close()
         end_followers(followers, wait_s=60.0 if released else 0.0)
         leave_team()
 
