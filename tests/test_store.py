@@ -213,3 +213,20 @@ def test_a_run_directory_lock_refuses_a_second_writer_and_dies_with_its_holder(t
         with pytest.raises(InputError):  # one writer even within one process
             RunLock.check_free(out)
     assert list(out.iterdir()) == []  # the lock adds no file to the run directory
+
+
+def test_a_jsonl_line_has_the_parquet_rows_columns_and_an_older_nested_line_still_reads():
+    from verbatim.harness.tracefile import ROLLOUT_SCHEMA, from_json_line, to_json_line, to_table
+
+    rollout = _sample(3)
+    line = json.loads(to_json_line(rollout))
+    assert set(line) == set(ROLLOUT_SCHEMA.names) == set(to_table([rollout]).column_names)
+    assert line["token_id"] == rollout.tokens.token_id.tolist() and isinstance(line["info"], dict)
+    assert [x is None for x in line["logprob"]] == np.isnan(rollout.tokens.logprob).tolist()
+    older = {k: v for k, v in line.items() if k not in ("token_id", "source", "logprob", "policy_version", "turn")}
+    older["tokens"] = {k: line[k] for k in ("token_id", "source", "logprob", "policy_version", "turn")}
+    for text in (json.dumps(line), json.dumps(older)):
+        back = from_json_line(text)
+        assert back.model_dump(exclude={"tokens"}) == rollout.model_dump(exclude={"tokens"})
+        assert np.array_equal(back.tokens.logprob, rollout.tokens.logprob, equal_nan=True)
+        assert np.array_equal(back.tokens.token_id, rollout.tokens.token_id)

@@ -111,10 +111,13 @@ def _rollouts_of(table: pa.Table) -> list[Rollout]:
 
 
 def to_json_line(rollout: Rollout) -> str:
+    """The rollout as one JSON line with the Parquet row's columns: the five token columns at the top level
+    (``logprob`` null where Parquet has NaN: JSON has no NaN); ``task`` and ``info`` as objects, not the JSON
+    strings Parquet holds."""
     record = rollout.model_dump(mode="json", exclude={"tokens"})
-    tokens: dict[str, list[Any]] = {name: col.tolist() for name, col in rollout.tokens.as_dict().items()}
-    tokens["logprob"] = [None if math.isnan(x) else x for x in tokens["logprob"]]  # JSON has no NaN
-    record["tokens"] = tokens
+    for name, column in rollout.tokens.as_dict().items():
+        record[name] = column.tolist()
+    record["logprob"] = [None if math.isnan(x) else x for x in record["logprob"]]
     return json.dumps(record, allow_nan=False, separators=(",", ":"))
 
 
@@ -133,7 +136,8 @@ def brief(exc: BaseException) -> str:
 
 
 def _rollout_of(record: Any) -> Rollout:
-    tokens = record.pop("tokens")
+    # lines written before the columns moved to the top level nest them under "tokens"; both are read
+    tokens = record.pop("tokens") if "tokens" in record else {name: record.pop(name) for name in COLUMN_DTYPES}
     tokens["logprob"] = [math.nan if x is None else x for x in tokens["logprob"]]
     record["tokens"] = TokenColumns(**{name: np.asarray(tokens[name], dtype=dtype)
                                        for name, dtype in COLUMN_DTYPES.items()})
