@@ -50,14 +50,15 @@ def test_a_record_of_other_settings_is_not_reused_and_a_damaged_one_is_one_line(
 def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows_moved():
     settings = LearnSettings()
     runs = plan_runs([0, 1], ablation=True)
-    assert [r.label for r in runs] == ["seed 0", "seed 1", "lag 2 · keep · correction",
-                                       "lag 2 · keep · no correction", "seed 0 · re-rendered context",
+    assert [r.label for r in runs] == ["seed 0", "seed 1", "seed 0 · lag 2 · keep · correction",
+                                       "seed 1 · lag 2 · keep · correction", "seed 0 · lag 2 · keep · no correction",
+                                       "seed 1 · lag 2 · keep · no correction", "seed 0 · re-rendered context",
                                        "seed 1 · re-rendered context", "seed 0 · cut replies closed",
                                        "seed 1 · cut replies closed"]
     step = {"reward_mean": 0.5, "mismatch_mean_abs": 0.0, "model_tokens": 40, "rerendered_changed": 0.25,
             "rerendered_never_sampled": 3, "rerendered_failed": 0, "rerendered_replies": 8, "rerendered_reencoded": 1}
     results = [fake_result(r, settings) for r in runs]
-    for ablation in (results[5], results[7]):  # a failure here must not fail the verdict
+    for ablation in (results[7], results[9]):  # a failure here must not fail the verdict
         ablation["history"] = [step | {"reward_mean": 0.0}] * 10
     text = learn.markdown(results, settings, "verbatim bench learn", None)
     assert "Goal (last 5 steps' mean reward at least 0.2 above the first 5 in every seed): NOT met " \
@@ -70,3 +71,36 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
            "the re-render adds, trained with the reply's advantage: 30 of its 400 trained reply tokens" \
            in " ".join(text.split())
     assert "| seed 1 · cut replies closed | 0.000 | 0.000 | +0.000 | 0.0e+00 |" in text  # μ is the trace's
+
+
+def _gains(result_gains: dict[str, list[float]], settings: LearnSettings) -> list[dict]:
+    """Fake results whose first five steps score 0 and last five the gain."""
+    results = []
+    for run in plan_runs(list(range(len(next(iter(result_gains.values()))))), ablation=True):
+        gains = result_gains.get(run.setting)
+        if gains is None:
+            continue
+        gain = gains[run.seed]
+        result = fake_result(run, settings)
+        result["history"] = [{"reward_mean": 0.0}] * 5 + [{"reward_mean": gain}] * 5
+        results.append(result)
+    return results
+
+
+def test_repeats_give_each_setting_its_mean_and_spread_and_say_which_ablation_differs():
+    settings = LearnSettings()
+    results = _gains({"on-policy": [0.4, 0.5, 0.6], "re-rendered context": [0.45, 0.55, 0.5],
+                      "cut replies closed": [0.0, 0.05, 0.1]}, settings)
+    text = learn.markdown(results, settings, "verbatim bench learn --repeats 3", None)
+    assert "| on-policy | 3 | 0.000 ± 0.000 | 0.500 ± 0.100 | +0.500 ± +0.100 |" in text
+    assert "| re-rendered context | 3 |" in text and "within the spread of on-policy (+0.000)" in text
+    assert "below on-policy by more than the spread (-0.450)" in text
+    assert "on-policy: seed 0 +0.400, seed 1 +0.500, seed 2 +0.600" in text
+    assert "Every run:" in text and "| seed 2 · cut replies closed |" in text
+
+
+def test_repeats_pick_the_seeds_and_refuse_too_few():
+    assert learn.learn_seeds(None, None) == [0, 1] and learn.learn_seeds([5], None) == [5]
+    assert learn.learn_seeds(None, 3) == [0, 1, 2] and learn.learn_seeds([7, 8, 9, 10], 3) == [7, 8, 9]
+    with pytest.raises(InputError, match="--repeats 3 needs 3 seeds; --seed gave 2"):
+        learn.learn_seeds([1, 2], 3)

@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 from verbatim.bench.engines import engine_log, started
 from verbatim.bench.failures import require_clean
+from verbatim.bench.learn_repeats import ON_POLICY, by_setting
+from verbatim.bench.learn_repeats import markdown as repeats_markdown
 from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy, Sampling
@@ -61,10 +63,12 @@ NO_CORRECTION = CorrectionConfig(token_tis_cap=None, token_mask_band=None, max_v
 
 
 class LearnRun(Frozen):
-    """One training run of the benchmark."""
+    """One training run of the benchmark: a setting, with one seed."""
 
     label: str
     seed: int
+    setting: str = ON_POLICY
+    """What the run varies (``ON_POLICY`` or an ablation); its repeats share it and differ only by seed."""
     max_lag: int = 0
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     correction: bool = True
@@ -86,14 +90,32 @@ class LearnSettings(Frozen):
     lr_final: float = 0.1
 
 
+ABLATIONS = {
+    "lag 2 · keep · correction": {"max_lag": 2, "cache_policy": CachePolicy.KEEP},
+    "lag 2 · keep · no correction": {"max_lag": 2, "cache_policy": CachePolicy.KEEP, "correction": False},
+    "re-rendered context": {"context": "rerendered"},
+    "cut replies closed": {"context": "closed"},
+}
+"""Each ablation's settings, beside the on-policy run's."""
+
+
+def learn_seeds(seeds: list[int] | None, repeats: int | None) -> list[int]:
+    """The seeds every setting runs with: ``--seed`` values, the first ``--repeats`` of them, 0..K-1 for
+    ``--repeats K`` alone, or 0 and 1."""
+    if repeats is None:
+        return list(seeds or [0, 1])
+    if seeds and len(seeds) < repeats:
+        raise InputError(f"--repeats {repeats} needs {repeats} seeds; --seed gave {len(seeds)}",
+                         hint="give more --seed values, or none (seeds 0..K-1)")
+    return list(seeds[:repeats]) if seeds else list(range(repeats))
+
+
 def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
+    """Every setting with every seed: the on-policy runs first, then each ablation's."""
     runs = [LearnRun(label=f"seed {s}", seed=s) for s in seeds]
     if ablation:
-        runs += [LearnRun(label="lag 2 · keep · correction", seed=seeds[0], max_lag=2, cache_policy=CachePolicy.KEEP),
-                 LearnRun(label="lag 2 · keep · no correction", seed=seeds[0], max_lag=2,
-                          cache_policy=CachePolicy.KEEP, correction=False)]
-        runs += [LearnRun(label=f"seed {s} · re-rendered context", seed=s, context="rerendered") for s in seeds]
-        runs += [LearnRun(label=f"seed {s} · cut replies closed", seed=s, context="closed") for s in seeds]
+        runs += [LearnRun(label=f"seed {s} · {name}", seed=s, setting=name, **changes)
+                 for name, changes in ABLATIONS.items() for s in seeds]
     return runs
 
 
@@ -106,8 +128,6 @@ def train_run(run: LearnRun, settings: LearnSettings, model: str, root: Path) ->
 
 
 async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> tuple[list[dict[str, Any]], float]:
-    import torch
-
     from verbatim.engine.inproc import InprocEngine
     from verbatim.engine.models import resolve
     from verbatim.engine.runtime import EngineConfig
@@ -115,12 +135,12 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.reference import load_model
 
-    torch.manual_seed(run.seed)
     model_dir = resolve(model)
     factory = load_env("guess", **ENV_ARGS)
     correction = CorrectionConfig(max_version_lag=run.max_lag) if run.correction else NO_CORRECTION
     learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule,
-                                                            lr_final=settings.lr_final, correction=correction))
+                                                            lr_final=settings.lr_final, correction=correction),
+                      seed=run.seed)
     plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
                      max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
                      checkpoint_every=run.checkpoint_every)
@@ -181,13 +201,18 @@ def verdict(results: list[dict[str, Any]]) -> str:
 
 
 def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: str, image: str | None) -> str:
+    """With repeats (a setting run with more than one seed), first each setting's mean ± sd and verdict
+    (bench/learn_repeats.py), then every run."""
+    grouped = by_setting(results, row)
+    repeated = any(len(rows) > 1 for rows in grouped.values())
+    head = repeats_markdown(grouped, WINDOW) + "\nEvery run:\n\n" if repeated else ""
     lines = [f"| run | first {WINDOW} steps | last {WINDOW} steps | gain | mean \\|Δ logp\\| | dropped | hybrid tokens "
              "| cache hit | minutes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in map(row, results):
         mismatch = "–" if r["mismatch"] is None else f"{r['mismatch']:.1e}"
         lines.append(f"| {r['run']} | {r['first']:.3f} | {r['last']:.3f} | {r['gain']:+.3f} | {mismatch} | "
                      f"{r['dropped']:.1%} | {r['hybrid']} | {r['cache_hit']:.0%} | {r['wall_min']:.1f} |")
-    text = "\n".join(lines) + "\n\n" + verdict(results) + "\n" + rerender_note(results)
+    text = head + "\n".join(lines) + "\n\n" + verdict(results) + "\n" + rerender_note(results)
     if image:
         text += f"\n![reward per step]({image})\n"
     s = settings
