@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from killable_train import Trainer
 from safetensors import safe_open
 from subprocess_cli import cli
 
@@ -94,31 +95,41 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
 
 
+def _step_rollouts(out: Path, step: int) -> int:
+    if not (out / "manifest.json").exists():
+        return 0
+    return sum(1 for r in read_run(out).rollouts if r.info.get("step") == step)
+
+
 @pytest.mark.engine
 @pytest.mark.slow
-def test_a_run_stopped_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir):
-    """Two 2-step runs of one command: one uninterrupted, one that stops after step 1 and is resumed from
-    its checkpoint in a new process (a fresh engine, the trainer's state from the checkpoint)."""
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir):
+    """Two 2-step runs of one command. One runs through. The other stops after step 1; a resume samples step
+    2's rollouts on a fresh engine serving step 1's checkpoint and is SIGKILLed while it trains on them; a
+    second resume trains step 2 again from the checkpoint and the recorded rollouts."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
     done = cli("train", *TRAIN, "--steps", "2", "--out", str(whole))
     assert done.returncode == 0, done.stderr[-3000:]
-    done = cli("train", *TRAIN, "--steps", "1", "--out", str(resumed))
+    done = cli("train", *TRAIN, "--steps", "1", "--out", str(broken))
     assert done.returncode == 0, done.stderr[-3000:]
-    done = cli("train", *TRAIN, "--steps", "2", "--out", str(resumed), "--resume")
+    killed = Trainer(tmp_path, "killed", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"])
+    killed.kill_when(lambda: _step_rollouts(broken, 2) == 4)  # every rollout of step 2 recorded: now it trains
+    assert not (broken / "checkpoints" / "step-000002").exists()
+    done = cli("train", *TRAIN, "--steps", "2", "--out", str(broken), "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
 
-    _same_tokens(whole, resumed)
+    _same_tokens(whole, broken)
     metrics = _metrics(whole)
-    assert [m["step"] for m in metrics] == [1, 2] and metrics == _metrics(resumed)
+    assert [m["step"] for m in metrics] == [1, 2] and metrics == _metrics(broken)
     assert all(m["grad_norm"] > 0 for m in metrics)  # both steps moved the weights compared below
     last = Path("checkpoints") / "step-000002"
-    weights, again = _weights(whole / last), _weights(resumed / last)
+    weights, again = _weights(whole / last), _weights(broken / last)
     assert weights.keys() == again.keys()
     assert all(np.array_equal(weights[name], again[name]) for name in weights)
     for name in ("optimizer.pt", "rng.pt"):
-        assert (whole / last / name).read_bytes() == (resumed / last / name).read_bytes(), name
+        assert (whole / last / name).read_bytes() == (broken / last / name).read_bytes(), name
     logprobs = Path("trainer_logprobs") / "step-000002.parquet"
-    assert (whole / logprobs).read_bytes() == (resumed / logprobs).read_bytes()
+    assert (whole / logprobs).read_bytes() == (broken / logprobs).read_bytes()
 
 
 def _server_info(device: str, chunked: bool) -> dict:

@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from killable_train import Trainer
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
@@ -36,46 +35,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 STEPS, GROUPS, SIZE = 4, 2, 2
 ARGS = ["--env", "guess", "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(SIZE),
         "--max-turns", "2", "--max-tokens", "6", "--lr", "1e-5", "--max-model-len", "1024", "--seed", "4"]
-
-
-class Trainer:
-    """``verbatim train …`` in its own session, output to files."""
-
-    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
-        self.stdout, self.stderr = tmp / f"{name}.out", tmp / f"{name}.err"
-        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.cli", "train", *args], stdout=out,
-                                         stderr=err, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"verbatim train did not end within {timeout:.0f}s: {self.err()}") from None
-
-    def err(self) -> str:
-        return self.stderr.read_text(errors="replace")[-3000:]
-
-    def kill_when(self, condition, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if condition():
-                self.kill()
-                return
-            if not self.alive():
-                raise AssertionError(f"the trainer ended before the kill point: {self.err()}")
-            time.sleep(0.01)
-        self.kill()
-        raise AssertionError(f"the kill point never came: {self.err()}")
 
 
 def checkpoints(out: Path) -> list[str]:

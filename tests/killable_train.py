@@ -1,0 +1,53 @@
+"""``verbatim train …`` as a process of its own that a test can kill at a chosen point (SIGKILL to its whole
+session), its output in files; this folder is on its PYTHONPATH (test envs such as graded_env.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Trainer:
+    """``verbatim train …`` in its own session, output to files."""
+
+    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+        self.stdout, self.stderr = tmp / f"{name}.out", tmp / f"{name}.err"
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            tests = str(Path(__file__).resolve().parent)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+            self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.cli", "train", *args], stdout=out,
+                                         stderr=err, start_new_session=True, env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"verbatim train did not end within {timeout:.0f}s: {self.err()}") from None
+
+    def err(self) -> str:
+        return self.stderr.read_text(errors="replace")[-3000:]
+
+    def kill_when(self, condition, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                self.kill()
+                return
+            if not self.alive():
+                raise AssertionError(f"the trainer ended before the kill point: {self.err()}")
+            time.sleep(0.01)
+        self.kill()
+        raise AssertionError(f"the kill point never came: {self.err()}")
