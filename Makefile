@@ -32,7 +32,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed-cpu
 	touch $@
 
 # The main job on the default model: 2 groups x 4 rollouts of the guess game, up to its 6 guesses (verbatim run),
-# then a short real training run on a small guess game (verbatim train: 4 steps, its reward table at the end).
+# then a short real training run on a small guess game (verbatim train: 6 steps of 4 groups x 8 at lr 1e-4, its
+# reward table at the end), and its curves (verbatim plot: RUN_DIR/curve.png).
 DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: $(VENV)/.installed-cpu
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim models prepare
@@ -40,9 +41,10 @@ demo: $(VENV)/.installed-cpu
 		--max-tokens 48 --out $(DEMO_OUT) --summary-json $(DEMO_OUT).summary.json
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim lint trace $(DEMO_OUT)
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim show $(DEMO_OUT)
-	HF_HUB_OFFLINE=1 $(BIN)/verbatim train --env guess --env-arg high=5 --env-arg max_guesses=3 --steps 4 \
-		--groups 2 --group-size 4 --max-turns 3 --max-tokens 12 --lr 2e-5 --out $(DEMO_OUT)-train \
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim train --env guess --env-arg high=5 --env-arg max_guesses=3 --steps 6 \
+		--groups 4 --group-size 8 --max-turns 3 --max-tokens 12 --lr 1e-4 --out $(DEMO_OUT)-train \
 		--summary-json $(DEMO_OUT)-train.summary.json
+	HF_HUB_OFFLINE=1 $(BIN)/verbatim plot $(DEMO_OUT)-train
 
 # tests/test_view.py drives Debian's chromium (never a browser Playwright downloads). Installed here
 # when missing (sudo unless root); if that fails, make goes on and those tests fail saying so.
