@@ -26,7 +26,6 @@ sequence of the group would see one dropout mask on it, which full-sequence trai
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
@@ -203,14 +202,6 @@ def dropout_settings(model: nn.Module) -> dict[str, float]:
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found[name] = float(module.p)
     return found
-
-
-def deterministic_kernels() -> None:
-    """Ask torch for its deterministic kernels (a warning, not an error, for an op that has none), so the same
-    rows give the same update bit for bit; on CUDA, cuBLAS needs a fixed workspace for that (set here unless
-    the user set one). On the CPU it changes only a few scatter/index ops."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def refuse_dropout(model: nn.Module) -> None:

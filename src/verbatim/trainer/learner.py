@@ -47,7 +47,7 @@ from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, deterministic_kernels, refuse_dropout
+from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
 from verbatim.trainer.checkpoint import seed_generators
 from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.distributed.sharding import ShardedModel, WholeModel
@@ -145,7 +145,6 @@ class Learner:
         """``seed``: the run's, for the process's generators (none of the step's work draws from them; seeded,
         a checkpoint's ``rng.pt`` repeats too)."""
         refuse_dropout(model)
-        deterministic_kernels()
         if seed is not None:
             seed_generators(seed)
         self.model = model.train()
