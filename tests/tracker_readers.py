@@ -32,7 +32,9 @@ def mlflow(run_dir: Path) -> tuple[Steps, dict[int, list[dict[str, Any]]], dict[
     """MLflow's client on the run's local store: metric histories, the rollout artifacts, the parameters."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    from verbatim.trackers.mlflow_run import local_store
+
+    client = MlflowClient(tracking_uri=local_store(run_dir))
     experiment = client.get_experiment_by_name("verbatim")
     (run,) = client.search_runs([experiment.experiment_id])
     steps: Steps = {}

@@ -46,7 +46,7 @@ def tracker_names(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(chosen)
 
 
-TrackerNames = Annotated[tuple[str, ...], AfterValidator(lambda names: tracker_names(names))]
+TrackerNames = Annotated[tuple[str, ...], AfterValidator(tracker_names)]
 """A settings field of ``--log`` values: checked when the settings are built, before anything starts."""
 
 
