@@ -91,3 +91,28 @@ def test_trainer_procs_other_than_torchruns_count_is_refused(tmp_path, monkeypat
                                       "--out", str(tmp_path / "run")])
     assert result.exit_code == 2
     assert "--trainer-procs 3 under torchrun, which launched 2 processes" in result.output
+
+
+def test_trackers_are_closed_when_the_team_cannot_start(tmp_path, monkeypatch):
+    """The trackers open before the team starts (a missing library is exit 2 first); a team that fails to
+    start must not leave them open."""
+    import verbatim.jobs.trainer_team as trainer_team
+    from verbatim.harness.train import TrainPlan
+    from verbatim.trainer.learner import LearnerConfig
+
+    closed = []
+
+    class Recorded:
+        def close(self):
+            closed.append(True)
+
+    def no_team(*args, **kwargs):
+        raise RuntimeError("no team")
+
+    monkeypatch.setattr("verbatim.jobs.train.open_trackers", lambda *args: Recorded())
+    monkeypatch.setattr(trainer_team, "start_followers", no_team)
+    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, groups=1, group_size=2), learner=LearnerConfig(),
+                         out=str(tmp_path / "run"))
+    with pytest.raises(RuntimeError, match="no team"):
+        run_training(config)
+    assert closed == [True]

@@ -246,7 +246,11 @@ def run_training(config: TrainConfig, console: Console | None = None,
                       "--resume to train more)", soft_wrap=True)
         return read_metrics(config.out)
     trackers = open_trackers(config.log, Path(config.out), config.config()["train"])  # a missing one: exit 2 now
-    followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
+    try:
+        followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
+    except BaseException:  # no team: nothing below runs, so close the trackers here
+        trackers.close()
+        raise
     released = False
     try:
         with named_ranks(followers, config.trainer_timeout_s):
