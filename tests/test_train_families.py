@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from subprocess_cli import cli
-from trained_run import assert_step_two_has_step_one_logprobs, assert_two_steps
+from trained_run import assert_sampled_with_previous_checkpoint, assert_two_steps
 
 from verbatim.harness.store import read_manifest
 from verbatim.harness.tiny_models import write_tiny_model
@@ -32,4 +32,4 @@ def test_a_tiny_model_of_another_family_trains_end_to_end(tmp_path, family, rend
     assert done.returncode == 0, done.stdout + done.stderr
     assert read_manifest(out).renderer == renderer  # detected from the folder's chat template
     assert_two_steps(out, trainer_path="prefixflow", rows=3)
-    assert_step_two_has_step_one_logprobs(out, model_dir)
+    assert_sampled_with_previous_checkpoint(out, model_dir)

@@ -3,7 +3,7 @@
 After two synchronous steps with ``--checkpoint-every 1``: versions 1 and 2 in ``metrics.jsonl``, each step's
 π_old equal to the μ its rollouts were sampled with (the engine held the trainer's weights of that version),
 ``lint trace`` clean, and the tokens of step 2 carrying the logprobs of step 1's checkpoint (loaded here in
-one process), not the base model's: the push moved the engine.
+one process), not the base model's: the push moved the engine (any step against the one before it).
 """
 
 from __future__ import annotations
@@ -36,20 +36,21 @@ def assert_two_steps(out: Path, **expected: Any) -> list[dict[str, Any]]:
     return lines
 
 
-def assert_step_two_has_step_one_logprobs(out: Path, model_dir: Path) -> None:
-    """Step 2's model tokens: version 1, the logprobs of step 1's checkpoint, far from the base model's."""
+def assert_sampled_with_previous_checkpoint(out: Path, model_dir: Path, step: int = 2) -> None:
+    """Step ``step``'s model tokens: version ``step - 1``, the logprobs of that step's checkpoint, far from the
+    base model's."""
     base = load_model(model_dir).eval()
     trained = load_model(model_dir)
-    assert load_checkpoint(out / "checkpoints" / "step-000001", trained, None)["version"] == 1
+    assert load_checkpoint(out / "checkpoints" / f"step-{step - 1:06d}", trained, None)["version"] == step - 1
     trained.eval()
     moved = 0.0
-    for rollout in (r for r in read_run(out).rollouts if r.info["step"] == 2):
+    for rollout in (r for r in read_run(out).rollouts if r.info["step"] == step):
         tokens = rollout.tokens
         at = np.flatnonzero(tokens.source == Source.MODEL)
-        assert set(tokens.policy_version[at].tolist()) == {1}
+        assert set(tokens.policy_version[at].tolist()) == {step - 1}
         with torch.no_grad():
             want = reference_logprobs(trained, tokens.token_id, at).numpy()
             before = reference_logprobs(base, tokens.token_id, at).numpy()
         assert np.abs(want - tokens.logprob[at]).max() < AGREEMENT, rollout.rollout_id
         moved = max(moved, float(np.abs(before - tokens.logprob[at]).max()))
-    assert moved > 10 * AGREEMENT, "step 1 did not move the weights: the push proves nothing"
+    assert moved > 10 * AGREEMENT, "training did not move the weights: the push proves nothing"
