@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
-from verbatim.engine.fleet import split_devices
+from verbatim.engine.fleet import fleet_gpus, split_devices
 from verbatim.engine.runtime import VLLM_GPU_MEMORY, EngineConfig
 from verbatim.errors import InputError
 from verbatim.jobs.placement import bytes_per_parameter, check_placement, device_list, trainer_bytes
@@ -87,6 +87,32 @@ def test_fleet_devices_are_split_by_tensor_parallel_without_reuse():
     assert device_list("0,2") == (0, 2) and device_list(None) is None
     with pytest.raises(InputError, match="must be GPU indices"):
         device_list("0,gpu1")
+
+
+def test_fleet_replicas_without_devices_get_gpus_of_their_own():
+    assert fleet_gpus(None, 0, 4, 1, None) == [None] * 4  # a CPU machine
+    assert fleet_gpus(None, 8, 1, 2, None) == [None]  # one replica sees what fleet up sees
+    assert fleet_gpus(None, 8, 4, 1, None) == [(0,), (1,), (2,), (3,)]
+    assert fleet_gpus(None, 8, 2, 4, None) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert fleet_gpus((6, 7), 8, 2, 1, None) == [(6,), (7,)]  # named ones win
+    assert fleet_gpus(None, 2, 4, 1, 0.45) == [(0,), (1,), (0,), (1,)]  # shared, each taking under half
+    with pytest.raises(InputError, match="4 replicas × --tensor-parallel 1 need 4 GPUs; this machine shows 2"):
+        fleet_gpus(None, 2, 4, 1, None)  # vLLM's default share (0.92) twice on one GPU cannot start
+    with pytest.raises(InputError, match="need 3 GPUs; this machine shows 2") as refused:
+        fleet_gpus(None, 2, 3, 1, 0.6)  # two replicas of 0.6 on GPU 0
+    assert "--gpu-memory at most 0.50 (2 replicas on a GPU)" in refused.value.hint
+    with pytest.raises(InputError, match="need 4 GPUs; this machine shows 3"):
+        fleet_gpus(None, 3, 2, 2, 0.3)  # a tensor-parallel replica is never spread over shared GPUs
+
+
+def test_a_servers_gpus_are_counted_within_our_own_cuda_visible_devices():
+    from verbatim.engine.server import child_devices
+
+    assert child_devices((0, 1), None) == "0,1" and child_devices((1,), "") == "1"
+    assert child_devices((0, 1), "4,5,6") == "4,5"  # GPU 0 of ours is the machine's GPU 4
+    assert child_devices((1,), "GPU-aa, GPU-bb") == "GPU-bb"
+    with pytest.raises(InputError, match="--devices names GPU 2, but CUDA_VISIBLE_DEVICES=4,5 shows 2"):
+        child_devices((0, 2), "4,5")
 
 
 def test_the_server_command_carries_the_placement(default_model_dir):

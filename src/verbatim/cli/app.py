@@ -420,13 +420,14 @@ def fleet_up(
                                         help="GPUs per replica (vLLM's --tensor-parallel-size)."),
     devices: str = typer.Option(None, "--devices", help="The GPUs to use, e.g. 0,1,2,3: replica i gets the i-th "
                                 "--tensor-parallel of them (CUDA_VISIBLE_DEVICES); --replicas × --tensor-parallel "
-                                "must be named. Default: every replica sees what this command sees."),
+                                "must be named. Default: several replicas get GPUs of their own, in order (or "
+                                "share them, with --gpu-memory); one replica sees what this command sees."),
 ) -> None:
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
 
+    from verbatim.engine.fleet import fleet_gpus
     from verbatim.engine.fleet import fleet_up as start_fleet
-    from verbatim.engine.fleet import split_devices
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind
     from verbatim.jobs.placement import device_list
@@ -438,9 +439,14 @@ def fleet_up(
         raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
                           gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices))
-    split_devices(config.devices, replicas, tensor_parallel)  # a bad --devices is refused before the first line
+    visible = 0
+    if config.devices is None and replicas > 1:  # replicas get GPUs of their own (a CPU machine shows none)
+        from verbatim.trainer.reference import visible_gpus
+
+        visible = len(visible_gpus())
+    fleet_gpus(config.devices, visible, replicas, tensor_parallel, gpu_memory)  # refused before the first line
     err_console.print(f"starting {replicas} replicas of {config.model}…")
-    record = start_fleet(config, replicas, Path(file), host=host)
+    record = start_fleet(config, replicas, Path(file), host=host, visible_gpus=visible)
     for replica in record.replicas:
         gpus = f"  gpus {replica.gpus}" if replica.gpus else ""
         console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}{gpus}")

@@ -35,7 +35,8 @@ class FleetReplica(Frozen):
     log: str | None = None
     cpus: str | None = None
     gpus: str | None = None
-    """The CUDA devices the replica sees (``fleet up --devices``), None when not named."""
+    """The CUDA devices the replica sees (``fleet up --devices``, or its own of this machine's when there are
+    several replicas); None: what ``fleet up`` saw."""
 
 
 class FleetRecord(Frozen):
@@ -77,14 +78,37 @@ def split_devices(devices: tuple[int, ...] | None, replicas: int, tensor_paralle
     return [tuple(devices[i * tensor_parallel:(i + 1) * tensor_parallel]) for i in range(replicas)]
 
 
+def fleet_gpus(devices: tuple[int, ...] | None, visible: int, replicas: int, tensor_parallel: int,
+               gpu_memory: float | None) -> list[tuple[int, ...] | None]:
+    """Each replica's GPUs. Named ``devices`` are split as given (:func:`split_devices`). Without them, on a
+    machine showing ``visible`` GPUs, replicas get GPUs of their own in order (vLLM alone would start every
+    replica on GPU 0); when there are fewer GPUs than replicas, single-GPU replicas share them round-robin
+    only where ``gpu_memory`` says how: each one's share times the replicas on a GPU must fit in it. One
+    replica, or no GPU: None (the replica sees what this process sees)."""
+    if devices is not None:
+        return split_devices(devices, replicas, tensor_parallel)
+    if visible == 0 or replicas == 1:
+        return [None] * replicas
+    need = replicas * tensor_parallel
+    if visible >= need:
+        return split_devices(tuple(range(need)), replicas, tensor_parallel)
+    per_gpu = -(-replicas // visible)
+    if tensor_parallel == 1 and gpu_memory is not None and gpu_memory * per_gpu <= 1:
+        return [(i % visible,) for i in range(replicas)]
+    raise InputError(f"{replicas} replicas × --tensor-parallel {tensor_parallel} need {need} GPUs; this machine "
+                     f"shows {visible}", hint=f"pass fewer --replicas, or share the GPUs with --tensor-parallel 1 "
+                     f"and --gpu-memory at most {1 / per_gpu:.2f} ({per_gpu} replicas on a GPU)")
+
+
 def fleet_up(config: EngineConfig, replicas: int, fleet_file: Path, *, host: str = LOOPBACK,
-             log_dir: Path | None = None, timeout_s: float = 900.0) -> FleetRecord:
-    """Start ``replicas`` servers in parallel and write the fleet file once all are healthy. With
-    ``config.devices``, replica i sees only its own ``config.tensor_parallel`` of them (:func:`split_devices`)."""
+             log_dir: Path | None = None, timeout_s: float = 900.0, visible_gpus: int = 0) -> FleetRecord:
+    """Start ``replicas`` servers in parallel and write the fleet file once all are healthy. Replica i sees
+    only its own GPUs (:func:`fleet_gpus`: of ``config.devices``, else of the ``visible_gpus`` here)."""
     if fleet_file.exists() and any(_is_server(r.pid) for r in read_fleet(fleet_file).replicas):
         raise InputError(f"{fleet_file} describes a fleet that is still running",
                          hint="run 'verbatim fleet down' first, or pass another --file")
-    gpus = split_devices(config.devices, replicas, config.tensor_parallel)  # refused before anything is written
+    gpus = fleet_gpus(config.devices, visible_gpus, replicas, config.tensor_parallel,
+                      config.gpu_memory)  # refused before anything is written
     log_dir = log_dir or fleet_file.parent / "fleet-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cpus = split_cpus(sorted(os.sched_getaffinity(0)), replicas)

@@ -74,8 +74,22 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
     if config.gpu_memory is not None:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory)]
     if config.devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in config.devices)
+        env["CUDA_VISIBLE_DEVICES"] = child_devices(config.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return argv, env
+
+
+def child_devices(devices: tuple[int, ...], visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a server that is to see ``devices``, indices of the GPUs this process sees:
+    under a ``CUDA_VISIBLE_DEVICES`` of our own, GPU i is its i-th entry (as torch and vLLM count), not the
+    machine's GPU i."""
+    if not visible:
+        return ",".join(str(d) for d in devices)
+    ours = [part.strip() for part in visible.split(",") if part.strip()]
+    beyond = [d for d in devices if d >= len(ours)]
+    if beyond:
+        raise InputError(f"--devices names GPU {beyond[0]}, but CUDA_VISIBLE_DEVICES={visible} shows {len(ours)}",
+                         hint=f"name GPUs 0..{len(ours) - 1}, counted within CUDA_VISIBLE_DEVICES")
+    return ",".join(ours[d] for d in devices)
 
 
 class ServerProcess:
