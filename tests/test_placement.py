@@ -115,6 +115,18 @@ def test_a_servers_gpus_are_counted_within_our_own_cuda_visible_devices():
         child_devices((0, 2), "4,5")
 
 
+def test_a_fleet_whose_gpus_are_not_all_visible_is_refused_before_any_replica_starts(monkeypatch, tmp_path):
+    from verbatim.engine import fleet
+
+    started = []
+    monkeypatch.setattr(fleet.ServerProcess, "launch", lambda self: started.append(self) or self)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    config = EngineConfig(model="default", devices=(0, 1, 2))
+    with pytest.raises(InputError, match="--devices names GPU 2, but CUDA_VISIBLE_DEVICES=4,5 shows 2"):
+        fleet.fleet_up(config, 3, tmp_path / "fleet.json")
+    assert started == [] and not (tmp_path / "fleet.json").exists()
+
+
 def test_the_server_command_carries_the_placement(default_model_dir):
     from verbatim.engine.server import server_command
 

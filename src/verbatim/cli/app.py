@@ -426,8 +426,8 @@ def fleet_up(
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
 
-    from verbatim.engine.fleet import fleet_gpus
     from verbatim.engine.fleet import fleet_up as start_fleet
+    from verbatim.engine.fleet import replica_gpus
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind
     from verbatim.jobs.placement import device_list
@@ -444,7 +444,7 @@ def fleet_up(
         from verbatim.trainer.reference import visible_gpus
 
         visible = len(visible_gpus())
-    fleet_gpus(config.devices, visible, replicas, tensor_parallel, gpu_memory)  # refused before the first line
+    replica_gpus(config, replicas, visible)  # refused before the first line
     err_console.print(f"starting {replicas} replicas of {config.model}…")
     record = start_fleet(config, replicas, Path(file), host=host, visible_gpus=visible)
     for replica in record.replicas:

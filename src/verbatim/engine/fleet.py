@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError
 from verbatim.datamodel import Frozen
 from verbatim.engine.reaper import running, stop_group
 from verbatim.engine.runtime import EngineConfig
-from verbatim.engine.server import LOOPBACK, ServerProcess, is_loopback
+from verbatim.engine.server import LOOPBACK, ServerProcess, child_devices, is_loopback
 from verbatim.errors import EngineError, InputError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -100,15 +100,24 @@ def fleet_gpus(devices: tuple[int, ...] | None, visible: int, replicas: int, ten
                      f"and --gpu-memory at most {1 / per_gpu:.2f} ({per_gpu} replicas on a GPU)")
 
 
+def replica_gpus(config: EngineConfig, replicas: int, visible: int) -> list[tuple[int, ...] | None]:
+    """:func:`fleet_gpus` for ``config``, each replica's list also checked against this process's own
+    ``CUDA_VISIBLE_DEVICES`` (:func:`child_devices`): refused before any replica starts."""
+    gpus = fleet_gpus(config.devices, visible, replicas, config.tensor_parallel, config.gpu_memory)
+    for own in gpus:
+        if own is not None:
+            child_devices(own, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return gpus
+
+
 def fleet_up(config: EngineConfig, replicas: int, fleet_file: Path, *, host: str = LOOPBACK,
              log_dir: Path | None = None, timeout_s: float = 900.0, visible_gpus: int = 0) -> FleetRecord:
     """Start ``replicas`` servers in parallel and write the fleet file once all are healthy. Replica i sees
-    only its own GPUs (:func:`fleet_gpus`: of ``config.devices``, else of the ``visible_gpus`` here)."""
+    only its own GPUs (:func:`replica_gpus`: of ``config.devices``, else of the ``visible_gpus`` here)."""
     if fleet_file.exists() and any(_is_server(r.pid) for r in read_fleet(fleet_file).replicas):
         raise InputError(f"{fleet_file} describes a fleet that is still running",
                          hint="run 'verbatim fleet down' first, or pass another --file")
-    gpus = fleet_gpus(config.devices, visible_gpus, replicas, config.tensor_parallel,
-                      config.gpu_memory)  # refused before anything is written
+    gpus = replica_gpus(config, replicas, visible_gpus)  # refused before anything is written
     log_dir = log_dir or fleet_file.parent / "fleet-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cpus = split_cpus(sorted(os.sched_getaffinity(0)), replicas)
