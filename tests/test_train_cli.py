@@ -135,6 +135,7 @@ def _options_of(args: list[str], monkeypatch):
     (["--lr", "2e-5"], "--resume with a changed config: learner.lr: 1e-05 -> 2e-05"),
     (["--group-size", "8"], "--resume with a changed config: plan.group_size: 4 -> 8"),
     (["--env-arg", "high=5"], "--resume with a changed config: env_args.high: (missing) -> 5"),
+    (["--fixed-lag"], "--resume with a changed config: plan.fixed_lag: False -> True"),
 ])
 def test_resuming_with_a_changed_setting_names_it(tmp_path, monkeypatch, changed, needle):
     out = tmp_path / "run"
@@ -159,6 +160,26 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
+def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path, monkeypatch):
+    """Its config lacks ``plan.fixed_lag``: it trained with eager pushes, which is what a resume without the flag
+    asks for (harness/train_resume.py's ADDED), so the check lets it through; with the flag it is a change."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out), "--max-lag", "1"]
+    config = _options_of(args, monkeypatch).config()
+    assert config["train"]["plan"]["fixed_lag"] is False
+    assert _options_of([*args, "--fixed-lag"], monkeypatch).plan.fixed_lag
+    del config["train"]["plan"]["fixed_lag"]
+    _manifest(out, config)
+
+    def passed(options):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
+    result = runner.invoke(app, ["train", *args, "--resume"])
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    refused([*args, "--resume", "--fixed-lag"], "plan.fixed_lag: False -> True")
 
 
 def test_the_trainer_device_may_change_on_resume(monkeypatch):

@@ -41,8 +41,8 @@ AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.m
 
 
 def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: LearnerConfig,
-              sampling: Sampling = Sampling(max_tokens=12, temperature=1.0)) -> TrainLoop:
-    factory = load_env("guess", high=8, max_guesses=3)
+              sampling: Sampling = Sampling(max_tokens=12, temperature=1.0), factory=None) -> TrainLoop:
+    factory = factory or load_env("guess", high=8, max_guesses=3)
     loop = LoopConfig(max_turns=2, context_budget=2048, cache_policy=plan.cache_policy, sampling=sampling)
     manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
                            engine={"kind": "inproc", "block_size": engine.block_size},
@@ -213,3 +213,70 @@ def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sample
     assert record["mismatch_mean_abs"] == 0.0  # π_old stands in for the missing μ
     assert step_file(loop.out, 1).is_file()
     assert read_logprobs(step_file(loop.out, 1)) == {}  # its rows are not the trace's
+
+
+class TrainedFirstFactory:
+    """Two turns a rollout; from step 2 on, a rollout's second request waits until the step before has been
+    trained (its logprob file, written before the push) and a moment more: an update that is not held back
+    lands between a rollout's two requests."""
+
+    name = "trained-first"
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def make(self):
+        return TrainedFirstEnv(self.out)
+
+    def tasks(self, count: int, seed: int) -> list[dict]:
+        return [{"id": f"t{seed}-{i}", "n": seed + i, "step": seed - 100 + 1} for i in range(count)]  # make_loop
+
+
+class TrainedFirstEnv:
+    def __init__(self, out: Path) -> None:
+        self.out, self.step_number, self.turns = out, 1, 0
+
+    def reset(self, task, seed):
+        from verbatim.datamodel import Message
+        from verbatim.envs.base import Reset
+
+        self.step_number = task["step"]
+        return Reset(messages=(Message(role="user", content=f"Say something about the number {task['n']}."),))
+
+    def step(self, message):
+        import time
+
+        from verbatim.datamodel import Message
+        from verbatim.envs.base import StepResult
+
+        self.turns += 1
+        if self.turns == 1 and self.step_number > 1:
+            trained = self.out / "trainer_logprobs" / f"step-{self.step_number - 1:06d}.parquet"
+            deadline = time.monotonic() + 300
+            while not trained.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2.0)  # an eager push (well under a second here) lands meanwhile
+        return StepResult(messages=(Message(role="user", content="And then?"),),
+                          reward=(len(message.content) % 11) / 10, done=self.turns == 2)
+
+
+def test_a_fixed_lag_samples_every_step_with_the_weights_exactly_max_lag_behind(engine_runner, default_model_dir,
+                                                                                tmp_path):
+    """``--max-lag 1 --fixed-lag``: step n's every token has version n − 2 (step 1's and 2's the start's), though
+    each step's second requests wait until the step before is trained (without the fixed lag they would take
+    its weights: the test fails so)."""
+    plan = TrainPlan(steps=3, groups=1, group_size=2, max_lag=1, fixed_lag=True, keep_checkpoints=1, seed=4)
+    engine = engine_runner.engine
+    loop = make_loop(engine, default_model_dir, tmp_path / "fixed", plan, LearnerConfig(lr=3e-4),
+                     factory=TrainedFirstFactory(tmp_path / "fixed"))
+    start = engine.version
+    try:
+        history = engine_runner.run(loop.train(), timeout=900)
+    finally:
+        engine_runner.run(engine.update_weights(default_model_dir, engine.version + 1, CachePolicy.FLUSH))
+    assert [r["version"] for r in history] == [start + 1, start + 2, start + 3]
+    for rollout in read_run(loop.out).rollouts:
+        step, tokens = rollout.info["step"], rollout.tokens
+        versions = set(tokens.policy_version[tokens.source == Source.MODEL].tolist())
+        assert len(rollout.turns) == 2 and versions == {start + max(step - 2, 0)}, (rollout.rollout_id, versions)
+    assert all(r["hybrid_tokens"] == 0 for r in history)

@@ -74,6 +74,11 @@ def train_flags(
     max_lag: int = typer.Option(0, "--max-lag", min=0,
                                 help="0: synchronous on-policy. L >= 1: the next step plays while this one "
                                      "trains; tokens more than L versions behind are masked."),
+    fixed_lag: bool = typer.Option(False, "--fixed-lag",
+                                   help="With --max-lag L >= 1: step n samples with exactly the weights of step "
+                                        "n-1-L (a push waits until the steps that need older weights have "
+                                        "played), so a rerun repeats every version; without it, a push lands "
+                                        "as soon as its step is trained."),
     token_tis_cap: float = typer.Option(2.0, "--token-tis-cap", help="Token-level TIS: weight min(pi/mu, cap); "
                                                                      "0 turns it off."),
     sequence_tis: str = typer.Option(None, "--sequence-tis",
@@ -170,8 +175,8 @@ def train_flags(
     with flag_errors():  # a value a settings model refuses: one line naming the option
         plan = TrainPlan(steps=steps, groups=groups, group_size=group_size_option(group_size), seed=seed,
                          advantage=advantage_option(advantage), cache_policy=cache_policy_option(cache_policy),
-                         max_lag=max_lag, keep_checkpoints=keep_checkpoints, checkpoint_every=checkpoint_every,
-                         concurrency=concurrency,
+                         max_lag=max_lag, fixed_lag=fixed_lag, keep_checkpoints=keep_checkpoints,
+                         checkpoint_every=checkpoint_every, concurrency=concurrency,
                          allow_truncated_sampling=allow_truncated_sampling)
         correction = CorrectionConfig(token_tis_cap=token_tis_cap or None,
                                       sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),

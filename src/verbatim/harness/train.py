@@ -22,7 +22,9 @@ trained, ``interrupted`` after a signal (or any stop) that leaves planned steps 
 ``max_lag`` L: step ``n``'s rollouts start once ``n − 1 − L`` steps are trained, so with L ≥ 1 the
 next step plays while this one trains, and its tokens carry the versions that sampled them (an
 update lands mid-rollout). No token is more than L versions behind the trainer; the
-correction's version-lag rule masks any that would be.
+correction's version-lag rule masks any that would be. With ``fixed_lag`` a step's push waits until
+step ``n + L`` has played, so step ``n`` samples with version ``n − 1 − L`` exactly (fewer in the first
+steps), every token of a step with one version.
 
 Resume (``resume=True``): the newest complete checkpoint's weights, optimizer, RNG and version
 are loaded, the engine gets those weights before any rollout, what steps past it recorded is moved
@@ -76,6 +78,11 @@ class TrainPlan(Frozen):
     advantage: Advantage = "grpo"
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     max_lag: int = Field(default=0, ge=0)
+    fixed_lag: bool = False
+    """With ``max_lag`` L ≥ 1, step n samples with exactly version n − 1 − L: the weights of step n − 1 reach
+    the engine only once the steps that need older ones have played (no update lands mid-step), so the
+    schedule, not the trainer's speed, fixes every version and a rerun repeats them. Off: a push lands as
+    soon as its step is trained (at most L versions behind)."""
     keep_checkpoints: int = Field(default=2, ge=1)
     checkpoint_every: int = Field(default=10, ge=1)
     """Steps between checkpoints (weights, optimizer, RNG). The last planned step and the last step a
@@ -116,6 +123,9 @@ class TrainLoop:
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         self.on_rollout: Callable[[Rollout], None] | None = None
         self._trained = 0
+        self._played = 0
+        """Steps whose rollouts are all played (the producer's progress, which a fixed lag's push waits for)."""
+        self._producing = False
         self._checkpointed = 0
         self._progress = asyncio.Condition()
         self._runs: set[Run] = set()
@@ -147,7 +157,8 @@ class TrainLoop:
         return self.history
 
     async def _steps(self, start: int) -> None:
-        self._trained = self._checkpointed = start
+        self._trained = self._checkpointed = self._played = start
+        self._producing = True
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(start, queue))
         try:
@@ -210,6 +221,14 @@ class TrainLoop:
     # -- playing ahead ----------------------------------------------------------------------
 
     async def _produce(self, start: int, queue: asyncio.Queue) -> None:
+        try:
+            await self._play_steps(start, queue)
+        finally:
+            async with self._progress:  # a fixed lag's push waits for no step that will not be played
+                self._producing = False
+                self._progress.notify_all()
+
+    async def _play_steps(self, start: int, queue: asyncio.Queue) -> None:
         for k in range(start, self.plan.steps):
             async with self._progress:
                 await self._progress.wait_for(lambda k=k: self._trained >= k - self.plan.max_lag)
@@ -224,6 +243,9 @@ class TrainLoop:
             finally:
                 self._runs.discard(run)
             await queue.put((run.rollouts, run.summary, time.perf_counter() - began))
+            async with self._progress:
+                self._played = k + 1
+                self._progress.notify_all()
 
     async def _next(self, queue: asyncio.Queue, producer: asyncio.Task) -> tuple:
         getter = asyncio.ensure_future(queue.get())
@@ -263,6 +285,7 @@ class TrainLoop:
             found, meta = [], meta | {"context": self.plan.context}
         await asyncio.to_thread(write_logprobs, step_file(self.out, n), found, meta)  # before the commit: a
         # step trained again after a crash writes it again
+        await self._wait_for_older_steps(n)
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began
@@ -278,6 +301,15 @@ class TrainLoop:
             self._progress.notify_all()
         if self.on_step:
             self.on_step(record)
+
+    async def _wait_for_older_steps(self, n: int) -> None:
+        """Under a fixed lag, hold step ``n``'s weights back until step ``n + L``, the last to sample with older
+        ones, has played."""
+        if not self.plan.fixed_lag or self.plan.max_lag == 0:
+            return
+        last = min(n + self.plan.max_lag, self.plan.steps)
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._played >= last or not self._producing)
 
     async def _keep_last_step(self) -> None:
         """A stopped run checkpoints the last step it trained, where the interval skipped it (not a step the

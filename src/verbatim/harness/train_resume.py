@@ -80,7 +80,7 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 
 ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None,
-         "learner.prefix_activations": None}
+         "learner.prefix_activations": None, "plan.fixed_lag": False}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
 every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
