@@ -83,7 +83,7 @@ def test_more_steps_past_the_checkpoint_than_the_interval_allows_is_refused_as_a
 def test_a_run_recorded_before_the_learners_memory_options_resumes_as_it_trained():
     from verbatim.harness.train_resume import check_changes
 
-    now = {"plan": {"steps": 4, "checkpoint_every": 10},
+    now = {"plan": {"steps": 4, "checkpoint_every": 10, "fixed_lag": False},
            "learner": {"lr": 1e-5, "dtype": "fp32", "checkpoint_layers": False, "logprob_chunk": 512,
                        "prefix_activations": "recompute"}}
     check_changes({"plan": {"steps": 4}, "learner": {"lr": 1e-5}}, now)  # recorded before those settings existed
