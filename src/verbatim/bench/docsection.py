@@ -64,3 +64,20 @@ def write_section(doc: str | Path, name: str, body: str, *, libraries: Sequence[
     line = machine_line if machine_line is not None else machine.provenance(libraries)
     text = path.read_text(encoding="utf-8")
     path.write_text(replace_section(text, name, with_provenance(body, line)), encoding="utf-8")
+
+
+def command_line(name: str, **options: object) -> str:
+    """``verbatim bench NAME`` as a reader would type it: options left at None or ``[]`` (or the default model) are
+    left out, True is a flag, False its ``--no-`` form, and a list repeats its flag."""
+    parts = [f"verbatim bench {name}"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value == [] or (key == "model" and value == "default"):
+            continue
+        if value is True:
+            parts.append(flag)
+        elif value is False:
+            parts.append("--no-" + key.replace("_", "-"))
+        else:
+            parts += [f"{flag} {v}" for v in (value if isinstance(value, list) else [value])]
+    return " ".join(parts)

@@ -249,7 +249,9 @@ def router_command(traces: list[Path], replicas: list[int], sessions: list[int],
         console.print(rich_table(rows, f"router simulation ({time.perf_counter() - started:.0f} s)"))
     if write is not None:
         plot(rows, write.parent / PLOT_NAME)
-        command = _command_line(traces, replicas, sessions, group_sizes, seed, write)
+        command = docsection.command_line("router", trace=[str(t) for t in traces], replicas=list(replicas),
+                                          sessions=list(sessions), group_size=list(group_sizes), seed=seed,
+                                          write=write)
         write_section(write, section(rows, workload, settings, command), machine_line=machine_line)
     return rows
 
@@ -293,12 +295,3 @@ def rich_table(rows: Sequence[Row], title: str) -> Any:
                       f"{r.admission_wait_mean_s:.2f}")
         previous = fleet
     return table
-
-
-def _command_line(traces: Sequence[Path], replicas: Sequence[int], sessions: Sequence[int],
-                  group_sizes: Sequence[int], seed: int, write: Path) -> str:
-    parts = ["verbatim bench router"]
-    parts += [f"--trace {t}" for t in traces]
-    parts += [f"--replicas {n}" for n in replicas] + [f"--sessions {n}" for n in sessions]
-    parts += [f"--group-size {n}" for n in group_sizes] + [f"--seed {seed}", f"--write {write}"]
-    return " ".join(parts)
