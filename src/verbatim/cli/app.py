@@ -24,14 +24,15 @@ from verbatim.cli.bench import bench_app
 from verbatim.cli.config_file import CONFIG_HELP, load_config
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
+from verbatim.cli.models import models_app
 from verbatim.cli.plot import plot_command
+from verbatim.cli.serve import fleet_app, serve_command
 from verbatim.cli.show import show_command
 from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, LOG_HELP, train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
-from verbatim.errors import InputError, VerbatimError, shorten
-from verbatim.harness.tiny_models import TINY_FAMILIES
+from verbatim.errors import VerbatimError, shorten
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -141,13 +142,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-models_app = typer.Typer(help="List and prepare models (the bundled default needs no download).",
-                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(models_app, name="models")
 app.add_typer(lint_app, name="lint")
 app.add_typer(bench_app, name="bench")
-fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
-                        no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 
 
@@ -164,58 +161,6 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
 ) -> None:
     """verbatim: token-exact multi-turn rollouts for RL on LLM agents."""
-
-
-# ---------------------------------------------------------------------------
-# models
-# ---------------------------------------------------------------------------
-
-
-@models_app.command("list")
-def models_list() -> None:
-    """List the bundled models and whether each is prepared."""
-    from verbatim.engine import models
-
-    for name, bundled in sorted(models.BUNDLED.items()):
-        table = Table(title=name + (" (default)" if name == models.DEFAULT_MODEL else ""), title_justify="left",
-                      show_header=False, box=None)
-        table.add_column("field", no_wrap=True, style="bold")
-        table.add_column("value")
-        table.add_row("context", f"{DEFAULT_MAX_MODEL_LEN} tokens, as every command uses unless --max-model-len "
-                                 f"says otherwise (the model's own maximum: {bundled.max_context})")
-        table.add_row("prepared", str(models.prepared_path(name)) if models.is_prepared(name)
-                      else "no (verbatim models prepare)")
-        table.add_row("package", bundled.distribution)
-        table.add_row("about", bundled.description)
-        console.print(table)
-    console.print("Any Hugging Face model folder can be passed as --model PATH too.")
-
-
-@models_app.command("prepare")
-def models_prepare(
-    name: str = typer.Argument(None, help="Bundled model name (default: the default model)."),
-) -> None:
-    """Convert a bundled GGUF model into a Hugging Face folder (once, offline)."""
-    from verbatim.engine import models
-
-    path = models.prepare(name or models.DEFAULT_MODEL)
-    console.print(str(path))
-
-
-@models_app.command("tiny")
-def models_tiny(
-    family: str = typer.Argument(..., help=f"One of: {', '.join(TINY_FAMILIES)}."),
-    out: str = typer.Option(..., "--out", help="The model folder to write (missing, empty or an earlier tiny one)."),
-    seed: int = typer.Option(0, "--seed", help="Seeds the random weights: the same seed writes the same file."),
-) -> None:
-    """Write a tiny random model folder of a family: 2 layers, hidden 64, head_dim 32, float32, with
-    the family's real tokenizer and official chat template, for --model DIR with no download
-    (gemma2 takes Gemma 3's 262k vocabulary: Gemma 2's own is not shipped)."""
-    from verbatim.harness.tiny_models import build_tiny_folder
-
-    made = build_tiny_folder(family, out, seed)
-    console.print(f"{made.path}  ({made.family.name}: {made.family.model_type}, vocab {made.vocab_size}, "
-                  f"renderer {made.family.renderer}, template {made.template}.jinja, seed {seed})")
 
 
 # ---------------------------------------------------------------------------
@@ -372,100 +317,8 @@ app.command("show")(show_command)
 app.command("view")(view_command)
 
 
-# ---------------------------------------------------------------------------
-# serve: a correctly configured vLLM OpenAI server
-# ---------------------------------------------------------------------------
-
-
-@app.command("serve")
-def serve(
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
-    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
-    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (CPU engine)."),
-    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
-                                      help="Context length per request: prompt + sampled tokens."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
-) -> None:
-    """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
-    import os
-
-    from verbatim.engine.runtime import EngineConfig
-    from verbatim.engine.server import check_bind, server_command
-
-    warning = check_bind(host, allow_remote)
-    if warning:
-        err_console.print(warning)
-    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, dtype=dtype)
-    argv, env = server_command(config, host=host, port=port)
-    err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
-    os.execvpe(argv[0], argv, env)
-
-
-@fleet_app.command("up")
-def fleet_up(
-    replicas: int = typer.Option(2, "--replicas", min=1, help="Number of vllm serve processes."),
-    file: str = typer.Option("fleet.json", "--file", help="Where to write the fleet file (URLs, pids, logs)."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    kv_cache_gib: int = typer.Option(1, "--kv-cache-gib", min=1, help="KV cache space per replica, GiB."),
-    kv_blocks: int = typer.Option(None, "--kv-blocks", min=2, help="Cap each replica's KV cache at this many blocks."),
-    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
-                                      help="Context length per request: prompt + sampled tokens."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
-    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow binding to a non-loopback address."),
-    gpu_memory: float = typer.Option(None, "--gpu-memory", help="Share of each of its GPUs a replica may take, "
-                                     "in (0, 1] (vLLM's --gpu-memory-utilization; default vLLM's, 0.92)."),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1,
-                                        help="GPUs per replica (vLLM's --tensor-parallel-size)."),
-    devices: str = typer.Option(None, "--devices", help="The GPUs to use, e.g. 0,1,2,3: replica i gets the i-th "
-                                "--tensor-parallel of them (CUDA_VISIBLE_DEVICES); --replicas × --tensor-parallel "
-                                "must be named. Default: several replicas get GPUs of their own, in order (or "
-                                "share them, with --gpu-memory); one replica sees what this command sees."),
-) -> None:
-    """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
-    from pathlib import Path
-
-    from verbatim.engine.fleet import fleet_up as start_fleet
-    from verbatim.engine.fleet import replica_gpus
-    from verbatim.engine.runtime import EngineConfig
-    from verbatim.engine.server import check_bind
-    from verbatim.jobs.placement import device_list
-
-    warning = check_bind(host, allow_remote)
-    if warning:
-        err_console.print(warning)
-    if gpu_memory is not None and not 0 < gpu_memory <= 1:
-        raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
-    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
-                          gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices))
-    visible = 0
-    if config.devices is None and replicas > 1:  # replicas get GPUs of their own (a CPU machine shows none)
-        from verbatim.trainer.reference import visible_gpus
-
-        visible = len(visible_gpus())
-    replica_gpus(config, replicas, visible)  # refused before the first line
-    err_console.print(f"starting {replicas} replicas of {config.model}…")
-    record = start_fleet(config, replicas, Path(file), host=host, visible_gpus=visible)
-    for replica in record.replicas:
-        gpus = f"  gpus {replica.gpus}" if replica.gpus else ""
-        console.print(f"{replica.name}  {replica.url}  pid {replica.pid}  cpus {replica.cpus}{gpus}")
-    flags = " ".join(f"--url {u}" for u in record.urls)
-    console.print(f"wrote {file}; use: verbatim run --engine http {flags} --route sticky_least_loaded+group",
-                  soft_wrap=True)
-
-
-@fleet_app.command("down")
-def fleet_down(
-    file: str = typer.Option("fleet.json", "--file", help="The fleet file written by 'fleet up'."),
-) -> None:
-    """Stop every replica of a fleet (SIGTERM, then SIGKILL after 30 s) and remove the fleet file."""
-    from pathlib import Path
-
-    from verbatim.engine.fleet import fleet_down as stop_fleet
-
-    stopped = stop_fleet(Path(file))
-    console.print(f"stopped {len(stopped)} replicas" + (f" ({', '.join(stopped)})" if stopped else ""))
+# serve runs one vLLM server, fleet up/down several (cli/serve.py).
+app.command("serve")(serve_command)
 
 
 def main() -> None:
