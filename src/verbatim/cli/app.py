@@ -20,15 +20,15 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from verbatim import __version__
+from verbatim.cli import play_flags as flags
 from verbatim.cli.bench import bench_app
-from verbatim.cli.config_file import CONFIG_HELP, load_config
 from verbatim.cli.console import console, err_console
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.models import models_app
 from verbatim.cli.plot import plot_command
 from verbatim.cli.serve import fleet_app, serve_command
 from verbatim.cli.show import show_command
-from verbatim.cli.train_flags import AGENT_CMD_HELP, AGENT_HELP, LOG_HELP, train_flags
+from verbatim.cli.train_flags import train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
@@ -209,16 +209,14 @@ def generate(
 
 @app.command("run")
 def run(
-    env: str = typer.Option(None, "--env",
-                            help="Built-in env (tools, guess, longdoc, python), module:Class, or entry point."),
-    agent: str = typer.Option(None, "--agent", help=AGENT_HELP),
-    agent_cmd: str = typer.Option(None, "--agent-cmd", help=AGENT_CMD_HELP),
-    agent_timeout: float = typer.Option(600.0, "--agent-timeout", min=0.001,
-                                        help="Seconds an --agent rollout may take; past it the rollout is an error."),
+    env: str = flags.ENV,
+    agent: str = flags.AGENT,
+    agent_cmd: str = flags.AGENT_CMD,
+    agent_timeout: float = flags.AGENT_TIMEOUT,
     tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator; "
                                                     "--agent needs one)."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
+    model: str = flags.MODEL,
+    renderer: str = flags.RENDERER,
     groups: int = typer.Option(None, "--groups", min=1,
                                help="Tasks, one group each (default: every task of --tasks, else 2 from the "
                                     "env's generator)."),
@@ -233,8 +231,8 @@ def run(
                              help="Seed of the env's tasks and of every request's sampling seed (same seed, same "
                                   "tasks and draws; docs/engine.md)."),
     out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
-    engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
-    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
+    engine: str = flags.ENGINE,
+    url: list[str] = flags.URL,
     route: str = typer.Option(None, "--route", help="Routing over several --url replicas: round_robin | "
                               "least_loaded | session_hash | sticky_least_loaded, optionally +group "
                               "(default with several: sticky_least_loaded+group)."),
@@ -242,23 +240,17 @@ def run(
                                      help="Hold new rollouts while a replica's KV usage is at or above this."),
     admission: bool = typer.Option(True, "--admission/--no-admission", help="KV admission control (router)."),
     cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
-    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
-    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
-                                      help="Context length per request: prompt + sampled tokens."),
-    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
-    engine_gpu_memory: float = typer.Option(None, "--engine-gpu-memory",
-                                            help="Share of each of its GPUs the in-process engine may take, in "
-                                                 "(0, 1] (vLLM's gpu_memory_utilization; default vLLM's, 0.92); "
-                                                 "docs/scale.md."),
-    engine_tensor_parallel: int = typer.Option(1, "--engine-tensor-parallel", min=1,
-                                               help="GPUs the in-process engine spans (vLLM's "
-                                                    "tensor_parallel_size): GPUs 0..N-1 of those this command sees."),
+    concurrency: int = flags.CONCURRENCY,
+    max_model_len: int = flags.MAX_MODEL_LEN,
+    kv_cache_gib: int = flags.KV_CACHE_GIB,
+    engine_gpu_memory: float = flags.ENGINE_GPU_MEMORY,
+    engine_tensor_parallel: int = flags.ENGINE_TENSOR_PARALLEL,
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
     stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
                                      help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
-    summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
-    log: list[str] = typer.Option([], "--log", help=LOG_HELP.replace("each step's metrics", "the run's summary")),
-    config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
+    summary_json: str = flags.SUMMARY_JSON,
+    log: list[str] = typer.Option([], "--log", help=flags.LOG_HELP.replace("each step's metrics", "the run's summary")),
+    config: str = flags.CONFIG,
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
     from verbatim.cli.run import RunOptions, run_command

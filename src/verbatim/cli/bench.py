@@ -160,6 +160,9 @@ def bench_router(
     router_command([Path(t) for t in trace or []], replicas, sessions, sizes, seed, write, as_json, console)
 
 
+bench_app.add_typer(trainer_benches)  # the learner's benchmarks (cli/bench_trainer.py), listed after these
+
+
 # ---------------------------------------------------------------------------
 # bench view: how fast `verbatim view` opens a large run
 # ---------------------------------------------------------------------------
@@ -190,6 +193,3 @@ def bench_view(
     if write is not None:
         docsection.write_section(write, SECTION, text, libraries=LIBRARIES)
         console.print(f"wrote {write}")
-
-
-bench_app.add_typer(trainer_benches)  # prefixflow, train-step, train-scale, learn, step: cli/bench_trainer.py

@@ -1,33 +1,25 @@
 """The flags of ``verbatim train`` and the options they build (the loop itself: cli/train.py).
 
-Every flag of the RL loop is declared here, with its help; a value a settings model refuses is one
-line naming the flag (:func:`~verbatim.cli.train.flag_errors`).
+Every flag of the RL loop is declared here, with its help, but those ``verbatim run`` takes alike (what plays,
+the model, the engine: cli/play_flags.py); a value a settings model refuses is one line naming the flag
+(:func:`~verbatim.cli.train.flag_errors`).
 """
 
 from __future__ import annotations
 
 import typer
 
-from verbatim.cli.config_file import CONFIG_HELP, load_config
+from verbatim.cli import play_flags as flags
 from verbatim.cli.console import console
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
+from verbatim.engine.runtime import MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
-
-AGENT_HELP = ("Your agent instead of --env: FILE.py:FUNCTION or module:function, called per rollout as "
-              "FUNCTION(task, client) with an OpenAI client of a token-exact endpoint; returns the reward.")
-LOG_HELP = ("Also send each step's metrics, the config and a table of sampled rollouts to this tracker: wandb, "
-            "tensorboard, mlflow or trackio (repeat for several; pip install 'verbatim[NAME]'). docs/trainer.md.")
-AGENT_CMD_HELP = ("Your agent as a command in any language, run per rollout with OPENAI_BASE_URL and OPENAI_API_KEY "
-                  "set and the task as JSON on stdin; its last stdout line is the reward or {\"reward\": …}.")
 
 
 def train_flags(
-    env: str = typer.Option(None, "--env", help="Built-in env (guess, tools, longdoc, python), module:Class, or "
-                                                 "entry point."),
-    agent: str = typer.Option(None, "--agent", help=AGENT_HELP),
-    agent_cmd: str = typer.Option(None, "--agent-cmd", help=AGENT_CMD_HELP),
-    agent_timeout: float = typer.Option(600.0, "--agent-timeout", min=0.001,
-                                        help="Seconds an --agent rollout may take; past it the rollout is an error."),
+    env: str = flags.ENV,
+    agent: str = flags.AGENT,
+    agent_cmd: str = flags.AGENT_CMD,
+    agent_timeout: float = flags.AGENT_TIMEOUT,
     env_arg: list[str] = typer.Option([], "--env-arg", help="KEY=VALUE for the env's factory (repeat), e.g. "
                                                              "--env-arg high=5 for guess; values are JSON or text."),
     task_file: str = typer.Option(None, "--task-file", "--tasks",
@@ -121,23 +113,17 @@ def train_flags(
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
                              help="Seed of the env's tasks, of every request's sampling seed and of the trainer "
                                   "(docs/engine.md: reproducible sampling)."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
-    renderer: str = typer.Option(None, "--renderer", help="Chat format (default: the model's own)."),
+    model: str = flags.MODEL,
+    renderer: str = flags.RENDERER,
     out: str = typer.Option("runs/train", "--out", help="Run directory: trace, metrics.jsonl, checkpoints/."),
-    engine: str = typer.Option("inproc", "--engine", help="inproc (bundled vLLM) or http."),
-    url: list[str] = typer.Option([], "--url", help="vLLM server URL (with --engine http); repeat for replicas."),
+    engine: str = flags.ENGINE,
+    url: list[str] = flags.URL,
     route: str = typer.Option(None, "--route", help="Routing over several --url replicas (as for 'verbatim run')."),
-    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Live rollouts at most."),
-    max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=256,
-                                      help="Context length per request: prompt + sampled tokens."),
-    kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (inproc engine)."),
-    engine_gpu_memory: float = typer.Option(None, "--engine-gpu-memory",
-                                            help="Share of each of its GPUs the in-process engine may take, in "
-                                                 "(0, 1] (vLLM's gpu_memory_utilization; default vLLM's, 0.92); "
-                                                 "docs/scale.md."),
-    engine_tensor_parallel: int = typer.Option(1, "--engine-tensor-parallel", min=1,
-                                               help="GPUs the in-process engine spans (vLLM's "
-                                                    "tensor_parallel_size): GPUs 0..N-1 of those this command sees."),
+    concurrency: int = flags.CONCURRENCY,
+    max_model_len: int = flags.MAX_MODEL_LEN,
+    kv_cache_gib: int = flags.KV_CACHE_GIB,
+    engine_gpu_memory: float = flags.ENGINE_GPU_MEMORY,
+    engine_tensor_parallel: int = flags.ENGINE_TENSOR_PARALLEL,
     trainer_device: str = typer.Option("cpu", "--trainer-device",
                                        help="Where the trainer's model runs: cpu, cuda or cuda:N (the engine "
                                             "places itself; weights reach it through CPU memory)."),
@@ -148,9 +134,9 @@ def train_flags(
                                           help="Seconds a step's collectives wait for a silent trainer rank before "
                                                "the run stops naming it (--trainer-procs > 1 or torchrun)."),
     resume: bool = typer.Option(False, "--resume", help="Go on from the last checkpoint (after a stop or a kill)."),
-    log: list[str] = typer.Option([], "--log", help=LOG_HELP),
-    summary_json: str = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
-    config: str = typer.Option(None, "--config", is_eager=True, callback=load_config, help=CONFIG_HELP),
+    log: list[str] = typer.Option([], "--log", help=flags.LOG_HELP),
+    summary_json: str = flags.SUMMARY_JSON,
+    config: str = flags.CONFIG,
 ) -> None:
     """Train the model with RL on its own token-exact rollouts: play, learn, push weights, repeat."""
     from verbatim.cli.train import (
