@@ -272,28 +272,6 @@ def example(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + f"\n\nSteps of the `{label}` run of `{command}` (its metrics.jsonl).\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise InputError("bench learn's plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
-    figure = Figure(figsize=(8, 4.5))
-    axes = figure.subplots()
-    for result in results:
-        rewards = [r["reward_mean"] or 0.0 for r in result["history"]]
-        smooth = [sum(rewards[max(0, i - WINDOW + 1): i + 1]) / len(rewards[max(0, i - WINDOW + 1): i + 1])
-                  for i in range(len(rewards))]
-        (line,) = axes.plot(range(1, len(rewards) + 1), smooth, label=result["run"]["label"])
-        axes.plot(range(1, len(rewards) + 1), rewards, alpha=0.25, color=line.get_color())
-    axes.set_xlabel("step")
-    axes.set_ylabel(f"mean reward ({WINDOW}-step mean; faint: per step)")
-    axes.set_ylim(0, 1)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress: Any = None,
             record: Path | None = None) -> list[dict]:
     """Train every run, each in a fresh process (an engine and a model per run, all memory given back

@@ -229,7 +229,6 @@ def bench_learn(
         learn_seeds,
         markdown,
         plan_runs,
-        plot,
         require_clean_runs,
         row,
         run_all,
@@ -261,6 +260,8 @@ def bench_learn(
                            write=write, write_example=write_example)
     image = None
     if write is not None:
+        from verbatim.bench.learn_plot import plot
+
         image = "bench-learn.png"
         plot(results, write.parent / image)
     text = markdown(results, settings, command, image)
