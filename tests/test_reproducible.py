@@ -83,6 +83,10 @@ def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp
     _same_tokens(outs["first"], outs["again"])
     first, other = _tokens(outs["first"]), _tokens(outs["other"])
     assert any(not np.array_equal(first[k][0], other[k][0]) for k in first)
+    same = cli("diff", str(outs["first"]), str(outs["again"]))  # what a user runs to check a rerun
+    assert same.returncode == 0 and "the runs are the same in everything compared" in same.stdout, same.stdout
+    parted = cli("diff", str(outs["first"]), str(outs["other"]))
+    assert parted.returncode == 1 and "options.seed: 5 -> 6" in parted.stdout, parted.stdout
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -130,6 +134,8 @@ def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, d
         assert (whole / last / name).read_bytes() == (broken / last / name).read_bytes(), name
     logprobs = Path("trainer_logprobs") / "step-000002.parquet"
     assert (whole / logprobs).read_bytes() == (broken / logprobs).read_bytes()
+    done = cli("diff", str(whole), str(broken))
+    assert done.returncode == 0 and "the runs are the same in everything compared" in done.stdout, done.stdout
 
 
 def _server_info(device: str, chunked: bool) -> dict:

@@ -23,6 +23,7 @@ from verbatim import __version__
 from verbatim.cli import play_flags as flags
 from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
+from verbatim.cli.diff import diff_command
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.models import models_app
 from verbatim.cli.plot import plot_command
@@ -305,6 +306,9 @@ app.command("mismatch")(mismatch_report)
 app.command("plot")(plot_command)
 # show prints one rollout's text turn by turn (cli/show.py).
 app.command("show")(show_command)
+# diff says whether two runs are the same and where they first part (cli/diff.py, harness/run_diff.py).
+app.command("diff")(diff_command)
+
 # view serves a local page of a run directory (cli/view.py, verbatim/view/).
 app.command("view")(view_command)
 
