@@ -174,3 +174,13 @@ def test_a_folder_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, which):
     done = runner.invoke(app, ["diff", *args])
     assert done.exit_code == 2
     assert "is not" in done.output and len(done.output.strip().splitlines()) <= 2
+
+
+def test_a_damaged_batch_file_is_a_warning_naming_the_run_and_the_intact_rollouts_are_compared(tmp_path):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    (b / "rollouts-000002.parquet").write_bytes(b"not parquet")
+    result = diff_runs(a, b)
+    assert len(result.problems) == 1 and result.problems[0].startswith("B: rollouts-000002.parquet")
+    assert result.same
+    done = runner.invoke(app, ["diff", str(a), str(b)])
+    assert done.exit_code == 0 and "warning: B: rollouts-000002.parquet" in done.output

@@ -28,12 +28,10 @@ def diff_command(
     """Compare two runs: rollouts token by token (ids, μ bit for bit, versions), metrics step by step, the
     trainer's π files and the newest shared checkpoint; show where they first part. Exit 1 if they differ."""
     from verbatim.harness.run_diff import diff_runs
-    from verbatim.harness.store import read_run
 
-    for run in (run_a, run_b):
-        for problem in read_run(run).problems:
-            err_console.print(f"warning: {run}: {problem}", markup=False, highlight=False)
     result = diff_runs(run_a, run_b)
+    for problem in result.problems:
+        err_console.print(f"warning: {problem}", markup=False, highlight=False)
     if as_json:
         print(strict_json(result.model_dump(mode="json") | {"same": result.same}))
     else:

@@ -65,6 +65,8 @@ class RunDiff(Frozen):
     settings: tuple[str, ...] = ()
     """``key: a -> b`` for each setting the two manifests' configs differ in (but where they write)."""
     comparisons: tuple[Comparison, ...] = ()
+    problems: tuple[str, ...] = ()
+    """What reading either run found wrong (damaged or unfinished files), prefixed ``A:`` or ``B:``."""
 
     @property
     def same(self) -> bool:
@@ -81,7 +83,8 @@ def diff_runs(a: Path, b: Path) -> RunDiff:
     comparisons += [c for c in (_trainer_logprobs(a, b), _checkpoint(a, b)) if c is not None]
     settings = [line for line in config_differences(first.manifest.config, second.manifest.config)
                 if line.split(":", 1)[0].rsplit(".", 1)[-1] not in PLACES]
-    return RunDiff(settings=tuple(settings), comparisons=tuple(comparisons))
+    problems = [f"{side}: {problem}" for side, trace in (("A", first), ("B", second)) for problem in trace.problems]
+    return RunDiff(settings=tuple(settings), comparisons=tuple(comparisons), problems=tuple(problems))
 
 
 def compare_rollouts(a: Sequence[Rollout], b: Sequence[Rollout]) -> list[Comparison]:
