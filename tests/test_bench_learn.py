@@ -22,7 +22,7 @@ def test_a_record_keeps_finished_runs_and_only_the_missing_ones_are_trained(tmp_
     record = tmp_path / "runs.jsonl"
     record.write_text(json.dumps(fake_result(runs[0], settings)) + "\n")  # seed 0 finished before a kill
     trained = []
-    monkeypatch.setattr(learn, "_train_in_child", lambda run, s, model, root: trained.append(run.label)
+    monkeypatch.setattr(learn, "_train_in_child", lambda run, s, model, root, watch=None: trained.append(run.label)
                         or fake_result(run, s))
     results = run_all(runs, settings, "default", record=record)
     assert [r["run"]["label"] for r in results] == [r.label for r in runs]
@@ -38,7 +38,7 @@ def test_a_record_of_other_settings_is_not_reused_and_a_damaged_one_is_one_line(
     record = tmp_path / "runs.jsonl"
     record.write_text(json.dumps(fake_result(runs[0], LearnSettings(steps=12))) + "\n")
     trained = []
-    monkeypatch.setattr(learn, "_train_in_child", lambda run, s, model, root: trained.append(run.label)
+    monkeypatch.setattr(learn, "_train_in_child", lambda run, s, model, root, watch=None: trained.append(run.label)
                         or fake_result(run, s))
     run_all(runs, LearnSettings(), "default", record=record)
     assert trained == ["seed 0"]
@@ -104,3 +104,31 @@ def test_repeats_pick_the_seeds_and_refuse_too_few():
     assert learn.learn_seeds(None, 3) == [0, 1, 2] and learn.learn_seeds([7, 8, 9, 10], 3) == [7, 8, 9]
     with pytest.raises(InputError, match="--repeats 3 needs 3 seeds; --seed gave 2"):
         learn.learn_seeds([1, 2], 3)
+
+
+def test_a_training_run_reports_each_step_it_logs_while_it_plays(tmp_path):
+    """The child stands in for a training run: it logs three steps, a line each, then exits."""
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "metrics.jsonl"
+    script = ("import time, sys\nfor step in range(1, 4):\n    time.sleep(0.3)\n"
+              f"    open({str(metrics)!r}, 'a').write('{{\"step\": %d}}\\n' % step)\nsys.exit(7)")
+    seen = []
+    code = learn.wait_reporting_steps(subprocess.Popen([sys.executable, "-c", script]), metrics, seen.append,
+                                      every_s=0.1)
+    assert code == 7 and seen[-1] == 3 and seen == sorted(set(seen))  # every growth once, the last one too
+
+
+def test_the_runs_being_trained_are_reported_by_run_and_step(tmp_path, monkeypatch):
+    steps = []
+
+    def fake_child(run, settings, model, root, watch):
+        for n in (1, 2):
+            watch(n)
+        return fake_result(run, settings)
+
+    monkeypatch.setattr(learn, "_train_in_child", fake_child)
+    runs = plan_runs([0], ablation=False)
+    run_all(runs, LearnSettings(), "default", on_step=lambda run, n, index: steps.append((run.label, n, index)))
+    assert steps == [("seed 0", 1, 0), ("seed 0", 2, 0)]

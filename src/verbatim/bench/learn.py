@@ -119,10 +119,15 @@ def plan_runs(seeds: list[int], ablation: bool) -> list[LearnRun]:
     return runs
 
 
+def run_folder(run: LearnRun, root: Path) -> Path:
+    """Where a run of the benchmark writes its trace and metrics under the benchmark's temporary folder."""
+    return root / run.label.replace(" ", "").replace("·", "-")
+
+
 def train_run(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict[str, Any]:
     """Train once; the run's metrics per step and its wall time."""
     started = time.perf_counter()
-    history, share_s = asyncio.run(_train(run, settings, model, root / run.label.replace(" ", "").replace("·", "-")))
+    history, share_s = asyncio.run(_train(run, settings, model, run_folder(run, root)))
     return {"run": run.model_dump(mode="json"), "history": history, "wall_s": time.perf_counter() - started,
             "share_s": share_s}
 
@@ -273,16 +278,18 @@ def example(result: dict[str, Any], command: str) -> str:
 
 
 def run_all(runs: list[LearnRun], settings: LearnSettings, model: str, progress: Any = None,
-            record: Path | None = None) -> list[dict]:
+            record: Path | None = None, on_step: Any = None) -> list[dict]:
     """Train every run, each in a fresh process (an engine and a model per run, all memory given back
     when it ends). With ``record``, runs already in that JSON-lines file (same label and settings) are
     taken from it, not trained again, and each new result is appended as it finishes: a benchmark
-    killed mid-way (out of memory, a reboot) goes on where it stopped."""
+    killed mid-way (out of memory, a reboot) goes on where it stopped. ``on_step(run, steps done, its
+    index among runs)`` is called as a training run logs its steps (a run takes tens of minutes)."""
     done = {r["run"]["label"]: r for r in _recorded(record, settings)}
     results = []
     with tempfile.TemporaryDirectory(prefix="verbatim-bench-learn-") as root:
-        for run in runs:
-            result = done.get(run.label) or _train_in_child(run, settings, model, Path(root))
+        for index, run in enumerate(runs):
+            watch = (lambda steps, run=run, index=index: on_step(run, steps, index)) if on_step else None
+            result = done.get(run.label) or _train_in_child(run, settings, model, Path(root), watch)
             if run.label not in done and record is not None:
                 with record.open("a") as handle:
                     handle.write(strict_json(result) + "\n")
@@ -307,15 +314,38 @@ def _recorded(record: Path | None, settings: LearnSettings) -> list[dict]:
     return results
 
 
-def _train_in_child(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict:
+def _train_in_child(run: LearnRun, settings: LearnSettings, model: str, root: Path, watch: Any = None) -> dict:
     answer = root / f"{run.label.replace(' ', '')}.json"
     job = json.dumps({"run": run.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
                       "model": model, "root": str(root), "answer": str(answer)})
-    done = subprocess.run([sys.executable, "-m", "verbatim.bench.learn", job], check=False)
-    if done.returncode != 0 or not answer.exists():
-        raise TrainerError(f"the training run {run.label!r} failed (exit code {done.returncode})",
+    child = subprocess.Popen([sys.executable, "-m", "verbatim.bench.learn", job])
+    try:
+        code = wait_reporting_steps(child, run_folder(run, root) / "metrics.jsonl", watch)
+    except BaseException:  # Ctrl-C, a failing watcher: no training run left behind
+        child.kill()
+        child.wait()
+        raise
+    if code != 0 or not answer.exists():
+        raise TrainerError(f"the training run {run.label!r} failed (exit code {code})",
                          hint="its output is above; rerun with the same --record to go on from the runs done")
     return json.loads(answer.read_text())
+
+
+def wait_reporting_steps(child: subprocess.Popen, metrics: Path, watch: Any, every_s: float = 5.0) -> int:
+    """Wait for ``child`` to exit, calling ``watch(steps)`` whenever the count of lines in ``metrics`` (one a
+    finished step) has grown; its exit code."""
+    seen = 0
+    while True:
+        try:
+            code = child.wait(timeout=every_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        steps = metrics.read_bytes().count(b"\n") if watch and metrics.exists() else 0
+        if watch and steps > seen:
+            seen = steps
+            watch(steps)
+        if code is not None:
+            return code
 
 
 def _child(job: dict) -> None:

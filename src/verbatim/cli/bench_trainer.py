@@ -224,6 +224,7 @@ def bench_learn(
     from verbatim.bench.learn import (
         EXAMPLE_SECTION,
         SECTION,
+        LearnRun,
         LearnSettings,
         example,
         learn_seeds,
@@ -253,7 +254,11 @@ def bench_learn(
         from verbatim.paths import check_output_file
 
         check_output_file(record, "--record")
-    results = run_all(runs, settings, model, progress=show, record=record)
+    with err_console.status("bench learn…") as status:
+        def on_step(run: LearnRun, steps: int, index: int) -> None:
+            status.update(f"{run.label}: step {steps} of {settings.steps} (run {index + 1} of {len(runs)})")
+
+        results = run_all(runs, settings, model, progress=show, record=record, on_step=on_step)
     require_clean_runs(results)
     command = command_line("learn", steps=None if steps == 40 else steps, seed=seed or None, repeats=repeats,
                            lr=None if lr == 3e-5 else lr, ablation=None if ablation else False, model=model,
