@@ -1,6 +1,6 @@
 """``verbatim diff RUN_A RUN_B``: are two runs the same, and where do they first part?
 
-Exit 0 when everything both runs hold agrees (harness/run_diff.py says what is compared), 1 when
+Exit 0 when everything compared agrees (harness/run_diff.py says what is), 1 when
 something differs, 2 for bad input. Registered on the root app by :mod:`verbatim.cli.app`, which turns
 known errors into one line and an exit code; this module never imports it.
 """
