@@ -184,3 +184,20 @@ def test_a_damaged_batch_file_is_a_warning_naming_the_run_and_the_intact_rollout
     assert result.same
     done = runner.invoke(app, ["diff", str(a), str(b)])
     assert done.exit_code == 0 and "warning: B: rollouts-000002.parquet" in done.output
+
+
+def test_the_first_differing_token_is_shown_as_text_with_the_runs_tokenizer(tmp_path, default_model_dir,
+                                                                            default_tokenizer):
+    def encode(text: str) -> list[int]:
+        return default_tokenizer.encode(text, add_special_tokens=False)
+
+    runs = []
+    for name, guess in (("a", "I guess 3 first."), ("b", "I guess 4 first.")):
+        run = write_run(tmp_path / name, [rollout("r00", [encode(guess)])])
+        manifest = json.loads((run / "manifest.json").read_text())
+        (run / "manifest.json").write_text(json.dumps(manifest | {"model": str(default_model_dir),
+                                                                  "renderer": "smollm2"}))
+        runs.append(run)
+    done = runner.invoke(app, ["diff", *map(str, runs)])
+    assert done.exit_code == 1
+    assert "I guess ': A '3', B '4'" in done.output, done.output  # the tokens before it, then each run's

@@ -17,7 +17,7 @@ from verbatim.cli.console import console, err_console
 from verbatim.durable import strict_json
 
 if TYPE_CHECKING:
-    from verbatim.harness.run_diff import RunDiff
+    from verbatim.harness.run_diff import Divergence, RunDiff
 
 
 def diff_command(
@@ -59,7 +59,25 @@ def _print(result: RunDiff, run_a: Path, run_b: Path) -> None:
         return
     parted = next(c for c in result.comparisons if not c.same)
     console.print(f"the runs differ; first in {parted.name}: {parted.first.where}", markup=False, highlight=False)
+    _print_text(parted.first, run_a)
     if parted.name != "rollout ids" and parted.first.where.startswith("rollout "):
         rollout = parted.first.where.split(",")[0].removeprefix("rollout ")
         console.print(f"read it: verbatim show {run_a} {rollout}   ·   verbatim show {run_b} {rollout}",
                       markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_text(first: Divergence, run_a: Path) -> None:
+    """The tokens before a rollout's first difference as text, and each run's token there, decoded with the
+    run's tokenizer (as ``verbatim show`` does); nothing where it cannot be loaded."""
+    if not first.before and first.ids is None:
+        return
+    from verbatim.cli.show import load_decoder
+    from verbatim.harness.store import read_manifest
+
+    decode, _ = load_decoder(read_manifest(run_a))
+    if decode is None:
+        return
+    text = f"after {decode(first.before)!r}"
+    if first.ids is not None:
+        text += f": A {decode([first.ids[0]])!r}, B {decode([first.ids[1]])!r}"
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

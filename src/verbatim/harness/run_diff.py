@@ -33,6 +33,8 @@ VARYING = ("_s", "_mib")
 """Metric names ending so are wall times and memory: two runs of one command differ in them."""
 PLACES = ("out", "summary_json")
 """Settings that name where a run writes: two runs always differ in them, so they are left out."""
+CONTEXT = 12
+"""Token ids before a rollout's first difference kept with it, for reading it as text."""
 COLUMNS = ("token_id", "source", "logprob", "policy_version", "turn")
 """A rollout's token columns, in the order a first difference is looked for."""
 _COLUMN_NAMES = {"token_id": "token ids", "source": "token sources", "logprob": "sampler logprobs μ",
@@ -45,6 +47,10 @@ class Divergence(Frozen):
     where: str
     a: str
     b: str
+    before: tuple[int, ...] = ()
+    """In a rollout: the token ids just before the place (up to ``CONTEXT``), which both runs share."""
+    ids: tuple[int, int] | None = None
+    """In a rollout whose token ids part: the id each run holds there."""
 
 
 class Comparison(Frozen):
@@ -120,8 +126,10 @@ def first_part(a: Rollout, b: Rollout) -> tuple[str | None, Divergence | None]:
             earliest = (int(hits[0]), column)
     if earliest is not None:
         index, column = earliest
+        ids = (int(ta.token_id[index]), int(tb.token_id[index])) if column == "token_id" else None
         return column, Divergence(where=f"rollout {a.rollout_id}, {_token_place(a, index)}",
-                                  a=_value(ta, column, index), b=_value(tb, column, index))
+                                  a=_value(ta, column, index), b=_value(tb, column, index),
+                                  before=_before(ta, index), ids=ids)
     if len(ta) != len(tb):
         return "token_id", Divergence(where=f"rollout {a.rollout_id}, after its {common} shared tokens",
                                       a=f"{len(ta)} tokens", b=f"{len(tb)} tokens")
@@ -129,6 +137,10 @@ def first_part(a: Rollout, b: Rollout) -> tuple[str | None, Divergence | None]:
         return "outcome", Divergence(where=f"rollout {a.rollout_id}", a=f"reward {a.reward}, {a.status}",
                                      b=f"reward {b.reward}, {b.status}")
     return None, None
+
+
+def _before(tokens: Any, index: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in tokens.token_id[max(0, index - CONTEXT):index])
 
 
 def _token_place(rollout: Rollout, index: int) -> str:
