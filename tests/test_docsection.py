@@ -55,3 +55,10 @@ def test_a_missing_file_or_section_is_a_one_line_error_that_says_what_to_add(tmp
     line = unmarked.value.one_line()
     assert "\n" not in line and "<!-- a:begin -->" in line and "<!-- a:end -->" in line and "add" in line
     assert doc.read_text() == "# Other\n"
+
+
+def test_the_command_a_section_names_is_the_line_a_reader_would_type():
+    line = docsection.command_line("learn", steps=None, seed=[1, 0], repeats=3, ablation=False, model="default",
+                                   json=True, write="docs/benchmarks.md", empty=[])
+    assert line == "verbatim bench learn --seed 1 --seed 0 --repeats 3 --no-ablation --json --write docs/benchmarks.md"
+    assert docsection.command_line("router", seed=0, model="0.5b") == "verbatim bench router --seed 0 --model 0.5b"
