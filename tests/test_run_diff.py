@@ -156,6 +156,23 @@ def _bf16_file(path: Path, values: list[int]) -> None:
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
 
 
+def test_the_same_tensors_laid_out_in_another_order_are_the_same_weights_and_other_metadata_is_not(tmp_path):
+    from verbatim.harness.run_diff import _weights
+
+    weights = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)}
+    save_file(weights, str(tmp_path / "one.safetensors"), metadata={"format": "pt"})
+    data = np.zeros(3, np.float32).tobytes() + np.ones(2, np.float32).tobytes()  # b first, then a
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "b": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
+                         "a": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}).encode()
+    (tmp_path / "two.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+    assert (tmp_path / "one.safetensors").read_bytes() != (tmp_path / "two.safetensors").read_bytes()
+    assert _weights(tmp_path / "one.safetensors", tmp_path / "two.safetensors") == []
+    save_file(weights, str(tmp_path / "three.safetensors"), metadata={"format": "np"})
+    (part,) = _weights(tmp_path / "one.safetensors", tmp_path / "three.safetensors")
+    assert part.where == "one.safetensors (metadata)" and part.b == '{"format": "np"}'
+
+
 def test_bfloat16_weights_are_compared_by_their_bytes_and_their_difference_shown(tmp_path):
     from verbatim.harness.run_diff import _weights
 

@@ -231,10 +231,11 @@ def _file(where: str, a: Path, b: Path) -> Divergence | None:
 
 
 def _weights(a: Path, b: Path) -> list[Divergence]:
-    """The first tensor two safetensors files differ in (by its bytes, whatever its dtype), or none."""
+    """The first tensor two safetensors files differ in (by its bytes, whatever its dtype), or their metadata;
+    none when they hold the same, even laid out in another order (a resumed run's file may be)."""
     if a.read_bytes() == b.read_bytes():
         return []
-    (left, left_data), (right, right_data) = _tensors(a), _tensors(b)
+    (left, left_data, left_meta), (right, right_data, right_meta) = _tensors(a), _tensors(b)
     for name in sorted(left.keys() | right.keys()):
         if name not in left or name not in right:
             return [_presence(f"tensor {name}", name in left, name in right)]
@@ -242,16 +243,18 @@ def _weights(a: Path, b: Path) -> list[Divergence]:
         if (left[name]["dtype"], left[name]["shape"]) != (right[name]["dtype"], right[name]["shape"]) or x != y:
             return [Divergence(where=f"tensor {name}", a=_tensor_text(left[name], x, y),
                                b=_tensor_text(right[name], y, x))]
-    return [Divergence(where=f"{a.name} (metadata)", a="these bytes", b="other bytes")]
+    if left_meta != right_meta:
+        return [Divergence(where=f"{a.name} (metadata)", a=json.dumps(left_meta), b=json.dumps(right_meta))]
+    return []
 
 
-def _tensors(path: Path) -> tuple[dict[str, dict[str, Any]], bytes]:
-    """A safetensors file's tensor entries (dtype, shape, data offsets) and its data bytes."""
+def _tensors(path: Path) -> tuple[dict[str, dict[str, Any]], bytes, dict[str, Any]]:
+    """A safetensors file's tensor entries (dtype, shape, data offsets), its data bytes and its metadata."""
     raw = path.read_bytes()
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + size])
-    header.pop("__metadata__", None)
-    return header, raw[8 + size:]
+    metadata = header.pop("__metadata__", None) or {}
+    return header, raw[8 + size:], metadata
 
 
 def _tensor_bytes(entry: Mapping[str, Any], data: bytes) -> bytes:
