@@ -26,7 +26,7 @@ import numpy as np
 
 from verbatim.datamodel import Frozen, Rollout, Source
 from verbatim.harness.config_changes import config_differences
-from verbatim.harness.metrics_log import read_metrics
+from verbatim.harness.metrics_log import metrics_path, read_metrics
 from verbatim.harness.store import read_run
 
 VARYING = ("_s", "_mib")
@@ -83,7 +83,7 @@ def diff_runs(a: Path, b: Path) -> RunDiff:
     """Read both run directories and compare everything they both hold."""
     first, second = read_run(a), read_run(b)
     comparisons = [*compare_rollouts(first.rollouts, second.rollouts)]
-    metrics = [read_metrics(d) if (d / "metrics.jsonl").is_file() else None for d in (a, b)]
+    metrics = [read_metrics(d) if metrics_path(d).is_file() else None for d in (a, b)]
     if metrics[0] is not None and metrics[1] is not None:
         comparisons.append(compare_metrics(metrics[0], metrics[1]))
     comparisons += [c for c in (_trainer_logprobs(a, b), _checkpoint(a, b)) if c is not None]
@@ -233,9 +233,10 @@ def _file(where: str, a: Path, b: Path) -> Divergence | None:
 def _weights(a: Path, b: Path) -> list[Divergence]:
     """The first tensor two safetensors files differ in (by its bytes, whatever its dtype), or their metadata;
     none when they hold the same, even laid out in another order (a resumed run's file may be)."""
-    if a.read_bytes() == b.read_bytes():
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()  # each file read once: a checkpoint is hundreds of MB
+    if raw_a == raw_b:
         return []
-    (left, left_data, left_meta), (right, right_data, right_meta) = _tensors(a), _tensors(b)
+    (left, left_data, left_meta), (right, right_data, right_meta) = _tensors(raw_a), _tensors(raw_b)
     for name in sorted(left.keys() | right.keys()):
         if name not in left or name not in right:
             return [_presence(f"tensor {name}", name in left, name in right)]
@@ -248,9 +249,8 @@ def _weights(a: Path, b: Path) -> list[Divergence]:
     return []
 
 
-def _tensors(path: Path) -> tuple[dict[str, dict[str, Any]], bytes, dict[str, Any]]:
+def _tensors(raw: bytes) -> tuple[dict[str, dict[str, Any]], bytes, dict[str, Any]]:
     """A safetensors file's tensor entries (dtype, shape, data offsets), its data bytes and its metadata."""
-    raw = path.read_bytes()
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + size])
     metadata = header.pop("__metadata__", None) or {}
