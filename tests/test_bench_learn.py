@@ -132,3 +132,21 @@ def test_the_runs_being_trained_are_reported_by_run_and_step(tmp_path, monkeypat
     runs = plan_runs([0], ablation=False)
     run_all(runs, LearnSettings(), "default", on_step=lambda run, n, index: steps.append((run.label, n, index)))
     assert steps == [("seed 0", 1, 0), ("seed 0", 2, 0)]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_each_finished_run_is_reported_as_a_line_or_as_json(tmp_path, monkeypatch, as_json):
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    monkeypatch.setattr(learn, "_train_in_child", lambda run, s, model, root, watch=None: fake_result(run, s))
+    flags = ["--json"] if as_json else []
+    result = CliRunner().invoke(app, ["bench", "learn", "--seed", "3", "--no-ablation", *flags])
+    assert result.exit_code == 0, result.output
+    if as_json:
+        reported = json.loads(result.stdout.splitlines()[0])
+        assert reported["run"]["label"] == "seed 3" and len(reported["history"]) == 10
+    else:
+        assert "seed 3: reward 0.500 -> 0.500 (+0.000) in 0.0 min" in result.stderr
+        assert "seed 3" in result.stdout  # the table

@@ -5,7 +5,9 @@ correction's ablation). Merged into ``bench_app`` by :mod:`verbatim.cli.bench`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -15,6 +17,19 @@ from verbatim.cli.console import console, err_console
 from verbatim.durable import strict_json
 
 trainer_benches = typer.Typer(rich_markup_mode=None)
+
+
+def progress(as_json: bool, line: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], None]:
+    """What a benchmark reports as each result comes in: the result as one JSON line on stdout with
+    ``--json``, else ``line(result)`` on stderr (stdout keeps the table)."""
+
+    def show(result: dict[str, Any]) -> None:
+        if as_json:
+            print(strict_json(result), flush=True)
+        else:
+            err_console.print(line(result))
+
+    return show
 
 
 # ---------------------------------------------------------------------------
@@ -69,13 +84,8 @@ def bench_prefixflow(
     if write is not None:
         docsection.require_section(write, section)
 
-    def show(result: dict) -> None:
-        if as_json:
-            print(strict_json(result), flush=True)
-        else:
-            err_console.print(f"r={result['prefix_ratio']} G={result['group_size']}: "
-                              f"speedup {result['speedup']:.2f}x of ideal {result['ideal_speedup']:.2f}x")
-
+    show = progress(as_json, lambda r: f"r={r['prefix_ratio']} G={r['group_size']}: "
+                                       f"speedup {r['speedup']:.2f}x of ideal {r['ideal_speedup']:.2f}x")
     results = run_bench(resolve(model), ratios, sizes, seq_len, micro_batch, low_memory, repeats, threads,
                         progress=show, mmap_threshold_mib=mmap_threshold)
     if not as_json:
@@ -131,13 +141,8 @@ def bench_train_step(
         docsection.require_section(write, SECTION)
     work = Workload(reply=reply, threads=threads)
 
-    def show(result: dict) -> None:
-        if as_json:
-            print(strict_json(result), flush=True)
-        else:
-            err_console.print(f"{result['model']} {result['path']} {result['setting']}: {result['step_s']:.1f} s, "
-                              f"peak rise {result['step_peak_mb']} MiB")
-
+    show = progress(as_json, lambda r: f"{r['model']} {r['path']} {r['setting']}: {r['step_s']:.1f} s, "
+                                       f"peak rise {r['step_peak_mb']} MiB")
     results = run_bench(model or list(MODELS), settings, work, paths, progress=show)
     if not as_json:
         console.print(markdown_table(results))
@@ -175,13 +180,12 @@ def bench_train_scale(
         docsection.require_section(write, SECTION)
     work = ScaleWork(model=model, reply=reply, threads=threads)
 
+    show_rank = progress(as_json, lambda r: f"{r['ranks']} rank(s), rank {r['rank']}: {r['step_s']:.1f} s, "
+                                            f"holds {r['params_mib'] + r['optimizer_mib']:.0f} MiB")
+
     def show(team: list[dict]) -> None:
-        for r in team:
-            if as_json:
-                print(strict_json(r), flush=True)
-            else:
-                err_console.print(f"{r['ranks']} rank(s), rank {r['rank']}: {r['step_s']:.1f} s, holds "
-                                  f"{r['params_mib'] + r['optimizer_mib']:.0f} MiB")
+        for rank in team:
+            show_rank(rank)
 
     teams = run_bench(work, [1, *(ranks or [2])], progress=show)
     if not as_json:
@@ -242,14 +246,11 @@ def bench_learn(
     settings = LearnSettings(steps=steps, lr=lr)
     runs = plan_runs(learn_seeds(seed, repeats), ablation)
 
-    def show(result: dict) -> None:
-        if as_json:
-            print(strict_json(result), flush=True)
-        else:
-            r = row(result)
-            err_console.print(f"{r['run']}: reward {r['first']:.3f} -> {r['last']:.3f} ({r['gain']:+.3f}) "
-                              f"in {r['wall_min']:.1f} min")
+    def finished(result: dict) -> str:
+        r = row(result)
+        return f"{r['run']}: reward {r['first']:.3f} -> {r['last']:.3f} ({r['gain']:+.3f}) in {r['wall_min']:.1f} min"
 
+    show = progress(as_json, finished)
     if record is not None:
         from verbatim.paths import check_output_file
 
