@@ -92,7 +92,7 @@ def test_repeats_give_each_setting_its_mean_and_spread_and_say_which_ablation_di
     results = _gains({"on-policy": [0.4, 0.5, 0.6], "re-rendered context": [0.45, 0.55, 0.5],
                       "cut replies closed": [0.0, 0.05, 0.1]}, settings)
     text = learn.markdown(results, settings, "verbatim bench learn --repeats 3", None)
-    assert "| on-policy | 3 | 0.000 ± 0.000 | 0.500 ± 0.100 | +0.500 ± +0.100 |" in text
+    assert "| on-policy | 3 | 0.000 ± 0.000 | 0.500 ± 0.100 | +0.500 ± 0.100 |" in text
     assert "| re-rendered context | 3 |" in text and "within the spread of on-policy (+0.000)" in text
     assert "below on-policy by more than the spread (-0.450)" in text
     assert "on-policy: seed 0 +0.400, seed 1 +0.500, seed 2 +0.600" in text

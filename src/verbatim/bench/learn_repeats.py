@@ -52,7 +52,7 @@ def differs(base: list[float], other: list[float]) -> str:
 
 def _cell(values: list[float], fmt: str) -> str:
     mean, sd = spread(values)
-    return f"{mean:{fmt}} ± {sd:{fmt}}"
+    return f"{mean:{fmt}} ± {sd:{fmt.lstrip('+')}}"  # a mean may carry its sign, a spread has none
 
 
 def markdown(grouped: dict[str, list[dict[str, Any]]], window: int) -> str:
