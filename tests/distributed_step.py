@@ -81,7 +81,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     moments = whole_moments(learner) if save is not None else None
     if team.leader:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates",
-                "outside_support")
+                "outside_support", "entropy")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
                     "written": str(written), "gathered": sorted(set(gathered))}, out)

@@ -177,6 +177,28 @@ def test_learner_lm_chunks_the_adapters_own_logits():
     assert calls == [4] * 8, calls  # 16 rows: four chunks in the forward, each recomputed in the backward
 
 
+def test_pi_olds_pass_takes_the_entropy_from_the_same_chunks_and_log_pi_unchanged():
+    model = tiny_llama(tied=False, seed=4)
+    adapter, _ = trainer_lm(model, None)
+    calls = []
+    adapter.logits = lambda hidden, inner=adapter.logits: calls.append(hidden.shape[0]) or inner(hidden)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    targets = ids[:, 1:].reshape(-1)
+    for chunk in (4, 0):
+        lm = LearnerLM(adapter, logprob_chunk=chunk)
+        with torch.no_grad():
+            hidden = lm.hidden_states(ids)[0]
+            states = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            want = lm.token_logprobs(states, targets)
+        calls.clear()
+        logprobs, entropy = lm.token_logprobs_and_entropy(states, targets)
+        assert calls == ([4, 4, 4, 4] if chunk else [16]) and not logprobs.requires_grad
+        assert torch.equal(logprobs, want)  # what the backward's forward computes, bit for bit
+        assert entropy.shape == (16,) and bool((entropy > 0).all())
+    chunked = LearnerLM(adapter, logprob_chunk=4).token_logprobs_and_entropy(states, targets)[1]
+    torch.testing.assert_close(chunked, LearnerLM(adapter).token_logprobs_and_entropy(states, targets)[1])
+
+
 def bf16_and_fp32(model: torch.nn.Module, prefixflow: bool) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 40), generator=gen)

@@ -25,7 +25,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _record(step: int, **extra) -> dict:
     return {"step": step, "version": step + 1, "reward_mean": 0.1 * step, "success_rate": 0.2 * step,
-            "mismatch_mean_abs": 1e-3 / (step + 1), "cache_hit_rate": 0.5 + 0.05 * step, **extra}
+            "mismatch_mean_abs": 1e-3 / (step + 1), "cache_hit_rate": 0.5 + 0.05 * step, "entropy": 2.0 - 0.1 * step,
+            **extra}
 
 
 def _run(tmp_path, steps: int = 5, **extra):
@@ -177,6 +178,7 @@ def test_plot_command_defaults_to_curve_png_in_the_run(tmp_path):
 
 @pytest.mark.parametrize("extra", [
     {"success_rate": None, "mismatch_mean_abs": None},  # no success signal, no mismatch: both panels still draw
+    {"entropy": None},  # a run trained before the entropy metric
     {"mismatch_mean_abs": 0.0},  # a zero cannot go on a log axis
 ])
 def test_plots_with_gaps_and_zeros(tmp_path, extra):

@@ -191,7 +191,7 @@ def learned_on_lagged_tokens() -> dict:
     fix = correct(logp_pi, logp_mu, mask, versions, 2, CorrectionConfig(max_version_lag=0))
     return {"rows": 2, "loss": 0.25, "grad_norm": 1.5, "grad_norm_max": 1.5, "updates": 1,
             "kept_tokens": int(fix.keep.sum()), "model_tokens": 5, "train_s": 0.5,
-            "correction": fix.metrics.as_dict()}
+            "correction": fix.metrics.as_dict(), "entropy": 2.5}
 
 
 def test_step_record_holds_the_steps_numbers():
@@ -211,6 +211,7 @@ def test_step_record_holds_the_steps_numbers():
     assert {k: record[k] for k in row_info} == row_info
     assert (record["loss"], record["grad_norm"], record["updates"]) == (0.25, 1.5, 1)
     assert (record["kept_tokens"], record["model_tokens"]) == (3, 5)  # the lagged row's two tokens dropped
+    assert record["entropy"] == 2.5
     every = learned["correction"]["all"]
     assert record["mismatch_mean_abs"] == pytest.approx(every["mean_abs_log_ratio"]) and every["tokens"] == 5
     assert record["k3"] == every["k3"] and record["ratio_quantiles"] == every["ratio_quantiles"]

@@ -121,7 +121,7 @@ def assert_same_step(two: dict, one: dict) -> None:
     assert len(two["updates"]) == len(one["updates"]) == 2
     for mine, theirs in zip(two["updates"], one["updates"]):
         assert_same_grads(mine, theirs)
-    for key in ("loss", "grad_norm", "grad_norm_max"):
+    for key in ("loss", "grad_norm", "grad_norm_max", "entropy"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     counts = ("rows", "updates", "kept_tokens", "outside_support")  # outside_support: each rank's rows, summed
     assert {k: two["metrics"][k] for k in counts} == {k: one["metrics"][k] for k in counts}

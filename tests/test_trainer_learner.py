@@ -9,6 +9,7 @@ against a hand-built one (AdamW on the gradient of ``policy_gradient_loss`` thro
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -77,6 +78,18 @@ def step_rows(model: torch.nn.Module, groups: int = 2, size: int = 3, seed: int 
     return StepInput(columns=columns, advantages=np.asarray(advantages), groups=members)
 
 
+def mean_entropy(model: torch.nn.Module, rows: StepInput) -> float:
+    """The mean over the rows' model tokens of the entropy of ``model``'s policy (T = 1) before each."""
+    values = []
+    for columns in rows.columns:
+        positions = torch.as_tensor(np.flatnonzero(columns.source == Source.MODEL))
+        with torch.no_grad():
+            logits = model(input_ids=torch.as_tensor(columns.token_id)[None]).logits[0, positions - 1].double()
+        policy = torch.softmax(logits, dim=-1)
+        values.append(-(policy * policy.log()).sum(dim=-1))
+    return float(torch.cat(values).mean())
+
+
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -124,6 +137,8 @@ def test_one_on_policy_step_moves_the_parameters(untied):
     mask = behaviour_batch(rows.columns).loss_mask
     assert metrics["model_tokens"] == int(mask.sum()) > 0
     assert metrics["kept_tokens"] == metrics["model_tokens"]
+    assert metrics["entropy"] == pytest.approx(mean_entropy(untied, rows), rel=1e-5)  # π_old's, per model token
+    assert 0 < metrics["entropy"] < math.log(learner.vocab_size)
     assert (metrics["rows"], metrics["updates"], learner.version) == (6, 1, 1)
     every = metrics["correction"]["all"]
     assert every["tokens"] == metrics["model_tokens"]

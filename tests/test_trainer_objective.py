@@ -28,7 +28,7 @@ from verbatim.trainer.objective import (
     update_coefficients,
 )
 from verbatim.trainer.reference import reference_logprobs
-from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
+from verbatim.trainer.update import StepBatch, backward_rows, old_policy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,7 +86,7 @@ def make_batch(lm, normaliser="token", old_noise=0.4, updates=None, seed=0) -> S
     weights = step_weights(keep, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     noise = old_noise * (2 * torch.rand(keep.shape, generator=gen) - 1)
-    logp_old = (old_logprobs(lm, sequences, keep, microbatch=4) + noise) * keep
+    logp_old = (old_policy(lm, sequences, keep, microbatch=4).logprobs + noise) * keep
     advantages = torch.randn(len(sequences), generator=gen)
     updates = updates or [list(range(len(sequences)))]
     coef = update_coefficients(weights, keep, updates, normaliser)
@@ -102,7 +102,7 @@ def gradient(model, batch, rows, **kw) -> tuple[dict[str, torch.Tensor], float]:
 
 def clipped_fraction(lm, batch) -> float:
     """Fraction of kept tokens whose ratio lies outside [1 − ε, 1 + ε]."""
-    pi = old_logprobs(lm, batch.sequences, batch.keep)
+    pi = old_policy(lm, batch.sequences, batch.keep).logprobs
     ratio = torch.exp(pi - batch.logp_old)[batch.keep]
     return float(((ratio < 1 - EPS) | (ratio > 1 + EPS)).float().mean())
 
@@ -151,7 +151,7 @@ def test_one_update_per_step_is_the_plain_policy_gradient(tiny):
     """logp_old = π detached: the gradient is policy_gradient_loss's, with π from the plain HF forward."""
     lm = prefix_lm(tiny)
     sequences, model_tokens = step_rows(seed=3)
-    logp_old = old_logprobs(lm, sequences, model_tokens, microbatch=3)
+    logp_old = old_policy(lm, sequences, model_tokens, microbatch=3).logprobs
     gen = torch.Generator().manual_seed(4)
     logp_mu = (logp_old + 0.5 * torch.randn(logp_old.shape, generator=gen)).masked_fill(~model_tokens, float("nan"))
     versions = torch.zeros(model_tokens.shape, dtype=torch.int32).masked_fill(~model_tokens, -1)
@@ -200,18 +200,42 @@ def test_two_updates_each_normalised_over_its_own_rows(tiny, normaliser):
         assert max_rel_err(combined, {k: v * float(keep.sum()) for k, v in want.items()}) <= BOUND
 
 
-def test_old_logprobs_match_the_plain_forward_and_ignore_the_split(tiny):
+def test_old_logprobs_and_entropy_match_the_plain_forward_and_ignore_the_split(tiny):
     lm = prefix_lm(tiny)
     sequences, mask = step_rows()
-    one = old_logprobs(lm, sequences, mask, microbatch=1)
-    assert one.dtype == torch.float32 and not one.requires_grad
-    assert bool((one[~mask] == 0).all()) and bool((one[mask] < 0).all())
-    torch.testing.assert_close(old_logprobs(lm, sequences, mask, microbatch=9), one, rtol=1e-5, atol=1e-5)
+    one = old_policy(lm, sequences, mask, microbatch=1)
+    for values in (one.logprobs, one.entropy):
+        assert values.dtype == torch.float32 and not values.requires_grad and bool((values[~mask] == 0).all())
+    assert bool((one.logprobs[mask] < 0).all())
+    assert bool((one.entropy[mask] > 0).all()) and bool((one.entropy[mask] <= math.log(VOCAB) + 1e-5).all())
+    nine = old_policy(lm, sequences, mask, microbatch=9)
+    torch.testing.assert_close(nine.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nine.entropy, one.entropy, rtol=1e-5, atol=1e-5)
     for i in (0, 6):
         positions = torch.nonzero(mask[i]).flatten()
         with torch.no_grad():
             want = reference_logprobs(tiny, sequences[i], positions)
-        torch.testing.assert_close(one[i, positions], want, rtol=1e-5, atol=1e-5)
+            logits = tiny(input_ids=sequences[i][None]).logits[0, positions - 1].double()
+        torch.testing.assert_close(one.logprobs[i, positions], want, rtol=1e-5, atol=1e-5)
+        policy = torch.softmax(logits, dim=-1)
+        entropy = -(policy * torch.log(policy)).sum(dim=-1)
+        torch.testing.assert_close(one.entropy[i, positions].double(), entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_is_of_the_policy_at_its_temperature_and_a_token_it_cannot_draw_adds_nothing():
+    from verbatim.trainer.causal_lm import target_logprobs, target_logprobs_and_entropy
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [50.0, 0.0, 0.0, 0.0], [1.0, 2.0, float("-inf"), 0.5]])
+    targets = torch.tensor([0, 1, 1])
+    for temperature in (1.0, 0.7):
+        logprobs, entropy = target_logprobs_and_entropy(logits, targets, temperature)
+        assert torch.equal(logprobs, target_logprobs(logits, targets, temperature))  # the same values
+        assert entropy[0].item() == pytest.approx(math.log(4))  # uniform at any temperature
+        assert 0 <= entropy[1].item() < 1e-15 and math.isfinite(entropy[2].item())
+        p = torch.softmax(torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64) / temperature, dim=0)
+        assert entropy[2].item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6)
+    assert target_logprobs_and_entropy(logits, targets, 2.0)[1][2] > target_logprobs_and_entropy(logits, targets,
+                                                                                                 1.0)[1][2]
 
 
 # ---------------------------------------------------------------------------

@@ -111,4 +111,4 @@ def write_run(path: Path, renderer, model_dir: str, batches: list[list[Rollout]]
 def step_metrics(steps: int = 4) -> list[dict]:
     return [{"step": k, "version": k + 1, "reward_mean": 0.2 + 0.15 * k, "mismatch_mean_abs": 0.01 / (k + 1),
              "cache_hit_rate": 0.5 + 0.1 * k, "rollout_s": 3.0 + k, "train_s": 2.0, "weight_sync_s": 0.4,
-             "checkpoint_s": 0.2} for k in range(steps)]
+             "checkpoint_s": 0.2, "entropy": 1.5 - 0.2 * k} for k in range(steps)]

@@ -1,10 +1,12 @@
-"""A training run's curves as one PNG: reward, trainer-sampler mismatch and prefix-cache hits per step.
+"""A training run's curves as one PNG: reward, policy entropy, trainer-sampler mismatch and prefix-cache hits
+per step.
 
-Three panels share the step axis:
+Four panels share the step axis:
 
 1. mean reward (and the success rate, when the env reports one);
-2. the mismatch, mean |log π − log μ| over trained tokens (log scale when every value is positive);
-3. the prefix-cache hit rate (0..1).
+2. the policy's entropy, mean nats per model token (a collapse toward 0 is a policy that stopped exploring);
+3. the mismatch, mean |log π − log μ| over trained tokens (log scale when every value is positive);
+4. the prefix-cache hit rate (0..1).
 
 A step whose value is missing or null leaves a gap. matplotlib is optional
 (``pip install 'verbatim-rl[report]'``) and drawn without pyplot, on the Agg canvas.
@@ -23,7 +25,7 @@ REPORT_HINT = "pip install 'verbatim-rl[report]'"
 
 
 def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title: str) -> Path:
-    """Draw the three panels for these metrics records (one per step) into ``out_png``."""
+    """Draw the four panels for these metrics records (one per step) into ``out_png``."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -32,10 +34,11 @@ def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title:
     if not records:
         raise InputError(f"no steps to plot for {title}: metrics.jsonl is empty (no step finished yet)")
     steps = [_step(number, record) for number, record in enumerate(records, start=1)]
-    figure = Figure(figsize=(8, 8.5))
+    figure = Figure(figsize=(8, 10.5))
     FigureCanvasAgg(figure)
-    reward, mismatch, cache = figure.subplots(3, 1, sharex=True)
+    reward, entropy, mismatch, cache = figure.subplots(4, 1, sharex=True)
     _reward_panel(reward, steps, records)
+    _entropy_panel(entropy, steps, records)
     _mismatch_panel(mismatch, steps, records)
     _cache_panel(cache, steps, records)
     cache.set_xlabel("trainer step")
@@ -77,6 +80,15 @@ def _reward_panel(axis: Any, steps: list[int], records: Sequence[dict[str, Any]]
         axis.plot(steps, success, marker=".", color="#4a9a5b", label="success rate")
     axis.set_ylabel("reward")
     axis.legend(loc="best", fontsize="small")
+    axis.grid(alpha=0.3)
+
+
+def _entropy_panel(axis: Any, steps: list[int], records: Sequence[dict[str, Any]]) -> None:
+    values = series(records, "entropy")
+    axis.plot(steps, values, marker=".", color="#c08a2b")
+    if not _present(values):  # a run trained before the metric existed
+        axis.text(0.5, 0.5, "no entropy recorded", transform=axis.transAxes, ha="center", va="center")
+    axis.set_ylabel("policy entropy (nats)")
     axis.grid(alpha=0.3)
 
 

@@ -153,6 +153,7 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
         "updates": learned.get("updates"), "trainer_path": learned.get("trainer_path"),
         "temperature": learned.get("temperature"),
         "kept_tokens": learned.get("kept_tokens"), "model_tokens": learned.get("model_tokens"),
+        "entropy": learned.get("entropy"),
         "mismatch_mean_abs": every.get("mean_abs_log_ratio"), "k3": every.get("k3"),
         "ratio_quantiles": every.get("ratio_quantiles"), "dropped": every.get("dropped"),
         "hybrid_tokens": (correction.get("hybrid") or {}).get("tokens", 0),

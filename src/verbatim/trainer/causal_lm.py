@@ -15,7 +15,8 @@ whole sequences through the model's own forward, no keys/values kept.
 
 :class:`LearnerLM` is either path as the learner runs it: log π computed in chunks of rows
 (:func:`chunked_target_logprobs`: at most ``rows × vocabulary`` logits exist at once, forward and
-backward, each chunk's logits recomputed in the backward) and the forward in bfloat16 under autocast
+backward, each chunk's logits recomputed in the backward; π_old's pass also takes the policy's entropy
+from those logits) and the forward in bfloat16 under autocast
 when asked (fp32 master weights; the log-softmax always in float32).
 
 A model in train mode with dropout is refused: the shared prefix runs once, so every
@@ -61,13 +62,34 @@ class PrefixCausalLM(Protocol):
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) at each row's target, in at least float32: what vLLM's processed logprobs
-    hold for a token sampled at temperature T (no top-p/top-k mask)."""
+def _log_policy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each row, in at least float32."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None].long()).squeeze(-1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at each row's target, in at least float32: what vLLM's processed logprobs
+    hold for a token sampled at temperature T (no top-p/top-k mask)."""
+    return _log_policy(logits, temperature).gather(-1, targets[:, None].long()).squeeze(-1)
+
+
+def target_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`target_logprobs`, the same values, and the entropy in nats of softmax(logits / T) of each row
+    (a token the policy cannot draw, probability 0, adds 0); without autograd.
+
+    Two vocabulary-wide tensors beside the logits, as :func:`target_logprobs` holds: each row's Σ p·log p
+    is a dot product, not an elementwise product summed."""
+    with torch.no_grad():
+        log_policy = _log_policy(logits, temperature)
+        chosen = log_policy.gather(-1, targets[:, None].long()).squeeze(-1)
+        log_policy.clamp_(min=torch.finfo(log_policy.dtype).min)  # -inf (p = 0): 0 · finite = 0, not NaN
+        probs = log_policy.exp()
+        entropy = -torch.bmm(probs[:, None, :], log_policy[:, :, None]).reshape(-1)
+    return chosen, entropy
 
 
 def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -135,6 +157,20 @@ class LearnerLM:
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return chunked_target_logprobs(self.logits, hidden, targets, self.temperature, self.logprob_chunk)
+
+    def token_logprobs_and_entropy(self, hidden: torch.Tensor,
+                                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`token_logprobs` without autograd (the same values, chunk for chunk) and the entropy of π at
+        T before each target (:func:`target_logprobs_and_entropy`), ``logprob_chunk`` rows of logits at a time."""
+        n = int(hidden.shape[0])
+        rows = self.logprob_chunk if 0 < self.logprob_chunk < n else max(n, 1)
+        with torch.no_grad():
+            parts = [target_logprobs_and_entropy(self.logits(hidden[i:i + rows]), targets[i:i + rows],
+                                                 self.temperature) for i in range(0, n, rows)]
+        if not parts:
+            empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+            return empty, empty.clone()
+        return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.lm.parameters()

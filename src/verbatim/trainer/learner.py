@@ -6,7 +6,8 @@ sources, sampler logprobs μ, policy versions) with one advantage per row, and:
 1. computes π_old, the trainer's log π of every model token before any update (no grad), at the
    temperature the rows were sampled at (``StepInput.temperature``: log_softmax(logits / T)), through
    the model's path (:func:`~verbatim.trainer.adapters.trainer_lm`: PrefixFlow where its family has an
-   adapter, else the plain forward);
+   adapter, else the plain forward), and from the same logits the policy's entropy before each of
+   those tokens (the step's ``entropy`` metric: its mean over the model tokens, in nats);
 2. corrects π_old against μ and the versions (:func:`~verbatim.trainer.correction.correct`):
    behaviour weights, the rows' kept tokens, and the mismatch metrics of the step's own
    rollouts before the optimizer moves (on a synchronous step this is the engine/trainer
@@ -56,7 +57,7 @@ from verbatim.trainer.distributed.team import Team
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.truncation import outside_support
-from verbatim.trainer.update import StepBatch, backward_rows, old_logprobs
+from verbatim.trainer.update import StepBatch, backward_rows, old_policy
 
 
 class LearnerConfig(BaseModel):
@@ -184,7 +185,9 @@ class Learner:
         ours = torch.zeros(rows, dtype=torch.bool, device=device)
         ours[here] = True
         with self.placement.gathered():
-            logp_old = self.team.sum_(old_logprobs(lm, sequences, mask & ours[:, None], self.config.microbatch))
+            old = old_policy(lm, sequences, mask & ours[:, None], self.config.microbatch)
+            logp_old = self.team.sum_(old.logprobs)
+            entropy = self.team.total(float(old.entropy.sum(dtype=torch.float64)))  # each rank's rows
             support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
                                                            self.config.microbatch, self.config.logprob_chunk)))
                        if step.truncation is not None else None)  # each rank counts its own rows
@@ -204,7 +207,8 @@ class Learner:
         metrics = {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
                    "grad_norm_max": float(max(norms)), "updates": len(norms), "trainer_path": path,
                    "temperature": step.temperature, "kept_tokens": int(fix.keep.sum()),
-                   "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict()}
+                   "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict(),
+                   "entropy": entropy / max(int(batch.loss_mask.sum()), 1)}
         if support is not None:
             metrics["outside_support"] = support
         return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}

@@ -2,7 +2,8 @@
 
 A step's rollouts arrive as a :class:`StepBatch`: the token ids of each row, the kept tokens,
 their loss coefficients (:func:`verbatim.trainer.objective.loss_coefficients`, normalised
-over the update the row belongs to), π_old's log-probabilities (:func:`old_logprobs`) and
+over the update the row belongs to), π_old's log-probabilities (:func:`old_policy`, with the
+policy's entropy at each model token, a step metric) and
 each row's advantage, plus the groups of rows that share a task prompt.
 
 :func:`backward_rows` accumulates into the parameters' ``.grad`` the gradient of
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.causal_lm import PrefixCausalLM, sequence_logprobs
+from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, sequence_logprobs
 from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.prefixflow import _pad, group_from_sequences, microbatches, prefixflow_backward, shared_prefix_len
@@ -68,27 +69,39 @@ class StepBatch:
         return len(self.sequences)
 
 
-def old_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-                 microbatch: int = 4) -> torch.Tensor:
-    """(B, T) float32 log π of each token where ``loss_mask`` is True, 0 elsewhere, without autograd.
+@dataclass(frozen=True, eq=False)
+class OldPolicy:
+    """π_old on a step's rows: what the correction and the objective compare against, and how spread it was."""
+
+    logprobs: torch.Tensor
+    """(B, T) float32 log π_old of each token of the mask, 0 elsewhere."""
+    entropy: torch.Tensor
+    """(B, T) float32 entropy (nats) of π_old at the temperature before each token of the mask, 0 elsewhere."""
+
+
+def old_policy(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
+               microbatch: int = 4) -> OldPolicy:
+    """π_old's log-probabilities and entropy where ``loss_mask`` is True, without autograd.
 
     Right-padded microbatches of ``microbatch`` rows through the model's full-sequence path;
-    rows without a masked token run no forward.
+    rows without a masked token run no forward. The log-probabilities are the ones the backward's
+    forward computes (one function, the same chunks of logits).
     """
     lengths = _lengths(sequences)
     if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
         raise TrainerError(f"loss mask is {tuple(loss_mask.shape)}, expected ({len(sequences)}, {int(lengths.max())})")
     _check_mask(loss_mask.bool(), lengths, "loss mask")
     _check_microbatch(microbatch)
-    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=sequences[0].device)
+    learner_lm = lm if isinstance(lm, LearnerLM) else LearnerLM(lm)
+    out = torch.zeros((2, *loss_mask.shape), dtype=torch.float32, device=sequences[0].device)
     rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
     with torch.no_grad():
         for chunk in microbatches(len(rows), microbatch):
             picked = [rows[k] for k in chunk]
-            logprobs = _row_logprobs(lm, [sequences[i] for i in picked],
-                                     [loss_mask[i, : int(lengths[i])] for i in picked])
-            out[torch.tensor(picked, device=out.device), : logprobs.shape[1]] = logprobs.float()
-    return out
+            values = _row_policy(learner_lm, [sequences[i] for i in picked],
+                                 [loss_mask[i, : int(lengths[i])] for i in picked])
+            out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
+    return OldPolicy(logprobs=out[0], entropy=out[1])
 
 
 def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
@@ -153,6 +166,19 @@ def _row_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], masks: 
     hidden, _ = lm.hidden_states(ids)
     r, t = torch.nonzero(mask, as_tuple=True)
     return sequence_logprobs(lm, hidden[r, t - 1], r, t, ids[r, t], mask.shape)
+
+
+def _row_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(2, b, width) float32: log π and the entropy of π on ``masks`` (0 elsewhere) of right-padded whole
+    sequences, width = the longest."""
+    ids, mask = _pad(sequences, masks)
+    hidden, _ = lm.hidden_states(ids)
+    r, t = torch.nonzero(mask, as_tuple=True)
+    logprobs, entropy = lm.token_logprobs_and_entropy(hidden[r, t - 1], ids[r, t])
+    out = torch.zeros((2, *mask.shape), dtype=torch.float32, device=ids.device)
+    out[0, r, t] = logprobs.float()
+    out[1, r, t] = entropy.float()
+    return out
 
 
 def _shares_a_prefix(sequences: Sequence[torch.Tensor]) -> bool:

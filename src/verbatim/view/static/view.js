@@ -71,6 +71,9 @@
     chart(box, "reward", [series("reward", "reward_mean")]);
     chart(box, "mismatch |log π − log μ|", [series("mismatch", "mismatch_mean_abs")]);
     chart(box, "cache hit rate", [series("hit rate", "cache_hit_rate")]);
+    if (metrics.some((m) => m.entropy != null)) {  // runs trained before the metric have none
+      chart(box, "policy entropy (nats)", [series("entropy", "entropy")]);
+    }
     chart(box, "time split (s)", [series("rollout", "rollout_s"), series("train", "train_s"),
       series("sync", "weight_sync_s"), series("checkpoint", "checkpoint_s")]);
     return box;
