@@ -15,6 +15,7 @@ The engine gets the default weights back after each run (other modules share it)
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,7 @@ def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
         assert abs(quantiles["p01"] - 1) < AGREEMENT and abs(quantiles["p99"] - 1) < AGREEMENT
         assert record["dropped"]["any"] == 0.0
         assert set(record["policy_lag"]) == {"0"}
+        assert 0 < record["entropy"] < math.log(loop.learner.vocab_size)  # π_old's, nats per model token
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
