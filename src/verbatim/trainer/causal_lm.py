@@ -81,8 +81,8 @@ def target_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
     """:func:`target_logprobs`, the same values, and the entropy in nats of softmax(logits / T) of each row
     (a token the policy cannot draw, probability 0, adds 0); without autograd.
 
-    Two vocabulary-wide tensors beside the logits, as :func:`target_logprobs` holds: each row's Σ p·log p
-    is a dot product, not an elementwise product summed."""
+    One rows × vocabulary tensor more than :func:`target_logprobs` holds (the probabilities): each row's
+    Σ p·log p is a dot product, not an elementwise product summed."""
     with torch.no_grad():
         log_policy = _log_policy(logits, temperature)
         chosen = log_policy.gather(-1, targets[:, None].long()).squeeze(-1)
