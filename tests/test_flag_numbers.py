@@ -60,6 +60,7 @@ def strict_load(text: str):
     (["train", "--env", "guess", "--lr", "-inf"], "--lr", "-inf"),
     (["train", "--env", "guess", "--lr", "nan"], "--lr", "nan"),
     (["train", "--env", "guess", "--token-tis-cap", "inf"], "--token-tis-cap", "inf"),
+    (["train", "--env", "guess", "--kl-coef", "nan"], "--kl-coef", "nan"),
     (["train", "--env", "guess", "--max-grad-norm", "Infinity"], "--max-grad-norm", "inf"),
     (["run", "--env", "guess", "--temperature", "inf"], "--temperature", "inf"),
     (["run", "--env", "guess", "--stop-grace", "inf"], "--stop-grace", "inf"),

@@ -74,6 +74,8 @@ def refused(args: list[str], needle: str) -> str:
     (["--clip-eps", "1.5"], "--clip-eps 1.5 must be in (0, 1)"),
     (["--clip-eps", "0"], "--clip-eps 0 must be in (0, 1)"),
     (["--normaliser", "words"], "--normaliser words must be 'token' or 'sequence'"),
+    (["--kl-coef", "-0.1"], "--kl-coef -0.1 must be at least 0"),
+    (["--kl-estimator", "k1"], "--kl-estimator k1 must be 'k3' or 'k2'"),
     (["--temperature", "0"], "--temperature 0 must be above 0"),
     (["--max-grad-norm", "0"], "--max-grad-norm 0 must be above 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints 0 must be at least 1"),
@@ -136,6 +138,7 @@ def _options_of(args: list[str], monkeypatch):
     (["--group-size", "8"], "--resume with a changed config: plan.group_size: 4 -> 8"),
     (["--env-arg", "high=5"], "--resume with a changed config: env_args.high: (missing) -> 5"),
     (["--fixed-lag"], "--resume with a changed config: plan.fixed_lag: False -> True"),
+    (["--kl-coef", "0.05"], "--resume with a changed config: learner.loss.kl_coef: 0.0 -> 0.05"),
 ])
 def test_resuming_with_a_changed_setting_names_it(tmp_path, monkeypatch, changed, needle):
     out = tmp_path / "run"
@@ -180,6 +183,27 @@ def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path,
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
     refused([*args, "--resume", "--fixed-lag"], "plan.fixed_lag: False -> True")
+
+
+def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_path, monkeypatch):
+    """Its config lacks ``learner.loss.kl_coef`` and ``kl_estimator``: it trained without a penalty, whatever the
+    estimator, so a resume without --kl-coef goes through and one with it is a change."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out)]
+    config = _options_of(args, monkeypatch).config()
+    assert _options_of([*args, "--kl-coef", "0.1", "--kl-estimator", "k2"], monkeypatch).learner.loss.kl_coef == 0.1
+    for key in ("kl_coef", "kl_estimator"):
+        del config["train"]["learner"]["loss"][key]
+    _manifest(out, config)
+
+    def passed(options):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
+    for extra in ([], ["--kl-estimator", "k2"]):
+        result = runner.invoke(app, ["train", *args, "--resume", *extra])
+        assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    refused([*args, "--resume", "--kl-coef", "0.1"], "learner.loss.kl_coef: 0.0 -> 0.1")
 
 
 def test_the_trainer_device_may_change_on_resume(monkeypatch):

@@ -22,6 +22,7 @@ from verbatim.trainer.advantages import group_advantages
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import correct, policy_gradient_loss
 from verbatim.trainer.learner import Learner, LearnerConfig, StepInput, scheduled_lr
+from verbatim.trainer.objective import LossConfig
 from verbatim.trainer.reference import reference_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -303,6 +304,32 @@ def test_a_zero_advantage_group_changes_nothing_but_the_normaliser(untied):
     scale = kept_alone / metrics["kept_tokens"]
     assert 0 < scale < 1
     assert_same_grads(both_grads[0], {n: g * scale for n, g in alone_grads[0].items()})
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_a_kl_penalty_pulls_toward_the_starting_weights_which_a_resume_keeps(untied, tmp_path, estimator):
+    """From the reference's own weights the penalty is 0 and so is its pull; once the weights moved, a step
+    of equal rewards (every advantage 0) still trains; the reference stays the starting model, also in a
+    learner restored from a checkpoint of moved weights."""
+    loss = LossConfig(kl_coef=0.5, kl_estimator=estimator)
+    learner, grads = recording(untied, loss=loss, max_grad_norm=NO_CLIP)
+    plain, plain_grads = recording(untied, max_grad_norm=NO_CLIP)
+    first = learner.train_step(step_rows(untied))
+    plain.train_step(step_rows(untied))
+    assert first["kl_ref"] == 0.0  # π_old is the reference, token for token
+    assert_same_grads(grads[0], plain_grads[0])  # the penalty's pull: β·(1 − e^d) or β·d, d ≈ 0 (rounding)
+    equal = step_rows(untied, seed=7, rewards=[[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    second = learner.train_step(equal)
+    assert second["kl_ref"] > 0 and second["grad_norm"] > 0 and second["loss"] > 0
+    assert "kl_ref" not in plain.train_step(equal) and all(p.grad is None for p in plain.model.parameters())
+    assert all(torch.equal(p, untied.get_parameter(n)) for n, p in learner.reference.named_parameters())
+    assert all(not p.requires_grad for p in learner.reference.parameters()) and not learner.reference.training
+    saved = learner.save(tmp_path, 2, {"version": learner.version})
+    resumed = Learner(copy.deepcopy(untied), LearnerConfig(lr=LR, loss=loss))
+    resumed.restore(saved)
+    assert_same_params(resumed.model, learner.model)
+    assert all(torch.equal(p, untied.get_parameter(n)) for n, p in resumed.reference.named_parameters())
+    assert Learner(copy.deepcopy(untied), LearnerConfig(lr=LR)).reference is None  # no penalty, no copy
 
 
 def test_tokens_past_the_version_lag_limit_are_dropped_and_not_trained(untied):

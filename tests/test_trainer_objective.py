@@ -22,13 +22,14 @@ from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.correction import CorrectionConfig, correct, policy_gradient_loss
 from verbatim.trainer.objective import (
     LossConfig,
+    kl_penalty,
     loss_coefficients,
     objective_loss,
     surrogate,
     update_coefficients,
 )
 from verbatim.trainer.reference import reference_logprobs
-from verbatim.trainer.update import StepBatch, backward_rows, old_policy
+from verbatim.trainer.update import StepBatch, backward_rows, policy_values
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,7 +87,7 @@ def make_batch(lm, normaliser="token", old_noise=0.4, updates=None, seed=0) -> S
     weights = step_weights(keep, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     noise = old_noise * (2 * torch.rand(keep.shape, generator=gen) - 1)
-    logp_old = (old_policy(lm, sequences, keep, microbatch=4).logprobs + noise) * keep
+    logp_old = (policy_values(lm, sequences, keep, microbatch=4).logprobs + noise) * keep
     advantages = torch.randn(len(sequences), generator=gen)
     updates = updates or [list(range(len(sequences)))]
     coef = update_coefficients(weights, keep, updates, normaliser)
@@ -102,7 +103,7 @@ def gradient(model, batch, rows, **kw) -> tuple[dict[str, torch.Tensor], float]:
 
 def clipped_fraction(lm, batch) -> float:
     """Fraction of kept tokens whose ratio lies outside [1 − ε, 1 + ε]."""
-    pi = old_policy(lm, batch.sequences, batch.keep).logprobs
+    pi = policy_values(lm, batch.sequences, batch.keep).logprobs
     ratio = torch.exp(pi - batch.logp_old)[batch.keep]
     return float(((ratio < 1 - EPS) | (ratio > 1 + EPS)).float().mean())
 
@@ -151,7 +152,7 @@ def test_one_update_per_step_is_the_plain_policy_gradient(tiny):
     """logp_old = π detached: the gradient is policy_gradient_loss's, with π from the plain HF forward."""
     lm = prefix_lm(tiny)
     sequences, model_tokens = step_rows(seed=3)
-    logp_old = old_policy(lm, sequences, model_tokens, microbatch=3).logprobs
+    logp_old = policy_values(lm, sequences, model_tokens, microbatch=3).logprobs
     gen = torch.Generator().manual_seed(4)
     logp_mu = (logp_old + 0.5 * torch.randn(logp_old.shape, generator=gen)).masked_fill(~model_tokens, float("nan"))
     versions = torch.zeros(model_tokens.shape, dtype=torch.int32).masked_fill(~model_tokens, -1)
@@ -203,12 +204,12 @@ def test_two_updates_each_normalised_over_its_own_rows(tiny, normaliser):
 def test_old_logprobs_and_entropy_match_the_plain_forward_and_ignore_the_split(tiny):
     lm = prefix_lm(tiny)
     sequences, mask = step_rows()
-    one = old_policy(lm, sequences, mask, microbatch=1)
+    one = policy_values(lm, sequences, mask, microbatch=1)
     for values in (one.logprobs, one.entropy):
         assert values.dtype == torch.float32 and not values.requires_grad and bool((values[~mask] == 0).all())
     assert bool((one.logprobs[mask] < 0).all())
     assert bool((one.entropy[mask] > 0).all()) and bool((one.entropy[mask] <= math.log(VOCAB) + 1e-5).all())
-    nine = old_policy(lm, sequences, mask, microbatch=9)
+    nine = policy_values(lm, sequences, mask, microbatch=9)
     torch.testing.assert_close(nine.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nine.entropy, one.entropy, rtol=1e-5, atol=1e-5)
     for i in (0, 6):
@@ -381,3 +382,83 @@ def test_bad_step_batches_and_rows_are_clear_errors(tiny):
         backward_rows(prefix_lm(tiny), batch, [0], EPS, microbatch=0)
     assert math.isfinite(backward_rows(prefix_lm(tiny), batch, [0], EPS))
     tiny.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------
+# The KL penalty toward the reference policy
+# ---------------------------------------------------------------------------
+
+
+@given(st.floats(-6, 6), st.floats(-6, 6))
+def test_each_kl_estimator_is_zero_at_the_reference_and_has_its_gradient(logp, ref):
+    for estimator, slope in (("k3", 1 - math.exp(ref - logp)), ("k2", logp - ref)):
+        pi = torch.tensor([logp], dtype=torch.float64, requires_grad=True)
+        value = kl_penalty(pi, torch.tensor([ref], dtype=torch.float64), estimator)
+        value.sum().backward()
+        assert value.item() >= 0 and pi.grad.item() == pytest.approx(slope, rel=1e-9, abs=1e-12)
+    at = torch.tensor([logp], dtype=torch.float64)
+    assert kl_penalty(at, at, "k3").item() == 0 and kl_penalty(at, at, "k2").item() == 0
+
+
+def test_k3s_value_estimates_kl_pi_ref_and_its_gradient_is_the_other_direction():
+    """Exact expectations over a 5-token policy: E_π[k3] = KL(π‖π_ref); E_π[∇k3] = ∇KL(π_ref‖π);
+    E_π[∇k2] = ∇KL(π‖π_ref) (the gradients through the logits, as the trainer takes them)."""
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.0, 0.5, -0.5, 0.2], dtype=torch.float64), dim=0)
+    log_pi = torch.log_softmax(logits, dim=0)
+    pi = log_pi.exp().detach()
+
+    def expected_grad(estimator: str) -> torch.Tensor:  # Σ_x π(x) ∇ k(log π(x)): the sampled tokens' mean
+        return torch.autograd.grad((pi * kl_penalty(log_pi, ref, estimator)).sum(), logits, retain_graph=True)[0]
+
+    def grad(value: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(value, logits, retain_graph=True)[0]
+
+    forward_kl = (pi * (log_pi.detach() - ref)).sum()
+    assert float((pi * kl_penalty(log_pi.detach(), ref, "k3")).sum()) == pytest.approx(float(forward_kl))
+    torch.testing.assert_close(expected_grad("k3"), grad((ref.exp() * (ref - log_pi)).sum()))  # KL(π_ref‖π)
+    torch.testing.assert_close(expected_grad("k2"), grad((log_pi.exp() * (log_pi - ref)).sum()))  # KL(π‖π_ref)
+
+
+def test_the_penalty_adds_beta_times_its_weighted_gradient_and_nothing_off_keep():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, float("nan"), -0.1], [-0.3, -3.0, -2.5]], dtype=torch.float64)
+    keep = torch.tensor([[True, False, True], [True, True, True]])
+    coef = torch.tensor([[0.5, 9.0, 0.25], [1.0, 0.5, 2.0]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    for estimator in ("k3", "k2"):
+        plain = objective_loss(logp, logp.detach(), advantages, coef, keep, EPS)
+        with_kl = objective_loss(logp, logp.detach(), advantages, coef, keep, EPS, ref, 0.3, estimator)
+        (g_plain,), (g_kl,) = torch.autograd.grad(plain, logp), torch.autograd.grad(with_kl, logp)
+        d = torch.nan_to_num(ref) - logp.detach()
+        slope = 1 - torch.exp(d) if estimator == "k3" else -d
+        torch.testing.assert_close(g_kl - g_plain, torch.where(keep, 0.3 * coef * slope, 0.0))
+        assert torch.isfinite(with_kl) and g_kl[0, 1] == 0  # the NaN reference sits off keep
+    with pytest.raises(TrainerError, match="reference policy"):
+        objective_loss(logp, logp.detach(), advantages, coef, keep, EPS, None, 0.3)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_a_kl_penalty_is_one_gradient_over_every_split_and_the_plain_forwards(tiny, estimator):
+    lm = prefix_lm(tiny)
+    plain = make_batch(lm)
+    noise = 0.5 * torch.randn(plain.keep.shape, generator=torch.Generator().manual_seed(9))
+    batch = StepBatch(**{**plain.__dict__, "logp_ref": (plain.logp_old + noise) * plain.keep, "kl_coef": 0.7,
+                         "kl_estimator": estimator})
+    rows = list(range(batch.size))
+    want, _ = gradient(tiny, batch, rows, prefixflow=False, microbatch=batch.size)
+    for prefixflow, microbatch in ((True, 1), (True, 3), (False, 2)):
+        got, _ = gradient(tiny, batch, rows, prefixflow=prefixflow, microbatch=microbatch)
+        assert max_rel_err(got, want) <= BOUND, (prefixflow, microbatch)
+    tiny.zero_grad(set_to_none=True)  # the objective on log π from the model's own full forward
+    logp_pi = torch.zeros(batch.keep.shape)
+    for i, sequence in enumerate(batch.sequences):
+        positions = torch.nonzero(batch.keep[i]).flatten()
+        if positions.numel():
+            logp_pi = logp_pi.index_put((torch.full_like(positions, i), positions),
+                                        reference_logprobs(tiny, sequence, positions))
+    objective_loss(logp_pi, batch.logp_old, batch.advantages, batch.coef, batch.keep, EPS, batch.logp_ref, 0.7,
+                   estimator).backward()
+    assert max_rel_err(want, grads_of(tiny)) <= BOUND
+    without, _ = gradient(tiny, plain, rows, prefixflow=False, microbatch=batch.size)
+    assert max_rel_err(without, want) > 1e-3  # the penalty moved the gradient

@@ -59,6 +59,12 @@ def train_flags(
                                          help="Optimizer updates per step; above 1 the PPO clip on pi/pi_old "
                                               "applies (pi_old: the trainer at the step's start)."),
     clip_eps: float = typer.Option(0.2, "--clip-eps", help="PPO clip range of pi/pi_old."),
+    kl_coef: float = typer.Option(0.0, "--kl-coef",
+                                  help="Beta of a per-token penalty toward the starting model (a frozen copy "
+                                       "the trainer keeps); 0: none (docs/trainer.md)."),
+    kl_estimator: str = typer.Option("k3", "--kl-estimator",
+                                     help="k3 (GRPO's: its value estimates KL(pi||ref), its gradient pulls "
+                                          "toward KL(ref||pi)) | k2 (its gradient is KL(pi||ref)'s)."),
     cache_policy: str = typer.Option("keep+salt", "--cache-policy",
                                      help="flush | keep | salt | keep+salt. Default keep+salt (docs/engine.md): "
                                           "a rollout keeps its own cache across an update, a new rollout never "
@@ -176,7 +182,9 @@ def train_flags(
                                 dtype=dtype, checkpoint_layers=activation_checkpointing,
                                 logprob_chunk=logprob_chunk,
                                 prefix_activations=prefix_activations_option(prefix_activations),
-                                loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps), correction=correction)
+                                loss=LossConfig(normaliser=normaliser, clip_eps=clip_eps, kl_coef=kl_coef,
+                                                kl_estimator=kl_estimator),
+                                correction=correction)
         options = TrainConfig(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout,
                                env_args=parse_env_args(env_arg), tasks=task_file, model=model,
                                renderer=renderer, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature,

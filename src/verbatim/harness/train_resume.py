@@ -80,21 +80,27 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 
 ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None,
-         "learner.prefix_activations": None, "plan.fixed_lag": False}
+         "learner.prefix_activations": None, "plan.fixed_lag": False, "learner.loss.kl_coef": 0.0,
+         "learner.loss.kl_estimator": None}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
 every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
 
 def with_added(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` with each :data:`ADDED` setting it lacks filled in as that run trained."""
+    """``saved`` with each :data:`ADDED` setting it lacks and ``now`` holds filled in as that run trained."""
     filled = json.loads(json.dumps(saved))
     for key, value in ADDED.items():
         *path, last = key.split(".")
-        here, there = filled, now
+        there: Any = now
         for part in path:
-            here, there = here.setdefault(part, {}), (there or {}).get(part, {})
+            there = there.get(part) if isinstance(there, dict) else None
+        if not isinstance(there, dict) or last not in there:
+            continue  # a setting ``now`` does not hold either
+        here = filled
+        for part in path:
+            here = here.setdefault(part, {}) if isinstance(here, dict) else None
         if isinstance(here, dict) and last not in here:
-            here[last] = (there or {}).get(last) if value is None else value
+            here[last] = there[last] if value is None else value
     return filled
 
 

@@ -159,8 +159,9 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
         "hybrid_tokens": (correction.get("hybrid") or {}).get("tokens", 0),
         "policy_lag": {lag: stats["tokens"] for lag, stats in (correction.get("by_lag") or {}).items()},
     }
-    if "outside_support" in learned:
-        record["outside_support"] = learned["outside_support"]
+    for optional in ("outside_support", "kl_ref"):
+        if optional in learned:
+            record[optional] = learned[optional]
     if summary is not None:
         record |= {"prompt_tokens": summary.prompt_tokens, "cached_tokens": summary.cached_tokens,
                    "prefill_tokens": summary.prefill_tokens, "min_prefill_tokens": summary.min_prefill_tokens,

@@ -15,6 +15,9 @@ sources, sampler logprobs μ, policy versions) with one advantage per row, and:
 3. splits the rows into ``updates_per_step`` optimizer updates (one per row where fewer); each update's loss is the
    decoupled objective of :mod:`~verbatim.trainer.objective` with one normaliser over the
    update's rows, so its gradient does not depend on the microbatch split or on PrefixFlow;
+   with ``loss.kl_coef`` > 0 the loss also pulls toward the reference policy, a frozen copy of the
+   starting weights whose log π on the step's tokens is computed like π_old's (the ``kl_ref`` metric:
+   k3's estimate of KL(π_old ‖ π_ref) per model token);
    clips the gradient norm and steps AdamW;
 4. increments the version.
 
@@ -32,6 +35,7 @@ rows at a time). ``checkpoint_layers`` recomputes each decoder layer's activatio
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -57,7 +61,7 @@ from verbatim.trainer.distributed.team import Team
 from verbatim.trainer.objective import LossConfig, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.truncation import outside_support
-from verbatim.trainer.update import StepBatch, backward_rows, old_policy
+from verbatim.trainer.update import StepBatch, backward_rows, policy_values
 
 
 class LearnerConfig(BaseModel):
@@ -148,6 +152,9 @@ class Learner:
         refuse_dropout(model)
         if seed is not None:
             seed_generators(seed)
+        self.reference = frozen_copy(model) if config.loss.kl_coef > 0 else None
+        """The policy a KL penalty pulls toward: the weights the learner starts from (a resumed run's
+        too: a learner is built from the run's model, then restored), a whole copy on every rank."""
         self.model = model.train()
         self.config = config
         if config.prefixflow:
@@ -185,12 +192,15 @@ class Learner:
         ours = torch.zeros(rows, dtype=torch.bool, device=device)
         ours[here] = True
         with self.placement.gathered():
-            old = old_policy(lm, sequences, mask & ours[:, None], self.config.microbatch)
+            old = policy_values(lm, sequences, mask & ours[:, None], self.config.microbatch)
             logp_old = self.team.sum_(old.logprobs)
             entropy = self.team.total(float(old.entropy.sum(dtype=torch.float64)))  # each rank's rows
             support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
                                                            self.config.microbatch, self.config.logprob_chunk)))
                        if step.truncation is not None else None)  # each rank counts its own rows
+        logp_ref = (self.team.sum_(policy_values(self.reference_lm(step.temperature), sequences, mask & ours[:, None],
+                                                 self.config.microbatch).logprobs)
+                    if self.reference is not None else None)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
@@ -199,7 +209,7 @@ class Learner:
         loss = 0.0
         norms = []
         for update_rows in self.update_splits(rows):
-            loss_u, norm = self._update(lm, path, sequences, fix.weights, fix.keep, logp_old, advantages,
+            loss_u, norm = self._update(lm, path, sequences, fix.weights, fix.keep, (logp_old, logp_ref), advantages,
                                         step.groups, update_rows, set(here))
             loss += loss_u
             norms.append(norm)
@@ -211,12 +221,20 @@ class Learner:
                    "entropy": entropy / max(int(batch.loss_mask.sum()), 1)}
         if support is not None:
             metrics["outside_support"] = support
+        if logp_ref is not None:  # k3's value: an estimate of KL(π_old ‖ π_ref) per model token
+            d = torch.where(mask, logp_ref - logp_old, torch.zeros_like(logp_old)).double()
+            metrics["kl_ref"] = float((torch.expm1(d) - d).sum()) / max(int(batch.loss_mask.sum()), 1)
         return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}
 
     def trainer_lm(self, temperature: float = 1.0) -> tuple[LearnerLM, TrainerPath]:
         """The model's path at ``temperature`` as the config runs it (chunked log π, its dtype, its checkpointing)."""
         lm, path = trainer_lm(self.model, self.config.prefixflow, temperature, **self.path_options)
         return LearnerLM(lm, self.config.logprob_chunk, self.config.dtype), path
+
+    def reference_lm(self, temperature: float) -> LearnerLM:
+        """The reference policy's path at ``temperature``, run as the learner runs its own (chunks, dtype)."""
+        lm, _ = trainer_lm(self.reference, self.config.prefixflow, temperature)
+        return LearnerLM(lm, self.config.logprob_chunk, self.config.dtype)
 
     def update_splits(self, rows: int) -> list[list[int]]:
         """The rows of each optimizer update: consecutive (a group stays together where it can). A step with
@@ -225,13 +243,17 @@ class Learner:
         return [list(map(int, part)) for part in np.array_split(np.arange(rows), count)]
 
     def _update(self, lm: PrefixCausalLM, path: TrainerPath, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
-                keep: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, groups: Sequence[Sequence[int]],
-                rows: list[int], here: set[int]) -> tuple[float, float]:
+                keep: torch.Tensor, logp: tuple[torch.Tensor, torch.Tensor | None], advantages: torch.Tensor,
+                groups: Sequence[Sequence[int]], rows: list[int], here: set[int]) -> tuple[float, float]:
+        """One optimizer update over ``rows``; ``logp`` is (π_old's, the reference's or None) log-probabilities."""
+        loss_config = self.config.loss
         coef = torch.zeros_like(weights)
-        coef[rows] = loss_coefficients(weights[rows], keep[rows], self.config.loss.normaliser)
-        trained = keep & (advantages != 0)[:, None]  # a zero advantage gives zero gradient: skip its forward
-        batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp_old, advantages=advantages,
-                          groups=tuple(tuple(g) for g in groups))
+        coef[rows] = loss_coefficients(weights[rows], keep[rows], loss_config.normaliser)
+        # a zero advantage gives zero gradient, unless a KL penalty pulls: skip its forward
+        trained = keep if loss_config.kl_coef > 0 else keep & (advantages != 0)[:, None]
+        batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp[0], advantages=advantages,
+                          groups=tuple(tuple(g) for g in groups), logp_ref=logp[1], kl_coef=loss_config.kl_coef,
+                          kl_estimator=loss_config.kl_estimator)
         with self.placement.update():  # this rank's rows; leaving it, the gradient is the update's whole one
             loss = backward_rows(lm, batch, [r for r in rows if r in here], self.config.loss.clip_eps,
                                  prefixflow=path == "prefixflow", microbatch=self.config.microbatch,
@@ -303,6 +325,11 @@ class Learner:
             param.data = view
             moved += 1
         return moved
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that never trains: eval mode, no gradients."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def checkpointed_path(model: nn.Module, config: LearnerConfig) -> dict[str, Any]:

@@ -15,6 +15,20 @@ against μ (truncated IS and masking), multiplies a PPO-clipped term in ρ = π/
 over the kept tokens, with ``coef`` the correction weight divided by the update's normaliser
 (:func:`loss_coefficients`). The clip only bites when a step makes more than one update:
 with one update π_old = π, ρ = 1 and the gradient is the plain −Σ coef·A·∇log π.
+
+With ``kl_coef`` β > 0 each kept token also pays β · coef · k(log π, log π_ref), a penalty toward the
+reference policy π_ref (the run's starting model), weighted like the surrogate: the correction weight is
+the importance weight that makes a μ-sampled token estimate an expectation under π. Per token, with
+d = log π_ref − log π (:func:`kl_penalty`):
+
+* ``k3`` = e^d − d − 1 (GRPO's estimator; never negative). Its value estimates KL(π ‖ π_ref), but its
+  gradient, (1 − e^d)·∇log π, is in expectation over π the gradient of the other direction,
+  KL(π_ref ‖ π): a pull toward covering the reference's tokens.
+* ``k2`` = d²/2. Its gradient, −d·∇log π, is in expectation the gradient of KL(π ‖ π_ref) itself (each
+  token's own term; the effect on later tokens of the sequence is left out, as in k3).
+
+Both are 0 with gradient 0 where π = π_ref, so a step from the reference's own weights is the step
+without the penalty.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from verbatim.errors import TrainerError
 
 Normaliser = Literal["token", "sequence"]
+KlEstimator = Literal["k3", "k2"]
 
 
 class LossConfig(BaseModel):
@@ -41,6 +56,13 @@ class LossConfig(BaseModel):
 
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO clip ε on π/π_old (bites only with more than one update per step). Default 0.2."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """β of the penalty toward the reference policy (the run's starting model; see the module docstring).
+    0, the default: no penalty, and no reference model is kept."""
+
+    kl_estimator: KlEstimator = "k3"
+    """The penalty's per-token estimator: ``k3`` (GRPO's) or ``k2`` (the gradient of KL(π ‖ π_ref))."""
 
 
 def loss_coefficients(weights: torch.Tensor, keep: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
@@ -94,14 +116,29 @@ def surrogate(logp_pi: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
     return torch.minimum(ratio * advantage, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantage)
 
 
+def kl_penalty(logp_pi: torch.Tensor, logp_ref: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
+    """Each token's penalty toward π_ref (the module docstring): k3 = e^d − d − 1 or k2 = d²/2, with
+    d = log π_ref − log π; the gradient reaches ``logp_pi`` only."""
+    d = logp_ref.detach() - logp_pi
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    if estimator == "k2":
+        return 0.5 * d * d
+    raise TrainerError(f"unknown KL estimator {estimator!r}", hint="use k3 or k2")
+
+
 def objective_loss(logp_pi: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                   coef: torch.Tensor, keep: torch.Tensor, clip_eps: float) -> torch.Tensor:
-    """Scalar −Σ over ``keep`` of coef · :func:`surrogate`: a sum of per-row terms.
+                   coef: torch.Tensor, keep: torch.Tensor, clip_eps: float, logp_ref: torch.Tensor | None = None,
+                   kl_coef: float = 0.0, kl_estimator: KlEstimator = "k3") -> torch.Tensor:
+    """Scalar −Σ over ``keep`` of coef · (:func:`surrogate` − ``kl_coef`` · :func:`kl_penalty` against
+    ``logp_ref``): a sum of per-row terms.
 
     Positions off ``keep`` (dropped, prompt, padding) contribute exactly 0 to the value and the
-    gradient, whatever ``logp_pi`` and ``logp_old`` hold there.
+    gradient, whatever ``logp_pi``, ``logp_old`` and ``logp_ref`` hold there.
     """
-    shapes = {tuple(t.shape) for t in (logp_pi, logp_old, coef, keep)}
+    if kl_coef > 0 and logp_ref is None:
+        raise TrainerError("a KL penalty needs the reference policy's logprobs")
+    shapes = {tuple(t.shape) for t in (logp_pi, logp_old, coef, keep, *(() if logp_ref is None else (logp_ref,)))}
     if len(shapes) != 1 or logp_pi.dim() != 2 or tuple(advantages.shape) != tuple(logp_pi.shape[:1]):
         raise TrainerError(f"objective needs (B, T) logprobs, coefficients and keep and (B,) advantages, "
                            f"got {sorted(shapes)} and {tuple(advantages.shape)}")
@@ -110,5 +147,9 @@ def objective_loss(logp_pi: torch.Tensor, logp_old: torch.Tensor, advantages: to
     pi = torch.where(keep, logp_pi, zeros)
     old = torch.where(keep, logp_old.detach().to(logp_pi.dtype), zeros)
     weight = torch.where(keep, coef.detach(), torch.zeros_like(coef))
-    terms = weight * surrogate(pi, old, advantages, clip_eps)
+    terms = surrogate(pi, old, advantages, clip_eps)
+    if kl_coef > 0 and logp_ref is not None:
+        ref = torch.where(keep, logp_ref.detach().to(logp_pi.dtype), zeros)
+        terms = terms - kl_coef * kl_penalty(pi, ref, kl_estimator)
+    terms = weight * terms
     return -torch.where(keep, terms, torch.zeros_like(terms)).sum()

@@ -2,7 +2,7 @@
 
 A step's rollouts arrive as a :class:`StepBatch`: the token ids of each row, the kept tokens,
 their loss coefficients (:func:`verbatim.trainer.objective.loss_coefficients`, normalised
-over the update the row belongs to), π_old's log-probabilities (:func:`old_policy`, with the
+over the update the row belongs to), π_old's log-probabilities (:func:`policy_values`, with the
 policy's entropy at each model token, a step metric) and
 each row's advantage, plus the groups of rows that share a task prompt.
 
@@ -23,7 +23,7 @@ import torch
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, sequence_logprobs
-from verbatim.trainer.objective import objective_loss
+from verbatim.trainer.objective import KlEstimator, objective_loss
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.prefixflow import _pad, group_from_sequences, microbatches, prefixflow_backward, shared_prefix_len
 
@@ -44,6 +44,11 @@ class StepBatch:
     """(B,): one advantage per row."""
     groups: tuple[tuple[int, ...], ...]
     """The rows of each group (rows sharing a task prompt): disjoint, covering every row."""
+    logp_ref: torch.Tensor | None = None
+    """(B, T) float32: the reference policy's log-probabilities on ``keep`` (detached), with ``kl_coef`` > 0."""
+    kl_coef: float = 0.0
+    """β of the penalty toward the reference (:mod:`verbatim.trainer.objective`); 0: none."""
+    kl_estimator: KlEstimator = "k3"
 
     def __post_init__(self) -> None:
         b = len(self.sequences)
@@ -51,7 +56,9 @@ class StepBatch:
             raise TrainerError("a step batch needs at least one row")
         lengths = _lengths(self.sequences)
         shape = (b, int(lengths.max()))
-        for name in ("keep", "coef", "logp_old"):
+        if self.kl_coef > 0 and self.logp_ref is None:
+            raise TrainerError("a step batch with a KL penalty needs the reference policy's logprobs")
+        for name in ("keep", "coef", "logp_old", *(() if self.logp_ref is None else ("logp_ref",))):
             if tuple(getattr(self, name).shape) != shape:
                 raise TrainerError(f"step batch {name} is {tuple(getattr(self, name).shape)}, expected {shape} "
                                    "(rows × longest row)")
@@ -70,18 +77,19 @@ class StepBatch:
 
 
 @dataclass(frozen=True, eq=False)
-class OldPolicy:
-    """π_old on a step's rows: what the correction and the objective compare against, and how spread it was."""
+class PolicyValues:
+    """A policy on a step's rows, without autograd: π_old (what the correction and the objective compare
+    against, and how spread it was), or the reference policy of a KL penalty."""
 
     logprobs: torch.Tensor
-    """(B, T) float32 log π_old of each token of the mask, 0 elsewhere."""
+    """(B, T) float32 log π of each token of the mask, 0 elsewhere."""
     entropy: torch.Tensor
-    """(B, T) float32 entropy (nats) of π_old at the temperature before each token of the mask, 0 elsewhere."""
+    """(B, T) float32 entropy (nats) of π at the temperature before each token of the mask, 0 elsewhere."""
 
 
-def old_policy(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-               microbatch: int = 4) -> OldPolicy:
-    """π_old's log-probabilities and entropy where ``loss_mask`` is True, without autograd.
+def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
+                  microbatch: int = 4) -> PolicyValues:
+    """The log-probabilities and entropy of ``lm``'s policy where ``loss_mask`` is True, without autograd.
 
     Right-padded microbatches of ``microbatch`` rows through the model's full-sequence path;
     rows without a masked token run no forward. The log-probabilities are the ones the backward's
@@ -101,7 +109,7 @@ def old_policy(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask:
             values = _row_policy(learner_lm, [sequences[i] for i in picked],
                                  [loss_mask[i, : int(lengths[i])] for i in picked])
             out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
-    return OldPolicy(logprobs=out[0], entropy=out[1])
+    return PolicyValues(logprobs=out[0], entropy=out[1])
 
 
 def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
@@ -156,8 +164,10 @@ def _plain_backward(lm: PrefixCausalLM, batch: StepBatch, rows: list[int], clip_
 def _rows_loss(batch: StepBatch, index: torch.Tensor, logprobs: torch.Tensor, clip_eps: float) -> torch.Tensor:
     """The objective of batch rows ``index`` for (b, w) logprobs in full-sequence coordinates."""
     w = logprobs.shape[1]
+    ref = None if batch.logp_ref is None else batch.logp_ref[index, :w]
     return objective_loss(logprobs, batch.logp_old[index, :w], batch.advantages[index],
-                          batch.coef[index, :w], batch.keep[index, :w], clip_eps)
+                          batch.coef[index, :w], batch.keep[index, :w], clip_eps, ref, batch.kl_coef,
+                          batch.kl_estimator)
 
 
 def _row_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
