@@ -44,13 +44,12 @@ def step_line(record: dict[str, Any], steps: int) -> str:
 
 def reward_table(history: list[dict[str, Any]], out: Path) -> Table:
     table = Table(title=f"training ({out})")
-    for column in ("step", "version", "reward", "success", "loss", "grad norm", "entropy", "|Δ logp|", "cache hit"):
+    for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit"):
         table.add_column(column, justify="right")
     for r in history:
         table.add_row(str(r["step"]), str(r["version"]), _fmt(r.get("reward_mean"), ".3f"),
                       _fmt(r.get("success_rate"), ".0%"), _fmt(r.get("loss"), "+.4f"), _fmt(r.get("grad_norm"), ".3f"),
-                      _fmt(r.get("entropy"), ".3f"), _fmt(r.get("mismatch_mean_abs"), ".1e"),
-                      _fmt(r.get("cache_hit_rate"), ".0%"))
+                      _fmt(r.get("mismatch_mean_abs"), ".1e"), _fmt(r.get("cache_hit_rate"), ".0%"))
     return table
 
 
