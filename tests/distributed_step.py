@@ -9,7 +9,9 @@ the mistake the comparison must catch. ``--save DIR`` checkpoints the learner af
 (every rank writes its optimizer shards) and records the whole optimizer state; ``--restore CKPT`` skips
 the step and records the whole optimizer state of a fresh learner restored from CKPT instead;
 ``--dtype bf16`` trains in bfloat16 (autocast in one process, FSDP's mixed precision on a team);
-``--no-step`` saves before any update (the optimizer's state still empty).
+``--no-step`` saves before any update (the optimizer's state still empty); ``--kl`` adds a k2 KL penalty
+toward a reference moved away from the starting weights (the same seeded noise on every rank), so the penalty
+and its gradient are not 0 in the first step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from test_trainer_learner import step_rows
 from verbatim.bench.prefixflow_exactness import tiny_llama
 from verbatim.trainer.distributed.team import join, leave
 from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.objective import LossConfig
 
 CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
 """Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""
@@ -47,7 +50,14 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     model = tiny_llama(tied=True, seed=1)
     step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
-    learner = Learner(model, CONFIG.model_copy(update={"dtype": option("--dtype") or "fp32"}), team=team)
+    config = CONFIG.model_copy(update={"dtype": option("--dtype") or "fp32"})
+    if "--kl" in sys.argv:
+        config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
+    learner = Learner(model, config, team=team)
+    if learner.reference is not None:
+        noise = torch.Generator().manual_seed(11)
+        for param in learner.reference.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=noise))
     if restore is not None:
         saved = learner.restore(Path(restore))
         empty = not learner.optimizer.state  # before whole_moments, which fills an empty state
@@ -81,8 +91,8 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     moments = whole_moments(learner) if save is not None else None
     if team.leader:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates",
-                "outside_support", "entropy")
-        torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics[k] for k in keep},
+                "outside_support", "entropy", "kl_ref")
+        torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics.get(k) for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
                     "written": str(written), "gathered": sorted(set(gathered))}, out)
     leave()

@@ -121,7 +121,10 @@ def assert_same_step(two: dict, one: dict) -> None:
     assert len(two["updates"]) == len(one["updates"]) == 2
     for mine, theirs in zip(two["updates"], one["updates"]):
         assert_same_grads(mine, theirs)
-    for key in ("loss", "grad_norm", "grad_norm_max", "entropy"):
+    for key in ("loss", "grad_norm", "grad_norm_max", "entropy", "kl_ref"):
+        if one["metrics"][key] is None:  # kl_ref, in a step without a KL penalty
+            assert two["metrics"][key] is None, key
+            continue
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     counts = ("rows", "updates", "kept_tokens", "outside_support")  # outside_support: each rank's rows, summed
     assert {k: two["metrics"][k] for k in counts} == {k: one["metrics"][k] for k in counts}
@@ -134,6 +137,13 @@ def test_two_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path):
     assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
     assert 0 < alone["metrics"]["outside_support"] < alone["metrics"]["model_tokens"]
     assert_same_step(_run(tmp_path / "two.pt", 2), alone)
+
+
+def test_two_ranks_with_a_kl_penalty_make_the_update_one_process_makes(tmp_path):
+    """Each rank computes the reference's log π on its own rows, summed over the team as π_old's are."""
+    one = _run(tmp_path / "one.pt", 1, "--kl")
+    assert one["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
+    assert_same_step(_run(tmp_path / "two.pt", 2, "--kl"), one)  # kl_ref among the metrics compared
 
 
 def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_path):
