@@ -63,17 +63,27 @@ def test_a_trainer_alone_on_a_gpu_too_small_is_refused():
 
 @given(total=st.integers(1, 200), share=st.one_of(st.none(), st.floats(0.05, 1.0)),
        parameters=st.integers(0, 20 * 10**9), dtype=st.sampled_from(["fp32", "bf16"]),
-       colocated=st.booleans())
-def test_refused_exactly_when_the_floor_exceeds_the_room(total, share, parameters, dtype, colocated):
+       colocated=st.booleans(), reference=st.booleans())
+def test_refused_exactly_when_the_floor_exceeds_the_room(total, share, parameters, dtype, colocated, reference):
     gpus = [total * GIB, total * GIB]
     device = "cuda:0" if colocated else "cuda:1"
     room = total * GIB * (1 - (VLLM_GPU_MEMORY if share is None else share)) if colocated else total * GIB
     try:
-        check_placement(gpus, gpu_memory=share, trainer_device=device, parameters=parameters, dtype=dtype)
+        check_placement(gpus, gpu_memory=share, trainer_device=device, parameters=parameters, dtype=dtype,
+                        reference=reference)
         refused = False
     except InputError:
         refused = True
-    assert refused == (trainer_bytes(parameters, dtype) > room)
+    assert refused == (trainer_bytes(parameters, dtype, reference=reference) > room)
+
+
+def test_a_kl_penaltys_reference_costs_four_more_bytes_a_parameter_on_every_rank():
+    assert bytes_per_parameter("fp32", reference=True) == 20 and bytes_per_parameter("fp32", 4, reference=True) == 15
+    check_placement([20 * GIB], engine="http", trainer_device="cuda:0", parameters=10**9)  # 14.9 GiB fits
+    with pytest.raises(InputError) as refused:  # 18.6 GiB with the reference does not
+        check_placement([18 * GIB], engine="http", trainer_device="cuda:0", parameters=10**9, reference=True)
+    assert ("needs at least 18.6 GiB (1.00 B parameters × 20 bytes: float32 weights, gradients and AdamW state, "
+            "the KL penalty's float32 reference); the GPU has 18.0 GiB") in str(refused.value)
 
 
 def test_fleet_devices_are_split_by_tensor_parallel_without_reuse():

@@ -10,7 +10,8 @@ parameter; bf16 autocast adds a bfloat16 copy, 2 more); activations come on top,
 passes may still run out, but one that fails cannot fit. A rank of a sharded trainer (N ranks) holds
 1/N of the float32 weights and of AdamW's state, and during an update the whole weights and gradient it
 gathers: 8 + 12/N bytes a parameter (with ``bf16`` too: FSDP gathers the weights in bfloat16, no autocast
-copy, and accumulates the gradient in float32).
+copy, and accumulates the gradient in float32). A KL penalty (``--kl-coef``) keeps a whole float32 copy of
+the starting weights on every rank: 4 more bytes a parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ GIB = float(1 << 30)
 TRAINER_BYTES_PER_PARAMETER = {"fp32": 16, "bf16": 18}
 """float32 weights (4), gradients (4), AdamW's two moments (8); bf16 autocast keeps a bfloat16 copy (2)."""
 
+REFERENCE_BYTES_PER_PARAMETER = 4
+"""The KL penalty's reference policy: a float32 copy of the starting weights, whole on every rank."""
+
 
 def device_list(text: str | None) -> tuple[int, ...] | None:
     """``--devices 0,1,2,3``: GPU indices, or None when not given."""
@@ -40,37 +44,41 @@ def device_list(text: str | None) -> tuple[int, ...] | None:
     return devices
 
 
-def bytes_per_parameter(dtype: str, ranks: int = 1) -> float:
-    """What a parameter costs the device of one of ``ranks`` trainer ranks (no activations)."""
+def bytes_per_parameter(dtype: str, ranks: int = 1, reference: bool = False) -> float:
+    """What a parameter costs the device of one of ``ranks`` trainer ranks (no activations); ``reference``: a KL
+    penalty's copy of the starting weights as well."""
+    extra = REFERENCE_BYTES_PER_PARAMETER if reference else 0
     if ranks == 1:
-        return TRAINER_BYTES_PER_PARAMETER[dtype]
+        return TRAINER_BYTES_PER_PARAMETER[dtype] + extra
     # the weights and gradient gathered during an update (bf16: weights in bfloat16, the gradient's bfloat16
     # and float32 accumulation, no autocast copy: 8 bytes as well), 1/N of the float32 weights and AdamW state
-    return 8 + 12 / ranks
+    return 8 + 12 / ranks + extra
 
 
-def trainer_bytes(parameters: int, dtype: str, ranks: int = 1) -> int:
+def trainer_bytes(parameters: int, dtype: str, ranks: int = 1, reference: bool = False) -> int:
     """The least memory the trainer's model needs on a rank's device (no activations)."""
-    return int(parameters * bytes_per_parameter(dtype, ranks))
+    return int(parameters * bytes_per_parameter(dtype, ranks, reference))
 
 
-def _floor_text(parameters: int, dtype: str, ranks: int) -> str:
-    need = trainer_bytes(parameters, dtype, ranks)
+def _floor_text(parameters: int, dtype: str, ranks: int, reference: bool) -> str:
+    need = trainer_bytes(parameters, dtype, ranks, reference)
+    each = bytes_per_parameter(dtype, ranks, reference)
+    copy = ", the KL penalty's float32 reference" if reference else ""
     if ranks == 1:
-        copy = ", a bfloat16 copy" if dtype == "bf16" else ""
+        autocast = ", a bfloat16 copy" if dtype == "bf16" else ""
         return (f"the trainer needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B parameters × "
-                f"{TRAINER_BYTES_PER_PARAMETER[dtype]} bytes: float32 weights, gradients and AdamW state{copy})")
+                f"{each:.4g} bytes: float32 weights, gradients and AdamW state{autocast}{copy})")
     return (f"each of the {ranks} trainer ranks needs at least {need / GIB:.1f} GiB ({parameters / 1e9:.2f} B "
-            f"parameters × {bytes_per_parameter(dtype, ranks):.4g} bytes: the weights and gradient gathered during "
-            f"an update, 1/{ranks} of the float32 weights and AdamW state)")
+            f"parameters × {each:.4g} bytes: the weights and gradient gathered during "
+            f"an update, 1/{ranks} of the float32 weights and AdamW state{copy})")
 
 
 def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: float | None = None,
                     tensor_parallel: int = 1, trainer_device: str | None = None, parameters: int = 0,
-                    dtype: str = "fp32", ranks: int = 1) -> None:
+                    dtype: str = "fp32", ranks: int = 1, reference: bool = False) -> None:
     """Refuse a placement that cannot work. ``gpus``: the memory (bytes) of each GPU this process sees, in
     index order (empty: none); ``trainer_device``: ``cpu``, ``cuda`` or ``cuda:N`` (None: no trainer), the
-    device of one of ``ranks`` trainer ranks."""
+    device of one of ``ranks`` trainer ranks; ``reference``: the trainer keeps a KL penalty's reference."""
     if engine != "inproc":
         if gpu_memory is not None or tensor_parallel > 1:
             raise InputError("--engine-gpu-memory and --engine-tensor-parallel set the in-process engine; a served "
@@ -86,13 +94,13 @@ def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: 
     index = _cuda_index(trainer_device)
     if index is None or index >= len(gpus):
         return  # the CPU, or a GPU that is not there (refused where the trainer's device is read)
-    need, total = trainer_bytes(parameters, dtype, ranks), gpus[index]
+    need, total = trainer_bytes(parameters, dtype, ranks, reference), gpus[index]
     shared = engine == "inproc" and index < tensor_parallel
     share = gpu_memory if gpu_memory is not None else VLLM_GPU_MEMORY
     room = total * (1 - share) if shared else total
     if need <= room:
         return
-    floor = _floor_text(parameters, dtype, ranks)
+    floor = _floor_text(parameters, dtype, ranks, reference)
     if not shared:
         raise InputError(f"--trainer-device {trainer_device}: {floor}; the GPU has {total / GIB:.1f} GiB")
     whose = "vLLM's default" if gpu_memory is None else "--engine-gpu-memory"
@@ -102,7 +110,7 @@ def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: 
 
 
 def check_here(choice: EngineChoice, trainer_device: str | None = None, parameters: int = 0,
-               dtype: str = "fp32", ranks: int = 1) -> None:
+               dtype: str = "fp32", ranks: int = 1, reference: bool = False) -> None:
     """:func:`check_placement` against the GPUs torch sees on this machine, asked only when a GPU is in question
     (a CPU run never loads torch's CUDA)."""
     asked = (choice.gpu_memory is not None or choice.tensor_parallel > 1
@@ -113,7 +121,7 @@ def check_here(choice: EngineChoice, trainer_device: str | None = None, paramete
 
     check_placement(visible_gpus(), engine=choice.kind, gpu_memory=choice.gpu_memory,
                     tensor_parallel=choice.tensor_parallel, trainer_device=trainer_device, parameters=parameters,
-                    dtype=dtype, ranks=ranks)
+                    dtype=dtype, ranks=ranks, reference=reference)
 
 
 def _cuda_index(device: str | None) -> int | None:

@@ -152,7 +152,8 @@ def prepare(options: TrainConfig) -> TrainLoop:
                   max_tokens=options.max_tokens)
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
-               dtype=options.learner.dtype, ranks=team_size(options.trainer_procs))  # before the model moves
+               dtype=options.learner.dtype, ranks=team_size(options.trainer_procs),
+               reference=options.learner.loss.kl_coef > 0)  # before the model moves
     team, announcements = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team, seed=options.plan.seed)
     if announcements is not None:
