@@ -55,7 +55,7 @@ def refused(args: list[str], needle: str) -> str:
     (["--groups", "0"], "--groups 0 must be at least 1"),
     (["--lr-schedule", "step"], "unknown --lr-schedule 'step' (use constant, linear or cosine)"),
     (["--lr-final", "2"], "--lr-final 2 must be"),
-    (["--advantage", "ppo"], "unknown --advantage 'ppo' (use grpo or rloo)"),
+    (["--advantage", "ppo"], "unknown --advantage 'ppo' (use grpo, rloo, mean)"),
     (["--cache-policy", "sometimes"], "unknown cache policy 'sometimes' (use one of: flush, keep, salt, keep+salt)"),
     (["--sequence-tis", "product"], "--sequence-tis product replaces token-level TIS, which --token-tis-cap 2 "
                                     "keeps on (add --token-tis-cap 0)"),

@@ -144,7 +144,8 @@ MEMBER = st.tuples(st.sampled_from(["ok", "truncated", "error", "interrupted"]),
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.lists(MEMBER, min_size=1, max_size=5), min_size=1, max_size=4), st.sampled_from(["grpo", "rloo"]),
+@given(st.lists(st.lists(MEMBER, min_size=1, max_size=5), min_size=1, max_size=4),
+       st.sampled_from(["grpo", "rloo", "mean"]),
        st.randoms(use_true_random=False))
 def test_rows_are_the_trained_members_of_groups_with_two(groups, how, random):
     played = [rollout(g, i, reward, status) for g, members in enumerate(groups) for i, (status, reward) in

@@ -24,13 +24,20 @@ def test_grpo_small_cases_by_hand():
     np.testing.assert_allclose(group_advantages([0.0, 1.0], "grpo", eps=0.5), [-0.5, 0.5])
 
 
+def test_mean_small_cases_by_hand():
+    # Dr. GRPO's: the group's mean subtracted, no division; 1, 2, 6: mean 3
+    np.testing.assert_allclose(group_advantages([1.0, 2.0, 6.0], "mean"), [-2.0, -1.0, 3.0])
+    # a group whose rewards barely differ keeps its small advantages (grpo would scale them to unit spread)
+    np.testing.assert_allclose(group_advantages([0.0, 0.01], "mean"), [-0.005, 0.005])
+
+
 def test_rloo_small_cases_by_hand():
     np.testing.assert_allclose(group_advantages([0.0, 1.0], "rloo"), [-1.0, 1.0])
     # 1 - mean(2, 6) = -3; 2 - mean(1, 6) = -1.5; 6 - mean(1, 2) = 4.5
     np.testing.assert_allclose(group_advantages([1.0, 2.0, 6.0], "rloo"), [-3.0, -1.5, 4.5])
 
 
-@pytest.mark.parametrize("how", ["grpo", "rloo"])
+@pytest.mark.parametrize("how", ["grpo", "rloo", "mean"])
 def test_every_binary_reward_pattern_of_small_groups(how):
     """Exhaustive over 0/1 rewards for G = 2..5: a success gets more than a failure, all-equal gives 0."""
     for g in range(2, 6):
@@ -45,13 +52,15 @@ def test_every_binary_reward_pattern_of_small_groups(how):
             assert all(a < 0 for a, r in zip(adv, rewards) if r == 0.0)
             if how == "rloo":  # a success: 1 - (k - 1)/(g - 1); a failure: -k/(g - 1)
                 want = [1 - (k - 1) / (g - 1) if r else -k / (g - 1) for r in rewards]
+            elif how == "mean":  # p = k/g: a success 1 - p, a failure -p
+                want = [(1 - k / g) if r else -k / g for r in rewards]
             else:  # p = k/g; deviations 1 - p and -p over std sqrt(p(1 - p))
                 p = k / g
                 want = [((1 - p) if r else -p) / (math.sqrt(p * (1 - p)) + 1e-6) for r in rewards]
             np.testing.assert_allclose(adv, want, rtol=1e-12)
 
 
-@pytest.mark.parametrize("how", ["grpo", "rloo"])
+@pytest.mark.parametrize("how", ["grpo", "rloo", "mean"])
 def test_groups_without_a_baseline_are_refused_in_one_line(how):
     for rewards in ([1.0], []):
         with pytest.raises(InputError, match=f"no baseline for {how} advantages") as info:
@@ -75,7 +84,7 @@ REWARDS = st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), mi
 
 
 @settings(max_examples=200, deadline=None)
-@given(REWARDS, st.sampled_from(["grpo", "rloo"]))
+@given(REWARDS, st.sampled_from(["grpo", "rloo", "mean"]))
 def test_advantages_sum_to_zero(rewards, how):
     adv = group_advantages(rewards, how)
     scale = max(1.0, float(np.abs(adv).max()))
@@ -83,7 +92,8 @@ def test_advantages_sum_to_zero(rewards, how):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), st.integers(2, 16), st.sampled_from(["grpo", "rloo"]))
+@given(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), st.integers(2, 16),
+       st.sampled_from(["grpo", "rloo", "mean"]))
 def test_all_equal_rewards_give_exact_zeros(value, g, how):
     assert np.array_equal(group_advantages([value] * g, how), np.zeros(g))
 
@@ -96,6 +106,7 @@ def test_rloo_is_a_rescaled_centred_reward(rewards):
     want = g / (g - 1) * (r - r.mean())
     atol = 1e-9 * max(1.0, float(np.abs(r).max()))
     np.testing.assert_allclose(group_advantages(rewards, "rloo"), want, rtol=1e-9, atol=atol)
+    np.testing.assert_allclose(group_advantages(rewards, "mean"), want * (g - 1) / g, rtol=1e-9, atol=atol)
 
 
 @settings(max_examples=100, deadline=None)

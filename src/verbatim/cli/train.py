@@ -25,7 +25,7 @@ from verbatim.errors import InputError
 from verbatim.harness.train import TrainLoop, TrainPlan
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
-from verbatim.trainer.advantages import Advantage
+from verbatim.trainer.advantages import ADVANTAGES, Advantage
 from verbatim.trainer.correction import CorrectionConfig
 from verbatim.trainer.learner import LearnerConfig
 from verbatim.trainer.objective import LossConfig
@@ -143,8 +143,8 @@ def cache_policy_option(value: str) -> CachePolicy:
 
 
 def advantage_option(value: str) -> Advantage:
-    if value not in ("grpo", "rloo"):
-        raise InputError(f"unknown --advantage {value!r}", hint="use grpo or rloo")
+    if value not in ADVANTAGES:
+        raise InputError(f"unknown --advantage {value!r}", hint=f"use {', '.join(ADVANTAGES)}")
     return value  # type: ignore[return-value]
 
 

@@ -51,7 +51,8 @@ def train_flags(
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, help="AdamW weight decay."),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the gradient norm of each update."),
     advantage: str = typer.Option("grpo", "--advantage", help="grpo: (r - mean) / (std + eps); rloo: r minus "
-                                                              "the mean of the group's other rewards."),
+                                                              "the mean of the group's other rewards; mean: "
+                                                              "r - mean (Dr. GRPO: no division by the std)."),
     normaliser: str = typer.Option("token", "--normaliser",
                                    help="token: the step's loss is a mean over all its trained tokens; "
                                         "sequence: a mean over sequences of each one's token mean."),

@@ -1,13 +1,16 @@
 """Group-relative advantages: each rollout's reward against its group's other rewards.
 
-A group is the G rollouts of one task prompt. Two estimators, both with a baseline taken
+A group is the G rollouts of one task prompt. Three estimators, each with a baseline taken
 from the group itself (so G ≥ 2):
 
 * ``"grpo"``: A_i = (r_i − mean(r)) / (std(r) + eps);
 * ``"rloo"``: A_i = r_i − mean of the other G − 1 rewards (leave-one-out), which equals
-  G/(G − 1) · (r_i − mean(r)).
+  G/(G − 1) · (r_i − mean(r));
+* ``"mean"``: A_i = r_i − mean(r), GRPO without the division by the group's std (Dr. GRPO,
+  arXiv 2503.20783: dividing by the std weighs groups whose rewards barely differ, the tasks
+  nearly always or nearly never solved, as much as the ones in between).
 
-Both sum to 0 over the group. A group whose rewards are all equal carries no signal and
+Each sums to 0 over the group. A group whose rewards are all equal carries no signal and
 gets advantage 0 exactly (no rounding residue from the mean).
 """
 
@@ -20,8 +23,8 @@ import numpy as np
 
 from verbatim.errors import InputError
 
-Advantage = Literal["grpo", "rloo"]
-ADVANTAGES: tuple[str, ...] = ("grpo", "rloo")
+Advantage = Literal["grpo", "rloo", "mean"]
+ADVANTAGES: tuple[str, ...] = ("grpo", "rloo", "mean")
 
 
 def group_advantages(rewards: Sequence[float], how: Advantage, eps: float = 1e-6) -> np.ndarray:
@@ -30,7 +33,8 @@ def group_advantages(rewards: Sequence[float], how: Advantage, eps: float = 1e-6
     ``"grpo"`` divides by the population standard deviation (ddof=0): the spread of the
     group's own rewards, with no small-sample correction; ``eps`` keeps a group with std 0
     finite, and such a group (all rewards equal) gets advantage 0 exactly.
-    ``"rloo"``: each reward minus the mean of the group's other rewards.
+    ``"rloo"``: each reward minus the mean of the group's other rewards; ``"mean"``: each reward minus
+    the group's mean.
     """
     if how not in ADVANTAGES:
         raise InputError(f"unknown advantage estimator {how!r}", hint=f"use one of {', '.join(ADVANTAGES)}")
@@ -43,7 +47,9 @@ def group_advantages(rewards: Sequence[float], how: Advantage, eps: float = 1e-6
         raise InputError(f"reward {int(bad[0])} of the group is not finite ({r[bad[0]]})")
     if np.all(r == r[0]):
         return np.zeros(r.size, dtype=np.float64)
+    centered = r - r.mean()
     if how == "grpo":
-        centered = r - r.mean()
         return centered / (centered.std() + eps)
+    if how == "mean":
+        return centered
     return r - (r.sum() - r) / (r.size - 1)
