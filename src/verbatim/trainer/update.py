@@ -92,8 +92,9 @@ def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_ma
     """The log-probabilities and entropy of ``lm``'s policy where ``loss_mask`` is True, without autograd.
 
     Right-padded microbatches of ``microbatch`` rows through the model's full-sequence path;
-    rows without a masked token run no forward. The log-probabilities are the ones the backward's
-    forward computes (one function, the same chunks of logits).
+    rows without a masked token run no forward. The log-probabilities are what
+    :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives (the same chunks of logits, bit for
+    bit); the entropy is taken from those logits.
     """
     lengths = _lengths(sequences)
     if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
