@@ -64,8 +64,8 @@ def train_flags(
                                   help="Beta of a per-token penalty toward the starting model (a frozen copy "
                                        "the trainer keeps); 0: none (docs/trainer.md)."),
     kl_estimator: str = typer.Option("k3", "--kl-estimator",
-                                     help="k3 (GRPO's: its value estimates KL(pi||ref), its gradient pulls "
-                                          "toward KL(ref||pi)) | k2 (its gradient is KL(pi||ref)'s)."),
+                                     help="k3 (GRPO's; its value estimates KL(pi||ref), its gradient is "
+                                          "KL(ref||pi)'s in expectation) | k2 (its gradient is KL(pi||ref)'s)."),
     cache_policy: str = typer.Option("keep+salt", "--cache-policy",
                                      help="flush | keep | salt | keep+salt. Default keep+salt (docs/engine.md): "
                                           "a rollout keeps its own cache across an update, a new rollout never "
