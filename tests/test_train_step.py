@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verbatim.datamodel import Rollout, TokenColumns, Turn, TurnSampling
+from verbatim.datamodel import TRAINED_STATUSES, Rollout, TokenColumns, Turn, TurnSampling
 from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary
-from verbatim.harness.train_step import TRAINED_STATUSES, peak_rss_mib, step_input, step_record, success_rate
+from verbatim.harness.train_step import peak_rss_mib, step_input, step_record, success_rate
 from verbatim.trainer.advantages import group_advantages
 from verbatim.trainer.correction import CorrectionConfig, correct
 

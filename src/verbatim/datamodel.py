@@ -261,6 +261,9 @@ class Turn(Frozen):
 
 
 RolloutStatus = Literal["ok", "truncated", "error", "interrupted"]
+TRAINED_STATUSES: tuple[RolloutStatus, ...] = ("ok", "truncated")
+"""The statuses of rollouts that ended with a reward a trainer may learn from (``verbatim train``, the exports):
+an error or an interrupted rollout is data, recorded, never trained."""
 
 
 class Rollout(Frozen):

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verbatim.datamodel import Rollout, Source
+from verbatim.datamodel import TRAINED_STATUSES, Rollout, Source
 from verbatim.durable import strict_json, write_atomic
 from verbatim.errors import InputError, TraceError
 from verbatim.harness.store import read_run
@@ -42,7 +42,6 @@ from verbatim.harness.tracefile import to_json_line, to_table
 from verbatim.paths import RUN_OUTPUTS, check_output_file, check_outside_run, enclosing_run
 
 FORMATS = ("parquet", "jsonl", "verl", "trl", "prime")
-TRAINABLE_STATUSES = ("ok", "truncated")
 MASKED_LOGPROB = 0.0
 MASKED_VERSION = -1
 # 1: first release. 2: each split format follows one trainer's field names and meanings (TRAINERS).
@@ -138,7 +137,7 @@ def trainable(rollouts: Sequence[Rollout]) -> tuple[list[Rollout], dict[str, int
     """The rollouts a trainer can use, and why the others were left out."""
     kept, left_out = [], Counter()
     for r in rollouts:
-        if r.status not in TRAINABLE_STATUSES:
+        if r.status not in TRAINED_STATUSES:
             left_out[f"status {r.status}"] += 1
         elif not r.turns or not r.tokens.loss_mask.any():
             left_out["no sampled token"] += 1

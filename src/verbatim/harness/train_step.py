@@ -24,15 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import Rollout, TurnSampling
+from verbatim.datamodel import TRAINED_STATUSES, Rollout, TurnSampling
 from verbatim.errors import InputError
 from verbatim.harness.rollout import CONTEXT_BUDGET
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.learner import StepInput
 from verbatim.trainer.logprob_files import RolloutLogprobs
-
-TRAINED_STATUSES = ("ok", "truncated")
 
 
 def step_input(rollouts: Sequence[Rollout], how: Advantage, *,
