@@ -58,7 +58,7 @@ from verbatim.trainer.correction import CorrectionConfig, correct
 from verbatim.trainer.distributed.sharding import ShardedModel, WholeModel
 from verbatim.trainer.distributed.split import rows_of
 from verbatim.trainer.distributed.team import Team
-from verbatim.trainer.objective import LossConfig, loss_coefficients
+from verbatim.trainer.objective import LossConfig, kl_penalty, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
 from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, backward_rows, policy_values
@@ -221,9 +221,9 @@ class Learner:
                    "entropy": entropy / max(int(batch.loss_mask.sum()), 1)}
         if support is not None:
             metrics["outside_support"] = support
-        if logp_ref is not None:  # k3's value: an estimate of KL(π_old ‖ π_ref) per model token
-            d = torch.where(mask, logp_ref - logp_old, torch.zeros_like(logp_old)).double()
-            metrics["kl_ref"] = float((torch.expm1(d) - d).sum()) / max(int(batch.loss_mask.sum()), 1)
+        if logp_ref is not None:  # k3's value, an estimate of KL(π_old ‖ π_ref) per model token (0 off the mask)
+            k3 = kl_penalty(logp_old.double(), logp_ref.double(), "k3")
+            metrics["kl_ref"] = float(k3.sum()) / max(int(batch.loss_mask.sum()), 1)
         return metrics | {"train_s": time.perf_counter() - started, "row_logprobs": per_row}
 
     def trainer_lm(self, temperature: float = 1.0) -> tuple[LearnerLM, TrainerPath]:
