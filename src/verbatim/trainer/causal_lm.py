@@ -92,6 +92,12 @@ def target_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return chosen, entropy
 
 
+def chunk_rows(n: int, rows: int) -> int:
+    """Rows per chunk of logits for ``n`` rows: ``rows``, or all of them at once when ``rows`` is 0 or not
+    fewer than ``n`` (the one rule both :func:`chunked_target_logprobs` and π_old's pass split by)."""
+    return rows if 0 < rows < n else max(n, 1)
+
+
 def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                             targets: torch.Tensor, temperature: float, rows: int) -> torch.Tensor:
     """:func:`target_logprobs` of ``logits(hidden)``, ``rows`` rows at a time (0: all at once).
@@ -105,7 +111,7 @@ def chunked_target_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidd
     summed chunk by chunk (float rounding of the order of the unchunked sum's).
     """
     n = int(hidden.shape[0])
-    if rows <= 0 or n <= rows:  # one chunk: checkpointing it would only run the output layer twice
+    if chunk_rows(n, rows) >= n:  # one chunk: checkpointing it would only run the output layer twice
         return target_logprobs(logits(hidden), targets, temperature)
 
     def chunk(states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -163,7 +169,7 @@ class LearnerLM:
         """:meth:`token_logprobs` without autograd (the same values, chunk for chunk) and the entropy of π at
         T before each target (:func:`target_logprobs_and_entropy`), ``logprob_chunk`` rows of logits at a time."""
         n = int(hidden.shape[0])
-        rows = self.logprob_chunk if 0 < self.logprob_chunk < n else max(n, 1)
+        rows = chunk_rows(n, self.logprob_chunk)
         with torch.no_grad():
             parts = [target_logprobs_and_entropy(self.logits(hidden[i:i + rows]), targets[i:i + rows],
                                                  self.temperature) for i in range(0, n, rows)]
