@@ -14,3 +14,20 @@ def cli(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProce
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, *launcher, "-m", "verbatim.cli", *args], capture_output=True, text=True,
                           timeout=1200, env=env)
+
+
+def communicate_or_stacks(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc``'s output once it ends; past ``timeout`` s, a failure that shows where its threads were waiting
+    (the CLI writes every thread's stack on SIGUSR1), the process killed."""
+    import signal
+    import time
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3.0)
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        stacks = f"still running after {timeout:g} s; its stacks:\n{stderr[-12000:]}\n{stdout[-2000:]}"
+        raise AssertionError(stacks) from None

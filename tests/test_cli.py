@@ -98,3 +98,30 @@ def test_one_default_context_length_for_every_command_and_models_list():
     assert set(defaults.values()) == {DEFAULT_MAX_MODEL_LEN} == {EngineConfig(model="m").max_model_len}
     listed = " ".join(runner.invoke(app, ["models", "list"]).stdout.split())
     assert f"context {DEFAULT_MAX_MODEL_LEN} tokens" in listed and "8k" not in listed
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on():
+    """A run that seems stuck: ``kill -USR1`` of the command writes where each thread waits on stderr."""
+    import signal
+    import subprocess
+    import sys
+
+    waiting = ("import threading, time, verbatim.cli.app as cli\n"
+               "def command():\n"
+               "    threading.Thread(target=time.sleep, args=(60,), name='helper', daemon=True).start()\n"
+               "    print('ready', flush=True)\n"
+               "    input()\n"
+               "    print('went on', flush=True)\n"
+               "cli.app = command\n"
+               "cli.main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", waiting], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate("\n", timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and stdout == "went on\n", stderr
+    assert "Current thread" in stderr and stderr.count("Thread 0x") == 1, stderr  # both threads, this one first
+    assert 'in command' in stderr and "threading.py" in stderr, stderr

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from subprocess_cli import cli
+from subprocess_cli import cli, communicate_or_stacks
 from trained_run import assert_sampled_with_previous_checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -63,7 +63,7 @@ def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finish
     time.sleep(2.0)  # step 2's short rollouts played: its training is under way
     follower = subprocess.run(["pgrep", "-f", "verbatim.jobs.trainer_team"], capture_output=True, text=True)
     os.kill(int(follower.stdout.split()[0]), signal.SIGKILL)
-    stdout, stderr = run.communicate(timeout=300)
+    stdout, stderr = communicate_or_stacks(run, timeout=300)
     assert run.returncode == 1, stdout + stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "trainer rank 1 ended (killed by SIGKILL)" in errors[0], stderr

@@ -107,3 +107,16 @@ class RunInterrupted(VerbatimError):
     def __init__(self, message: str, *, exit_code: int = 130, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.exit_code = exit_code
+
+
+def stacks_on_request() -> None:
+    """``kill -USR1 PID`` makes this process write every thread's stack to its stderr and go on: where a run
+    that seems stuck is waiting. POSIX only; a process without a real stderr (embedded, captured) skips it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, RuntimeError, ValueError):  # no stderr file to write to
+            pass

@@ -33,7 +33,7 @@ from verbatim.cli.train_flags import train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.envs.registry import FALLBACK_MAX_TURNS
-from verbatim.errors import VerbatimError, shorten
+from verbatim.errors import VerbatimError, shorten, stacks_on_request
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -318,6 +318,7 @@ app.command("serve")(serve_command)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (``kill -USR1`` of it prints every thread's stack on stderr)."""
+    stacks_on_request()
     app()
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from verbatim.errors import InputError, TeamError
+from verbatim.errors import InputError, TeamError, stacks_on_request
 from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 
 CONFIG_VARIABLE = "VERBATIM_TRAIN_CONFIG"
@@ -150,6 +150,7 @@ def end_followers(followers: list[subprocess.Popen], wait_s: float = 60.0) -> li
 def main() -> None:
     from verbatim.jobs.train import TrainConfig
 
+    stacks_on_request()  # kill -USR1: this rank's stacks in its trainer-rank{R}.log
     follow_run(TrainConfig.model_validate_json(os.environ[CONFIG_VARIABLE]))
 
 
