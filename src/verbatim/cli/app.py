@@ -9,6 +9,7 @@ nan), from the command line or a ``--config`` file: refused as bad input, naming
 from __future__ import annotations
 
 import errno
+import gc
 import math
 import sys
 from collections.abc import Callable
@@ -320,5 +321,8 @@ app.command("serve")(serve_command)
 def main() -> None:
     """Console-script entry point (``kill -USR1`` of it prints every thread's stack on stderr)."""
     stacks_on_request()
-    app()
+    try:
+        app()
+    finally:
+        gc.collect()  # objects in cycles (a sharded learner and its process groups) end before the interpreter does
 

@@ -12,6 +12,7 @@ command: when rank 0 ends, its next call fails, and the engine's reaper stops it
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -152,6 +153,7 @@ def main() -> None:
 
     stacks_on_request()  # kill -USR1: this rank's stacks in its trainer-rank{R}.log
     follow_run(TrainConfig.model_validate_json(os.environ[CONFIG_VARIABLE]))
+    gc.collect()  # the learner's cycles (and the process groups they hold) end before the interpreter does
 
 
 if __name__ == "__main__":
