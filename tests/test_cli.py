@@ -123,5 +123,5 @@ def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on():
     finally:
         proc.kill()
     assert proc.returncode == 0 and stdout == "went on\n", stderr
-    assert "Current thread" in stderr and stderr.count("Thread 0x") == 1, stderr  # both threads, this one first
+    assert "Current thread" in stderr and stderr.count("Thread 0x") == 1, stderr  # both threads, one "Current"
     assert 'in command' in stderr and "threading.py" in stderr, stderr

@@ -107,9 +107,10 @@ def _run(out: Path, ranks: int, *extra: str) -> dict:
                               env=env if ranks == 1 else env | on_this_machine(rank, ranks, port))
              for rank in range(ranks)]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    ended = [f"rank {rank}: exit {proc.returncode}, result {'written' if out.exists() else 'not written'}, "
-             f"output: {text[-1200:]!r}" for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True))]
-    assert all(proc.returncode == 0 for proc in procs), "\n".join(ended)  # which rank, and how far it got
+    ended = [f"rank {rank}: exit {proc.returncode}, output: {text[-1200:]!r}"
+             for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True))]
+    written = f"rank 0's result {'written' if out.exists() else 'not written'}"  # rank 0 alone writes it
+    assert all(proc.returncode == 0 for proc in procs), "\n".join([written, *ended])  # which rank, how far it got
     return torch.load(out)
 
 
