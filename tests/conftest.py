@@ -44,6 +44,15 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
+def demo_python(tmp_path_factory) -> Path:
+    """An interpreter that imports only what ``make demo``'s virtualenv holds (tests/demo_fence.py)."""
+    import demo_target
+    from demo_fence import fenced_python
+
+    return fenced_python(tmp_path_factory.mktemp("demo-env"), demo_target.fence())
+
+
+@pytest.fixture(scope="session")
 def chat_templates_dir() -> Path:
     """The official templates and tokenizer files that the package ships."""
     from verbatim.paths import chat_templates_dir

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from subprocess_cli import cli_env
+
 
 class Trainer:
     """``verbatim train …`` in its own session, output to files."""
@@ -17,10 +19,8 @@ class Trainer:
     def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
         self.stdout, self.stderr = tmp / f"{name}.out", tmp / f"{name}.err"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            tests = str(Path(__file__).resolve().parent)
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
             self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.cli", "train", *args], stdout=out,
-                                         stderr=err, start_new_session=True, env=env)
+                                         stderr=err, start_new_session=True, env=cli_env())
 
     def alive(self) -> bool:
         return self.proc.poll() is None

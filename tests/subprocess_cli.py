@@ -8,12 +8,17 @@ import sys
 from pathlib import Path
 
 
-def cli(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``launcher``: what runs the CLI's module, e.g. torchrun's ``("-m", "torch.distributed.run", ...)``."""
+def cli(*args: str, launcher: tuple[str, ...] = (), python: Path | None = None) -> subprocess.CompletedProcess:
+    """``launcher``: what runs the CLI's module, e.g. torchrun's ``("-m", "torch.distributed.run", ...)``;
+    ``python``: another interpreter, e.g. the demo's fenced one (tests/demo_fence.py)."""
+    return subprocess.run([str(python or sys.executable), *launcher, "-m", "verbatim.cli", *args],
+                          capture_output=True, text=True, timeout=1200, env=cli_env())
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment with the tests folder on PYTHONPATH."""
     tests = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, *launcher, "-m", "verbatim.cli", *args], capture_output=True, text=True,
-                          timeout=1200, env=env)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
 
 
 def communicate_or_stacks(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:

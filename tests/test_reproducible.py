@@ -74,10 +74,13 @@ def _same_tokens(a: Path, b: Path) -> None:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp_path, default_model_dir):
+def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp_path, default_model_dir,
+                                                                            demo_python):
+    """The first run is also ``make demo``'s ``verbatim run`` on what the demo installs (tests/test_demo.py)."""
     outs = {name: tmp_path / name for name in ("first", "again", "other")}
     for name, seed in (("first", "5"), ("again", "5"), ("other", "6")):
-        done = cli("run", *RUN, "--seed", seed, "--out", str(outs[name]))
+        done = cli("run", *RUN, "--seed", seed, "--out", str(outs[name]),
+                   python=demo_python if name == "first" else None)
         assert done.returncode == 0, done.stderr[-3000:]
     _same_tokens(outs["first"], outs["again"])
     first, other = _tokens(outs["first"]), _tokens(outs["other"])
@@ -106,12 +109,13 @@ def _step_rollouts(out: Path, step: int) -> int:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir):
-    """Two 2-step runs of one command. One runs through. The other stops after step 1; a resume samples step
-    2's rollouts on a fresh engine serving step 1's checkpoint and is SIGKILLed while it trains on them; a
-    second resume trains step 2 again from the checkpoint and the recorded rollouts."""
+def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir, demo_python):
+    """Two 2-step runs of one command. One runs through (on what ``make demo`` installs: tests/test_demo.py). The
+    other stops after step 1; a resume samples step 2's rollouts on a fresh engine serving step 1's checkpoint and
+    is SIGKILLed while it trains on them; a second resume trains step 2 again from the checkpoint and the recorded
+    rollouts."""
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    done = cli("train", *TRAIN, "--steps", "2", "--out", str(whole))
+    done = cli("train", *TRAIN, "--steps", "2", "--out", str(whole), python=demo_python)
     assert done.returncode == 0, done.stderr[-3000:]
     done = cli("train", *TRAIN, "--steps", "1", "--out", str(broken))
     assert done.returncode == 0, done.stderr[-3000:]
