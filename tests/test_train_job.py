@@ -66,6 +66,23 @@ def test_a_scripts_bad_config_is_refused_before_any_model_loads(tmp_path, built)
     assert built == [] and not (tmp_path / "run").exists()
 
 
+def test_a_scripts_max_lag_sets_the_version_lag_mask_it_is_held_once():
+    """``plan.max_lag`` alone gives the correction its version-lag mask (the CLI no longer copies it); a script
+    that sets the mask apart, to another number, is refused naming both."""
+    from pydantic import ValidationError
+
+    from verbatim.harness.train import TrainPlan
+    from verbatim.trainer.correction import CorrectionConfig
+    from verbatim.trainer.learner import LearnerConfig
+
+    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2), learner=LearnerConfig())
+    assert config.learner.correction.max_version_lag == 2
+    assert TrainConfig.model_validate_json(config.model_dump_json()) == config  # what a torchrun rank receives
+    with pytest.raises(ValidationError, match="max_version_lag 1 differs from plan.max_lag 2"):
+        TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2),
+                    learner=LearnerConfig(correction=CorrectionConfig(max_version_lag=1)))
+
+
 def test_a_rank_above_0_under_torchrun_follows_without_touching_the_run_folder(tmp_path, monkeypatch):
     """torchrun starts `verbatim train` on every rank: rank 0 owns the folder and prints, the others follow."""
     import verbatim.jobs.trainer_team as trainer_team

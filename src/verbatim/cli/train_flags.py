@@ -175,8 +175,7 @@ def train_flags(
                                       sequence_tis=sequence_tis_option(sequence_tis, token_tis_cap),
                                       sequence_tis_cap=sequence_tis_cap,
                                       token_mask_band=parse_band(token_mask_band, "--token-mask-band"),
-                                      sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"),
-                                      max_version_lag=max_lag)
+                                      sequence_mask_band=parse_band(sequence_mask_band, "--sequence-mask-band"))
         learner = LearnerConfig(lr=lr, lr_schedule=lr_schedule_option(lr_schedule), lr_final=lr_final,
                                 weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                 updates_per_step=updates_per_step, microbatch=microbatch, prefixflow=prefixflow,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from rich.console import Console
 
 from verbatim.datamodel import Frozen
@@ -80,6 +80,19 @@ class TrainConfig(Frozen):
     log: TrackerNames = ()
     """Experiment trackers each step is also sent to (``--log``; :mod:`verbatim.trackers`); a resume may change
     them."""
+
+    @model_validator(mode="after")
+    def _version_lag_mask_follows_max_lag(self) -> TrainConfig:
+        """The correction drops tokens more than ``plan.max_lag`` versions old: the number is the plan's, and the
+        learner's ``correction.max_version_lag`` is derived from it here (one left out), never set apart."""
+        held = self.learner.correction.max_version_lag
+        if held is not None and held != self.plan.max_lag:
+            raise ValueError(f"learner.correction.max_version_lag {held} differs from plan.max_lag "
+                             f"{self.plan.max_lag}: leave it out, the version-lag mask follows max_lag")
+        if held is None:
+            correction = self.learner.correction.model_copy(update={"max_version_lag": self.plan.max_lag})
+            object.__setattr__(self, "learner", self.learner.model_copy(update={"correction": correction}))
+        return self
 
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
