@@ -50,7 +50,8 @@ class ScriptedServer:
     Steps: ``ok``, ``503``, ``400``, ``bad_json`` (a 200 whose body is not JSON), ``cut`` (headers promise
     more body than is sent, then the connection closes), ``close`` (closed without an answer), ``hang``
     (never answers), ``trickle`` (one body byte every 0.2 s, never done), ``shape`` (valid JSON, no tokens),
-    ``echo`` (a 400 whose body repeats the request's headers), ``slow`` (answers after 1.5 s).
+    ``echo`` (a 400 whose body repeats the request's headers), ``slow`` (answers after 1.5 s), ``busy``
+    (metrics of a server with requests running and waiting).
     ``/health`` follows the script too, unless ``healthy`` is set: then it is answered at once (True:
     200) or never (False), outside the script.
     """
@@ -122,6 +123,8 @@ class ScriptedServer:
             status, body = "400 Bad Request", f"bad request; headers were {request['headers']}".encode()
         elif step == "shape":
             body = b'{"choices": [{"text": "no token ids here"}]}'
+        elif step == "busy":
+            body = b'vllm:num_requests_running{model_name="m"} 2.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
         length = len(body) * (3 if step == "cut" else 1)
         if step == "cut":
             body = body[: len(body) // 2]
@@ -368,3 +371,20 @@ def test_an_inproc_request_past_its_timeout_is_aborted_and_the_engine_still_serv
         engine.request_timeout_s = saved
     after = engine_runner.run(engine.generate([1, 2, 3, 4], Sampling(max_tokens=3, ignore_eos=True)))
     assert len(after.token_ids) == 3 and np.isfinite(after.logprobs).all()
+
+
+def test_a_run_does_not_begin_on_a_server_busy_with_another_clients_requests(scripted, tmp_path):
+    """Beginning loads the run's weights, which would change them under the other client: refused, nothing sent
+    but the metrics read."""
+    server = scripted("busy")
+
+    async def begin() -> None:
+        engine = HttpEngine(server.url, model="scripted", **FAST)
+        try:
+            await engine.begin(str(tmp_path), 0)
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(InputError, match="2 running and 1 waiting requests of another client"):
+        asyncio.run(begin())
+    assert [r["path"] for r in server.requests] == ["/metrics"]

@@ -183,7 +183,7 @@ async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_gr
                   on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
     """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
     shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
-    async with started(engine, console, run.out) as start_s:
+    async with started(engine, console, run.out, begin_from=Path(run.manifest.model)) as start_s:
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             summary = await _play_with_progress(run, resume, console, on_rollout)

@@ -298,12 +298,25 @@ class HttpEngine:
 
     async def update_weights(self, source: WeightSource, version: int,
                              policy: CachePolicy | str = CachePolicy.KEEP) -> None:
-        policy = CachePolicy.parse(policy)
+        if version <= self.version:
+            raise InputError(f"new version {version} must be greater than the current {self.version}")
+        await self._load(source, version, CachePolicy.parse(policy))
+
+    async def begin(self, source: WeightSource, version: int) -> None:
+        """``source`` served as ``version`` whatever the server held, its prefix cache emptied (the
+        :class:`~verbatim.engine.protocol.Engine` protocol). A server with requests running or waiting is
+        serving another client, whose weights this would change under it: refused."""
+        stats = await self.stats()
+        if stats.running or stats.waiting:
+            raise InputError(f"{self.label} is serving {stats.running} running and {stats.waiting} waiting requests "
+                             "of another client; a run loads its own weights into its server, so it needs the "
+                             "server to itself", hint="wait for the other run to end, or start a server of its own")
+        await self._load(source, version, CachePolicy.FLUSH)
+
+    async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
         if isinstance(source, dict):
             raise InputError("an HTTP engine reloads weights from a checkpoint folder the server can read",
                              hint="save the state dict to a folder first")
-        if version <= self.version:
-            raise InputError(f"new version {version} must be greater than the current {self.version}")
         folder = Path(source)
         untied = await asyncio.to_thread(untied_folder, folder) if needs_untying(folder) else None
         try:

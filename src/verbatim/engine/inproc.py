@@ -276,10 +276,19 @@ class InprocEngine:
     async def update_weights(self, source: WeightSource, version: int,
                              policy: CachePolicy | str = CachePolicy.KEEP) -> None:
         """Swap weights in place while requests run; ``policy`` says what happens to the cache."""
-        llm = self._require_started()
-        policy = CachePolicy.parse(policy)
+        self._require_started()
         if version <= self.version:
             raise InputError(f"new version {version} must be greater than the current {self.version}")
+        await self._load(source, version, CachePolicy.parse(policy))
+
+    async def begin(self, source: WeightSource, version: int) -> None:
+        """``source`` served as ``version`` whatever this engine served before, its prefix cache emptied (the
+        :class:`~verbatim.engine.protocol.Engine` protocol: a run on an engine another run used)."""
+        self._require_started()
+        await self._load(source, version, CachePolicy.FLUSH)
+
+    async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
+        llm = self._require_started()
         if isinstance(source, dict):  # in memory: through the shared buffer, no file
             path, slots = await asyncio.to_thread(self._channel.stage, self._served_form(source))
             await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)

@@ -266,6 +266,12 @@ class Router:
         await asyncio.gather(*(r.engine.update_weights(source, version, policy) for r in live))
         self.version = version
 
+    async def begin(self, source: WeightSource, version: int) -> None:
+        """Every replica serves ``source`` as ``version`` with an empty prefix cache (the
+        :class:`~verbatim.engine.protocol.Engine` protocol); one that cannot fails the call."""
+        await asyncio.gather(*(r.engine.begin(source, version) for r in self.replicas))
+        self.version = version
+
     async def stats(self) -> EngineStats:
         per = [await self._poll(r) or EngineStats() for r in self.replicas]
         return EngineStats(

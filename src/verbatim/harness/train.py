@@ -201,7 +201,18 @@ class TrainLoop:
         self.share_s = time.perf_counter() - began
 
     async def _restore(self, resume: bool) -> int:
-        """The step to start from: 0, or the newest checkpoint's, with its weights in the engine."""
+        """The step to start from (0, or the newest checkpoint's), with the learner's weights in the engine: a
+        server gets them whatever it held (another run's weights and KV, which it would otherwise sample this
+        run's first step with), an engine this run started only when they are not its own."""
+        start = await self._restored(resume)
+        if self.served:
+            await self._push(CachePolicy.FLUSH, begin=True)
+        elif self.learner.version > self.engine.version:
+            await self._push(CachePolicy.FLUSH)
+        return start
+
+    async def _restored(self, resume: bool) -> int:
+        """The learner and the metrics as of the newest checkpoint (none: as of step 0); returns its step."""
         if not resume:
             rewrite_metrics(self.out, [])
             return 0
@@ -214,8 +225,6 @@ class TrainLoop:
         self.learner.version = int(state["version"])
         self.history = list(state.get("metrics", []))
         rewrite_metrics(self.out, self.history)
-        if self.learner.version > self.engine.version:
-            await self._push(CachePolicy.FLUSH)
         return int(state["step"])
 
     # -- playing ahead ----------------------------------------------------------------------
@@ -330,8 +339,9 @@ class TrainLoop:
         self._checkpointed = n
         return round(time.perf_counter() - began, 3)
 
-    async def _push(self, policy: CachePolicy) -> None:
-        """The learner's weights into the engine as its version (a folder the servers read, if served)."""
+    async def _push(self, policy: CachePolicy, *, begin: bool = False) -> None:
+        """The learner's weights into the engine as its version (a folder the servers read, if served); with
+        ``begin``, as the weights this run begins from (:meth:`Engine.begin`: the cache emptied)."""
         weights = self.learner.engine_weights()
         version = self.learner.version
         if self.served:
@@ -340,5 +350,8 @@ class TrainLoop:
             source = str(source.resolve())
         else:
             source = weights
-        await self.engine.update_weights(source, version, policy)
+        if begin:
+            await self.engine.begin(source, version)
+        else:
+            await self.engine.update_weights(source, version, policy)
 

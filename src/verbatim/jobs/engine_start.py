@@ -21,9 +21,14 @@ run directory instead of the terminal."""
 
 
 @contextlib.asynccontextmanager
-async def started(engine: Any, console: Console, run_dir: Path | None = None) -> AsyncIterator[float]:
+async def started(engine: Any, console: Console, run_dir: Path | None = None, *,
+                  begin_from: Path | None = None) -> AsyncIterator[float]:
     """The engine started (one line with the seconds so far until it answers), and closed however the
     block ends; yields the seconds the start took.
+
+    ``begin_from``: the weights folder the run's tokens are sampled with, as version 0. A served engine (whose
+    server another run may have used: its weights, its versions, its KV) is given them first, its prefix cache
+    emptied (:meth:`~verbatim.engine.protocol.Engine.begin`); an engine this command starts holds them already.
 
     Its processes are watched by a :class:`Reaper` (they die with this command, even a SIGKILLed one)
     and recorded in ``run_dir`` while they run (a ``--resume`` refuses to start beside them). What a
@@ -37,6 +42,8 @@ async def started(engine: Any, console: Console, run_dir: Path | None = None) ->
             for line in unchecked_logprobs(engine):
                 console.print(f"warning: {line}; μ is taken to be the sampling distribution's")
             reaper.note()
+            if begin_from is not None and not _local(engine):
+                await engine.begin(str(begin_from), 0)
             if run_dir is not None and log is not None:  # a local engine: its processes are ours
                 record_engine(run_dir, skip=reaper.pids())
             yield time.perf_counter() - began
