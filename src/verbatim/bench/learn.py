@@ -156,7 +156,7 @@ async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
                            engine={"kind": "inproc", "block_size": engine.block_size},
                            config={"train": {"bench": run.model_dump(mode="json"),
                                              "settings": settings.model_dump(mode="json")}})
-    tasks = lambda k: list(factory.tasks(settings.groups, run.seed * 100_003 + k))  # noqa: E731
+    tasks = lambda k: list(factory.tasks(settings.groups, plan.task_seed(k)))  # noqa: E731
     trainer = TrainLoop(plan, loop, learner, engine, get_renderer("smollm2", model_dir=model_dir), factory, tasks,
                         out, manifest, model_dir, served=run.sync == "folder")
     async with started(engine, engine_log("learn")):

@@ -97,6 +97,10 @@ class TrainPlan(Frozen):
     rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
     with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
 
+    def task_seed(self, k: int) -> int:
+        """The seed of the env's task generator for step ``k + 1`` (``k`` steps trained before it)."""
+        return self.seed * 100_003 + k
+
     def run_plan(self, run_id: str, k: int) -> RunPlan:
         """What step ``k + 1`` plays (``k`` steps trained before it): its groups, ids ``s{k+1:04d}-…``."""
         return RunPlan(run_id=run_id, groups=self.groups, group_size=self.group_size, seed=self.seed,

@@ -194,10 +194,10 @@ def check_updates(options: TrainConfig) -> None:
 
 def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     """Step k's tasks: the env's generator seeded by (seed, k), or the task file's in turn."""
-    groups, seed = options.plan.groups, options.plan.seed
+    plan, groups = options.plan, options.plan.groups
     if options.tasks is None:
-        factory.tasks(groups, seed)  # a generator that fails does so now, before the engine starts
-        return lambda k: list(factory.tasks(groups, seed * 100_003 + k))
+        factory.tasks(groups, plan.seed)  # a generator that fails does so now, before the engine starts
+        return lambda k: list(factory.tasks(groups, plan.task_seed(k)))
     pool = list(load_tasks(options.tasks))
     if not pool:
         raise InputError(f"{options.tasks} holds no tasks")
