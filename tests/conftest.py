@@ -17,6 +17,52 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VERBATIM_HOME", str(REPO / ".cache" / "test-home"))
 
 
+class EngineStarts:
+    """Every vLLM engine the suite starts, in this process or any it launched: the engine appends a line to the
+    file ``$VERBATIM_ENGINE_STARTS`` names (engine/start_log.py); each test is charged the lines that appeared
+    while it ran (with its fixtures' set-up), and the run's summary names the count and who started them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen = 0
+        self.by_test: dict[str, list[str]] = {}
+
+    def charge(self, nodeid: str) -> None:
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if len(lines) > self.seen:
+            self.by_test[nodeid] = [line.split(" ", 1)[0] for line in lines[self.seen:]]
+            self.seen = len(lines)
+
+    def report(self, write) -> None:
+        kinds = [kind for started in self.by_test.values() for kind in started]
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+        write(f"vLLM engines started: {len(kinds)}" + (f" ({counts})" if kinds else ""))
+        for nodeid, started in sorted(self.by_test.items(), key=lambda item: -len(item[1])):
+            write(f"  {len(started)}  {nodeid}")
+
+
+def pytest_configure(config) -> None:
+    import tempfile
+
+    from verbatim.engine.start_log import STARTS_ENV
+
+    folder = Path(tempfile.mkdtemp(prefix="verbatim-engine-starts-"))
+    os.environ[STARTS_ENV] = str(folder / "starts.txt")  # inherited by every process a test starts
+    config.engine_starts = EngineStarts(folder / "starts.txt")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    item.config.engine_starts.charge(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    config.engine_starts.charge("(after the last test: teardown)")
+    terminalreporter.write_sep("=", "engine starts")
+    config.engine_starts.report(terminalreporter.write_line)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The bundled default model, converted from its GGUF (once per cache dir)."""

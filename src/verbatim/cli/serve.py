@@ -32,6 +32,7 @@ def serve_command(
 
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind, server_command
+    from verbatim.engine.start_log import note_start
 
     warning = check_bind(host, allow_remote)
     if warning:
@@ -39,6 +40,7 @@ def serve_command(
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, dtype=dtype)
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
+    note_start("served", config.model)
     os.execvpe(argv[0], argv, env)
 
 

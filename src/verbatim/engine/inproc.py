@@ -28,6 +28,7 @@ from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, co
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource, prefilled
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
 from verbatim.engine.weight_push import RECEIVER, WeightChannel
 from verbatim.errors import EngineError, InputError
@@ -123,6 +124,7 @@ class InprocEngine:
 
         self.serving_dir = await asyncio.to_thread(serving_copy, self.model_dir)
         args = AsyncEngineArgs(**engine_args(self.config, self.serving_dir))
+        note_start("inproc", self.model_dir)
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
             await self._llm.update_weight_version(str(self.version))

@@ -24,6 +24,7 @@ from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE
 from verbatim.engine.reaper import stop_group
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm, log_root_cause, with_root_cause
+from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import serving_copy
 from verbatim.errors import EngineError, InputError
 
@@ -101,6 +102,7 @@ class ServerProcess:
         self.host = host
         self.port = port or free_port(host if is_loopback(host) else "0.0.0.0")
         self.argv, self.env = server_command(config, host=host, port=self.port)
+        self.model = config.model
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_offset = 0
@@ -117,6 +119,7 @@ class ServerProcess:
         """Start the process (in its own session, so it outlives a CLI that only launched it)."""
         self.log_offset = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        note_start("served", self.model)
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self

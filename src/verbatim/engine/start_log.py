@@ -21,6 +21,19 @@ from typing import Any
 from verbatim.engine.runtime import log_root_cause, with_root_cause
 from verbatim.errors import EngineError
 
+STARTS_ENV = "VERBATIM_ENGINE_STARTS"
+"""Names a file that gets one line per vLLM engine started (:func:`note_start`); the test suite counts its
+engines with it (tests/conftest.py), a user may audit a script's."""
+
+
+def note_start(kind: str, model: str | os.PathLike[str]) -> None:
+    """A vLLM engine starts here (``inproc``: in this process; ``served``: a ``vllm serve`` process): one line
+    ``KIND PID MODEL`` appended to the file ``$VERBATIM_ENGINE_STARTS`` names; nothing when it is unset."""
+    path = os.environ.get(STARTS_ENV)
+    if path:
+        with open(path, "a") as handle:  # one short append: whole lines from concurrent processes
+            handle.write(f"{kind} {os.getpid()} {model}\n")
+
 
 @contextlib.contextmanager
 def stderr_into(log: Path | None) -> Iterator[None]:
