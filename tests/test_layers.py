@@ -85,3 +85,50 @@ def test_the_architecture_picture_names_every_room() -> None:
     rooms = {_room(p) for p in MODULES}
     missing = [r for r in sorted(rooms) if f"{r}/" not in picture and f"{r}.py" not in picture]
     assert missing == [], f"docs/architecture.md does not place {missing}"
+
+
+# Rooms whose modules may load torch when imported: where models run, and what starts them. The training loop
+# drives the learner (its checkpoints, its weights) and sits in the harness.
+LOADS_TORCH = {"engine", "trainer", "bench", "jobs", "cli"}
+TRAINING_LOOP = {"harness/train.py"}
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """What importing ``path`` imports: its module-level imports (a function's own import waits for a call),
+    each ``from M import N`` also as ``M.N`` (N may be a module)."""
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(("verbatim", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def test_importing_a_module_outside_the_model_rooms_never_loads_torch() -> None:
+    """harness/train_step.py's pure functions once loaded torch for one dataclass (through trainer.learner)."""
+    graph = {_module_name(p): _top_level_imports(p) for p in PACKAGE.rglob("*.py")}
+
+    def path_to_torch(name: str, seen: set[str]) -> list[str] | None:
+        seen.add(name)
+        for target in sorted(graph[name]):
+            if target.split(".")[0] == "torch":
+                return [name, target]
+            if target in graph and target not in seen:
+                rest = path_to_torch(target, seen)
+                if rest:
+                    return [name, *rest]
+        return None
+
+    loading = {}
+    for path in MODULES:
+        if _room(path) in LOADS_TORCH or str(path.relative_to(PACKAGE)) in TRAINING_LOOP:
+            continue
+        chain = path_to_torch(_module_name(path), set())
+        if chain:
+            loading[str(path.relative_to(PACKAGE))] = " → ".join(chain)
+    assert loading == {}

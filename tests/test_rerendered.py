@@ -25,7 +25,8 @@ from verbatim.harness.rerendered import (
     rerendered_input,
 )
 from verbatim.renderers.registry import get_renderer
-from verbatim.trainer.learner import Learner, LearnerConfig, StepInput
+from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.step_input import StepInput
 
 OPENING = [Message(role="system", content="Reply with one whole number only."),
            Message(role="user", content="I picked a whole number from 1 to 5. Guess it!")]

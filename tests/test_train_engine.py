@@ -133,7 +133,7 @@ def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_
 
 def take_a_step_that_moves(loop: TrainLoop) -> None:
     """One more learner step on the run's last rollouts with advantages +1/−1, so the weights surely move."""
-    from verbatim.trainer.learner import StepInput
+    from verbatim.trainer.step_input import StepInput
 
     rollouts = sorted(read_run(loop.out).rollouts, key=lambda r: r.rollout_id)[-2:]
     loop.learner.train_step(StepInput(columns=[r.tokens for r in rollouts], advantages=np.array([1.0, -1.0]),

@@ -86,7 +86,7 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 def step_input(vocab: int, work: Workload, seed: int = 0, reply: int | None = None):
     """``work.groups`` groups of rows sharing a prompt, ``reply`` model tokens each; μ unknown (NaN)."""
-    from verbatim.trainer.learner import StepInput
+    from verbatim.trainer.step_input import StepInput
 
     rng = np.random.default_rng(seed)
     reply = work.reply if reply is None else reply

@@ -23,7 +23,7 @@ import numpy as np
 from verbatim.datamodel import Rollout, Source, TokenColumns
 from verbatim.errors import VerbatimError
 from verbatim.harness.summary import recorded_conversation
-from verbatim.trainer.learner import StepInput
+from verbatim.trainer.step_input import StepInput
 
 
 def rerendered(rollout: Rollout, renderer: Any) -> TokenColumns | None:

@@ -29,8 +29,8 @@ from verbatim.errors import InputError
 from verbatim.harness.rollout import CONTEXT_BUDGET
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
-from verbatim.trainer.learner import StepInput
 from verbatim.trainer.logprob_files import RolloutLogprobs
+from verbatim.trainer.step_input import StepInput
 
 
 def step_input(rollouts: Sequence[Rollout], how: Advantage, *,

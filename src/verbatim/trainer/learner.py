@@ -39,7 +39,6 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,7 +47,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from verbatim.datamodel import TokenColumns
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
@@ -60,6 +58,7 @@ from verbatim.trainer.distributed.split import rows_of
 from verbatim.trainer.distributed.team import Team
 from verbatim.trainer.objective import LossConfig, kl_penalty, loss_coefficients
 from verbatim.trainer.prefix_offload import Offload
+from verbatim.trainer.step_input import StepInput
 from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, backward_rows, policy_values
 
@@ -106,26 +105,6 @@ def scheduled_lr(config: LearnerConfig, step: int, steps: int) -> float:
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.lr_final + (1.0 - config.lr_final) * shape)
-
-
-@dataclass(frozen=True, eq=False)
-class StepInput:
-    """The rows a step trains: token columns as traced, one advantage per row, the groups' rows."""
-
-    columns: Sequence[TokenColumns]
-    advantages: np.ndarray
-    groups: Sequence[Sequence[int]]
-    rollout_ids: Sequence[str] = ()
-    """The rollout of each row, when known (the trainer logprob file of the step names them)."""
-    behaviour_from_trainer: bool = False
-    """Rows whose model tokens have no sampler logprob (NaN, as in re-rendered contexts): π_old stands in
-    for μ there, so the correction sees those tokens as on-policy. Off, a NaN μ is an error."""
-    temperature: float = 1.0
-    """The T of the distribution the rows' μ describes (the traced turns' sampling settings): π is
-    log_softmax(logits / T) on every path."""
-    truncation: tuple[float, int] | None = None
-    """(top_p, top_k) of rows sampled under a mask the trainer does not reproduce (allowed by the user):
-    the step counts the sampled tokens π at T would not sample from under that mask."""
 
 
 def row_logprobs(logp: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,

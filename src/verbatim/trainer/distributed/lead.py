@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from verbatim.errors import TeamError
-from verbatim.trainer.learner import Learner, StepInput
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.step_input import StepInput
 
 STOP = "stop"
 LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
