@@ -107,6 +107,20 @@ def test_only_the_newest_versions_stay(tied, tmp_path, keep):
     assert listing(tmp_path) == ["v000001", "v000002", "v000003", "v000009", "v000010"][-keep:]
 
 
+def test_publishing_an_older_version_keeps_it_and_removes_the_later_ones(tied, tmp_path):
+    """A resumed run publishes its checkpoint's version (or its base weights, version 0) below versions a killed
+    run published past it: those are trained again, and the one the servers are about to reload stays."""
+    like, weights = tied
+    for version in (1, 2, 3):
+        publish_weights(weights, like, tmp_path, version)
+    assert publish_weights(weights, like, tmp_path, 0).is_dir()
+    assert listing(tmp_path) == ["v000000"]
+    for version in (1, 2):
+        publish_weights(weights, like, tmp_path, version)
+    publish_weights(weights, like, tmp_path, 1)  # v000000 went with v000002's publication (keep 2)
+    assert listing(tmp_path) == ["v000001"]
+
+
 def _fail_rename(monkeypatch):
     """The rename of a new folder into place fails (putting an old one back does not)."""
     rename = os.rename

@@ -91,7 +91,9 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     The output layer is spelled out where a tied model's servers serve its untied copy (engine/untied.py).
 
     A server never sees a half-written folder: the name appears only once every file is complete.
-    A failed write leaves no temporary folder. Older published versions beyond the newest ``keep`` are removed.
+    A failed write leaves no temporary folder. Older published versions beyond the newest ``keep`` are removed,
+    and so are later ones: publishing ``version`` again (a resumed run's checkpoint, or its base weights) means
+    the versions above it were trained past the checkpoint and will be trained again.
     """
     root = Path(root)
     final = root / f"v{version:06d}"
@@ -107,7 +109,8 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     finally:
         _remove_temporaries(root)
     published = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
-    for old in published[:-keep]:
+    upto = published.index(final) + 1
+    for old in published[:max(upto - keep, 0)] + published[upto:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

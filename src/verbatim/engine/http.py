@@ -46,6 +46,11 @@ at once instead of after its timeout (minutes: a long generation is slow, a hung
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
 
+IDLE_WAIT_S = 30.0
+"""How long :meth:`HttpEngine.begin` waits for a server's running and waiting requests to end (those of a run
+killed just before: vLLM finishes or aborts them) before it takes them for another client's."""
+
+
 class HttpEngine:
     """A vLLM server as an ``Engine`` (retries, timeouts, weight updates through dev endpoints).
 
@@ -79,6 +84,7 @@ class HttpEngine:
         self.backoff_s = backoff_s
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.health_every_s, self.health_failures = HEALTH_EVERY_S, HEALTH_FAILURES
+        self.idle_wait_s = IDLE_WAIT_S
         self.budget_s = budget_s if budget_s is not None else 2 * timeout_s
         self._secrets = [v for v in (api_key, *(auth or ()), *(v for k, v in params if secret_param(k))) if v]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -304,13 +310,19 @@ class HttpEngine:
 
     async def begin(self, source: WeightSource, version: int) -> None:
         """``source`` served as ``version`` whatever the server held, its prefix cache emptied (the
-        :class:`~verbatim.engine.protocol.Engine` protocol). A server with requests running or waiting is
-        serving another client, whose weights this would change under it: refused."""
+        :class:`~verbatim.engine.protocol.Engine` protocol). A server that still has requests running or
+        waiting after ``idle_wait_s`` (a killed run's last ones end within it) is serving another client, whose
+        weights this would change under it: refused."""
         stats = await self.stats()
+        deadline = time.monotonic() + self.idle_wait_s
+        while (stats.running or stats.waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            stats = await self.stats()
         if stats.running or stats.waiting:
             raise InputError(f"{self.label} is serving {stats.running} running and {stats.waiting} waiting requests "
-                             "of another client; a run loads its own weights into its server, so it needs the "
-                             "server to itself", hint="wait for the other run to end, or start a server of its own")
+                             f"of another client (still, after {self.idle_wait_s:g} s); a run loads its own weights "
+                             "into its server, so it needs the server to itself",
+                             hint="wait for the other run to end, or start a server of its own")
         await self._load(source, version, CachePolicy.FLUSH)
 
     async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
