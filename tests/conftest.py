@@ -158,14 +158,41 @@ def engine_runner(default_model_dir: Path):
     runner.close()
 
 
-@pytest.fixture(scope="module")
-def vllm_server(default_model_dir, tmp_path_factory):
-    """A real ``vllm serve`` of the default model for one test module; stopped after it."""
+def _serve(model_dir: Path, folder: Path):
+    """A real ``vllm serve`` of the default model, stopped when the block ends."""
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import ServerProcess
 
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048)
-    with ServerProcess(config, log_path=log) as proc:
+    config = EngineConfig(model=str(model_dir), kv_cache_gib=1, max_model_len=2048)
+    return ServerProcess(config, log_path=folder / "serve.log")
+
+
+@pytest.fixture(scope="session")
+def _shared_server(default_model_dir, tmp_path_factory):
+    with _serve(default_model_dir, tmp_path_factory.mktemp("serve")) as proc:
         yield proc
-    assert proc.proc.poll() is not None, "the server must be stopped after the module"
+    assert proc.proc.poll() is not None, "the server must be stopped after the session"
+
+
+@pytest.fixture
+def vllm_server(_shared_server, default_model_dir):
+    """The session's one ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
+    an empty prefix cache (``HttpEngine.begin``), whatever the tests before it left there."""
+    import asyncio
+
+    from verbatim.engine.http import HttpEngine
+
+    async def reset() -> None:
+        async with HttpEngine(_shared_server.url) as engine:
+            await engine.begin(str(default_model_dir), 0)
+
+    assert _shared_server.proc.poll() is None, "a test killed the shared server: use own_vllm_server for that"
+    asyncio.run(reset())
+    return _shared_server
+
+
+@pytest.fixture
+def own_vllm_server(default_model_dir, tmp_path):
+    """A ``vllm serve`` of this test's own, for a test whose point is the server's death."""
+    with _serve(default_model_dir, tmp_path) as proc:
+        yield proc

@@ -125,7 +125,7 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, default_mod
 
 
 def _prepared(tmp_path, **options):
-    from verbatim.cli.run import RunOptions, prepare_run
+    from verbatim.jobs.run import RunOptions, prepare_run
 
     run, _ = prepare_run(RunOptions(engine="http", urls=("http://127.0.0.1:9",), out=str(tmp_path / "run"),
                                     **options))  # constructing the engine starts nothing

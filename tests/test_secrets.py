@@ -103,7 +103,7 @@ def test_a_remote_bind_with_the_flag_warns_then_binds_there(exec_calls, default_
 
 
 def test_a_run_manifest_holds_only_redacted_urls(tmp_path, default_model_dir):
-    from verbatim.cli.run import RunOptions, prepare_run
+    from verbatim.jobs.run import RunOptions, prepare_run
 
     urls = ("http://alice:pw-123@127.0.0.1:9/?api_key=pw-456", "http://127.0.0.1:10/?token=pw-789")
     run, engine = prepare_run(RunOptions(env="guess", engine="http", urls=urls, out=str(tmp_path / "run")))

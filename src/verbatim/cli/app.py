@@ -255,8 +255,9 @@ def run(
     config: str = flags.CONFIG,
 ) -> None:
     """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
-    from verbatim.cli.run import RunOptions, run_command
+    from verbatim.cli.run import run_command
     from verbatim.cli.train import flag_errors
+    from verbatim.jobs.run import RunOptions
 
     with flag_errors():  # a value RunOptions refuses: one line naming the option
         options = RunOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout, tasks=tasks,

@@ -206,7 +206,7 @@ def _flag_line(exc: ValidationError) -> str | None:
 
 def _bounds(model: str, field: str) -> str | None:
     """A numeric field's range in words: ``must be in (0, 1)``, ``must be at least 1``."""
-    from verbatim.cli.run import RunOptions
+    from verbatim.jobs.run import RunOptions
 
     models = {m.__name__: m for m in (TrainConfig, RunOptions, TrainPlan, LearnerConfig, LossConfig, CorrectionConfig)}
     info = models[model].model_fields.get(field) if model in models else None

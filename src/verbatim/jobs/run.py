@@ -1,0 +1,238 @@
+"""A rollout run from one config: :class:`RunOptions` and :func:`run_rollouts`.
+
+``verbatim run`` maps its flags onto :class:`RunOptions` and calls :func:`run_rollouts`, which prints only its
+progress; a user's script or a test does the same, so the env or agent, tasks, renderer and engine are put
+together in one place (:func:`prepare_run`). Bad input is refused (one line, exit 2 from the CLI) before the
+engine starts or anything is written.
+
+SIGINT and SIGTERM stop a playing run gracefully (:meth:`Run.stop`): the first one starts no
+more rollouts and gives the playing ones ``stop_grace_s`` to finish, a second one cuts them at
+once; either way every rollout in flight is written (as ``interrupted`` if it did not finish),
+the manifest says ``interrupted``, and the error carries exit code 130 (SIGINT) or 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from verbatim.datamodel import Frozen, Rollout
+from verbatim.engine.models import resolve
+from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.router import Router
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
+from verbatim.engine.server_url import redact
+from verbatim.harness.preflight import model_vocab_size, preflight
+from verbatim.harness.rollout import LoopConfig
+from verbatim.harness.run import Run, RunPlan, StopRequest
+from verbatim.harness.store import RunManifest
+from verbatim.harness.summary import RunSummary
+from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
+from verbatim.jobs.engine_start import started
+from verbatim.paths import check_run_dir
+from verbatim.trackers.fanout import TrackerNames, open_trackers
+
+
+class RunOptions(Frozen):
+    """Everything `verbatim run` was asked to do (recorded in the manifest)."""
+
+    env: str | None = None
+    agent: str | None = None
+    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
+    agent_cmd: str | None = None
+    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    tasks: str | None = None
+    model: str = "default"
+    renderer: str | None = None
+    groups: int | None = Field(default=None, ge=1)
+    """None: every task of the task file, else DEFAULT_GROUPS from the env's generator."""
+    group_size: int = Field(default=4, ge=1)
+    max_turns: int | None = Field(default=None, ge=1)
+    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    out: str = "runs/latest"
+    engine: str = "inproc"
+    urls: tuple[str, ...] = ()
+    route: str | None = None
+    """Routing policy over the --url replicas (default sticky_least_loaded+group when there are several)."""
+    high_water: float = Field(default=0.9, gt=0, le=1)
+    admission: bool = True
+    cache_policy: str = "keep"
+    concurrency: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
+    kv_cache_gib: int = Field(default=2, ge=1)
+    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    engine_tensor_parallel: int = Field(default=1, ge=1)
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
+    resume: bool = False
+    log: TrackerNames = ()
+    """Experiment trackers the summary and a table of rollouts are also sent to (``--log``)."""
+
+
+DEFAULT_GROUPS = 2
+"""Groups a run plays from the env's own task generator when --groups is not given."""
+
+
+def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict[str, Any]]]:
+    """The tasks to play, and the options with --groups and --max-turns filled in where not given.
+
+    A task file gives one group per task unless --groups says fewer; the env's generator gives
+    DEFAULT_GROUPS. --max-turns defaults to the most turns the env's tasks may need.
+    """
+    from verbatim.envs.registry import default_max_turns, load_tasks
+
+    if options.tasks:
+        tasks = list(load_tasks(options.tasks))  # an empty file is refused there
+        groups = options.groups or len(tasks)
+    else:
+        groups = options.groups or DEFAULT_GROUPS
+        tasks = list(factory.tasks(groups, options.seed))
+    max_turns = options.max_turns or default_max_turns(factory, tasks[:groups])
+    return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
+
+
+def _plan(options: RunOptions, run_id: str) -> RunPlan:
+    return RunPlan(run_id=run_id, groups=options.groups, group_size=options.group_size, seed=options.seed,
+                   concurrency=options.concurrency, batch_size=max(options.group_size, 4))
+
+
+def engine_choice(options: RunOptions) -> EngineChoice:
+    return EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
+                        high_water=options.high_water, admission=options.admission,
+                        max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib, seed=options.seed,
+                        gpu_memory=options.engine_gpu_memory, tensor_parallel=options.engine_tensor_parallel)
+
+
+def prepare_run(options: RunOptions) -> tuple[Run, Any]:
+    """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
+    from verbatim.jobs.compose import make_engine
+    from verbatim.jobs.placement import check_here
+    from verbatim.renderers.registry import get_renderer
+
+    policy = CachePolicy.parse(options.cache_policy)
+    factory = episode_source(options.env, options.agent, agent_cmd=options.agent_cmd)
+    options, tasks = with_tasks(options, factory)
+    model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
+    renderer_name = options.renderer or default_renderer(options.model)
+    renderer = get_renderer(renderer_name, model_dir=model_dir)
+    out = Path(options.out)
+    run_id = existing_run_id(out) if options.resume else None
+    run_id = run_id or uuid.uuid4().hex[:12]
+    plan = _plan(options, run_id)
+    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
+                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+    choice = engine_choice(options)
+    engine = make_engine(choice)  # constructing starts nothing
+    check_here(choice)
+    urls = [redact(u) for u in options.urls]  # no credentials in traces
+    route = engine.config.label if isinstance(engine, Router) else None
+    manifest = RunManifest(
+        run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
+        engine={"kind": options.engine, "block_size": engine.block_size,
+                "cache_policy": policy.value, "urls": urls, "route": route},
+        config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
+                "plan": plan.model_dump(exclude={"run_id"})},
+    )
+    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest,
+              make_player=players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s))
+    run.check_out_dir(options.resume)
+    if options.env is not None:  # an agent's prompts are known only when it asks
+        preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
+                  max_tokens=options.max_tokens)
+    return run, engine
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], None]:
+    """Route SIGINT/SIGTERM to ``run.stop`` while it plays; returns the function that undoes it."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if run.stopped is None:
+            console.print(f"{name}: no new rollouts; the playing ones get {grace_s:g}s to finish "
+                          f"({name} again stops them now)")
+        else:
+            console.print(f"{name} again: stopping the playing rollouts now")
+        run.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum), grace_s)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def undo() -> None:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    return undo
+
+
+async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0,
+                  on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
+    """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
+    shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
+    async with started(engine, console, run.out, begin_from=Path(run.manifest.model)) as start_s:
+        undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
+        try:
+            summary = await _play_with_progress(run, resume, console, on_rollout)
+        finally:
+            undo_signals()
+    return summary.model_copy(update={"engine_start_s": round(start_s, 3)})
+
+
+async def _play_with_progress(run: Run, resume: bool, console: Console,
+                              on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
+    total = sum(len(g) for g in run.groups)
+    stats = {"prompt": 0, "cached": 0, "generated": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[live]}"), console=console, transient=False) as progress:
+        done = len(run.completed_ids()) if resume else 0
+        bar = progress.add_task("rollouts", total=total, completed=done, live="")
+
+        def tick(rollout: Rollout) -> None:
+            for turn in rollout.turns:
+                stats["prompt"] += turn.prompt_tokens
+                stats["cached"] += turn.cached_tokens
+                stats["generated"] += turn.completion_tokens
+            elapsed = progress.tasks[0].elapsed or 1e-9
+            hit = stats["cached"] / stats["prompt"] if stats["prompt"] else 0.0
+            progress.update(bar, advance=1, live=f"{stats['generated'] / elapsed:.1f} tok/s · cache hit {hit:.0%}")
+            if on_rollout is not None:
+                on_rollout(rollout)
+
+        run.on_rollout = tick
+        return await run.play(resume=resume)
+
+
+def run_rollouts(options: RunOptions, console: Console | None = None, *,
+                 on_end: Callable[[Run], None] | None = None) -> RunSummary:
+    """Play the run ``options`` describe; returns its summary (sent to the trackers of ``--log`` too).
+
+    ``on_end`` sees the run however playing ends: after a stop or a failure, ``run.summary`` holds what was
+    written (the error is raised after it)."""
+    console = console or Console(stderr=True)
+    check_run_dir(options.out)
+    run, engine = prepare_run(options)
+    config = options.model_dump(mode="json", exclude={"log"}) | {"urls": [redact(u) for u in options.urls]}
+    trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
+    try:
+        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s, trackers.rollout))
+        trackers.step(summary.model_dump())
+        return summary
+    finally:
+        trackers.close()
+        if on_end is not None:
+            on_end(run)
