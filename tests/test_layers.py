@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, checked against every import in the package.
 
-Imports point one way: data model → renderers / engine / envs / trainer → harness → agents → jobs
+Imports point one way: data model → renderers / engine / envs / trainer → harness → rl / agents → jobs
 → cli, with sim, lint and bench beside the harness, and trackers on the data model alone (jobs and cli
 open them). vLLM is imported only in engine/, torch only where
 models run (engine/, trainer/, bench/).
@@ -25,15 +25,17 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": DATA,
     "trackers": DATA,
     "harness": DATA | {"renderers", "engine", "envs", "trainer"},
+    # the RL loop: plays through the harness, learns through the trainer
+    "rl": DATA | {"renderers", "engine", "envs", "trainer", "harness"},
     "agents": DATA | {"renderers", "engine", "envs", "harness"},
     # a run composed from one config (the CLI, a torchrun worker, a user's script): may play an agent
-    "jobs": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents", "trackers"},
+    "jobs": DATA | {"renderers", "engine", "envs", "trainer", "harness", "rl", "agents", "trackers"},
     "sim": DATA | {"engine", "harness"},
     "lint": DATA | {"engine", "harness"},
-    "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "sim", "lint"},
+    "bench": DATA | {"renderers", "engine", "envs", "trainer", "harness", "rl", "sim", "lint"},
     "view": DATA | {"renderers", "engine", "envs", "trainer", "harness", "lint"},
-    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "agents", "jobs", "sim", "lint", "bench",
-                  "view", "trackers"},
+    "cli": DATA | {"renderers", "engine", "envs", "trainer", "harness", "rl", "agents", "jobs", "sim", "lint",
+                  "bench", "view", "trackers"},
 }
 THIRD_PARTY = {"vllm": {"engine"}, "torch": {"engine", "trainer", "bench"}}
 
@@ -87,10 +89,10 @@ def test_the_architecture_picture_names_every_room() -> None:
     assert missing == [], f"docs/architecture.md does not place {missing}"
 
 
-# Rooms whose modules may load torch when imported: where models run, and what starts them. The training loop
-# drives the learner (its checkpoints, its weights) and sits in the harness.
+# Rooms whose modules may load torch when imported: where models run, and what starts them; and the training
+# loop itself, which drives the learner (its checkpoints, its weights). The rest of rl/ is plain data and files.
 LOADS_TORCH = {"engine", "trainer", "bench", "jobs", "cli"}
-TRAINING_LOOP = {"harness/train.py"}
+TRAINING_LOOP = {"rl/train.py"}
 
 
 def _top_level_imports(path: Path) -> set[str]:
@@ -110,7 +112,7 @@ def _module_name(path: Path) -> str:
 
 
 def test_importing_a_module_outside_the_model_rooms_never_loads_torch() -> None:
-    """harness/train_step.py's pure functions once loaded torch for one dataclass (through trainer.learner)."""
+    """rl/train_step.py's pure functions once loaded torch for one dataclass (through trainer.learner)."""
     graph = {_module_name(p): _top_level_imports(p) for p in PACKAGE.rglob("*.py")}
 
     def path_to_torch(name: str, seen: set[str]) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""The re-rendered-context ablation (harness/rerendered.py): what a message-keeping harness trains on.
+"""The re-rendered-context ablation (rl/rerendered.py): what a message-keeping harness trains on.
 
 Rollouts are grown as the harness grows them (render, sampled ids as sampled, bridge) with the real
 SmolLM2 tokenizer, and carry their messages in ``info`` as the rollout loop records them.
@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verbatim.datamodel import Completion, Message, Rollout, Source
 from verbatim.errors import TrainerError
 from verbatim.harness.ledger import Ledger
-from verbatim.harness.rerendered import (
+from verbatim.renderers.registry import get_renderer
+from verbatim.rl.rerendered import (
     changed,
     closed,
     closed_input,
@@ -24,7 +25,6 @@ from verbatim.harness.rerendered import (
     rerendered,
     rerendered_input,
 )
-from verbatim.renderers.registry import get_renderer
 from verbatim.trainer.learner import Learner, LearnerConfig
 from verbatim.trainer.step_input import StepInput
 

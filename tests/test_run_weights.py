@@ -1,4 +1,4 @@
-"""Which weights hold a run's version (harness/run_weights.py): pure file logic on a written-out run."""
+"""Which weights hold a run's version (rl/run_weights.py): pure file logic on a written-out run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from verbatim.datamodel import Rollout, Source, TokenColumns
 from verbatim.errors import InputError
-from verbatim.harness.run_weights import policy_weights, sampled_version
 from verbatim.harness.store import RunManifest, TraceWriter
+from verbatim.rl.run_weights import policy_weights, sampled_version
 from verbatim.trainer.checkpoint import FILES, step_dir_name
 
 

@@ -15,9 +15,9 @@ from verbatim.harness.export import export_rollouts
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.store import RunManifest, TraceWriter, read_run
 from verbatim.harness.summary import request_prompts, summarize
-from verbatim.harness.train_step import step_input
 from verbatim.lint.findings import CacheSettings
 from verbatim.lint.trace import lint_rollout
+from verbatim.rl.train_step import step_input
 from verbatim.view.detail import prefill_counts, rollout_detail
 
 BREAK = {"message": 1, "role": "user", "field": "content", "what": "message 1 (user): content differs",

@@ -167,7 +167,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
 
 def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path, monkeypatch):
     """Its config lacks ``plan.fixed_lag``: it trained with eager pushes, which is what a resume without the flag
-    asks for (harness/train_resume.py's ADDED), so the check lets it through; with the flag it is a change."""
+    asks for (rl/train_resume.py's ADDED), so the check lets it through; with the flag it is a change."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--max-lag", "1"]
     config = _options_of(args, monkeypatch).config()

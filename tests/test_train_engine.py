@@ -26,12 +26,12 @@ import torch
 from verbatim.datamodel import Source
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.envs.registry import load_env
-from verbatim.harness.rerendered import never_sampled, reply_ids, rerendered
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest, read_run
-from verbatim.harness.train import TrainLoop, TrainPlan
-from verbatim.harness.train_step import step_input
 from verbatim.renderers.registry import get_renderer
+from verbatim.rl.rerendered import never_sampled, reply_ids, rerendered
+from verbatim.rl.train import TrainLoop, TrainPlan
+from verbatim.rl.train_step import step_input
 from verbatim.trainer.checkpoint import load_checkpoint
 from verbatim.trainer.learner import Learner, LearnerConfig
 from verbatim.trainer.reference import load_model, reference_logprobs

@@ -13,7 +13,7 @@ from fakes import tiny_rollout
 
 from verbatim.datamodel import TokenColumns
 from verbatim.harness.store import RunManifest, TraceWriter, read_run
-from verbatim.harness.train_resume import check_recorded, set_aside
+from verbatim.rl.train_resume import check_recorded, set_aside
 
 
 def _rollout(index: int, step: int, version: int):
@@ -81,7 +81,7 @@ def test_more_steps_past_the_checkpoint_than_the_interval_allows_is_refused_as_a
 
 
 def test_a_run_recorded_before_the_learners_memory_options_resumes_as_it_trained():
-    from verbatim.harness.train_resume import check_changes
+    from verbatim.rl.train_resume import check_changes
 
     now = {"plan": {"steps": 4, "checkpoint_every": 10, "fixed_lag": False},
            "learner": {"lr": 1e-5, "dtype": "fp32", "checkpoint_layers": False, "logprob_chunk": 512,

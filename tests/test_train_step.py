@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from verbatim.datamodel import TRAINED_STATUSES, Rollout, TokenColumns, Turn, TurnSampling
 from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary
-from verbatim.harness.train_step import peak_rss_mib, step_input, step_record, success_rate
+from verbatim.rl.train_step import peak_rss_mib, step_input, step_record, success_rate
 from verbatim.trainer.advantages import group_advantages
 from verbatim.trainer.correction import CorrectionConfig, correct
 

@@ -16,8 +16,8 @@ from verbatim.bench.prefixflow_exactness import VOCAB, tiny_llama
 from verbatim.cli.app import app
 from verbatim.datamodel import Rollout, Source, Turn
 from verbatim.errors import TraceFormatError
-from verbatim.harness.train_step import step_input, step_logprobs
 from verbatim.renderers.registry import get_renderer
+from verbatim.rl.train_step import step_input, step_logprobs
 from verbatim.trainer.learner import Learner, LearnerConfig
 from verbatim.trainer.logprob_files import (
     RolloutLogprobs,

@@ -22,7 +22,7 @@ seeds, then sagged, and one seed's last five steps ended only +0.175 above its f
 Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
 two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
 with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
-none; and every seed again with a trainer fed re-rendered contexts (harness/rerendered.py: the
+none; and every seed again with a trainer fed re-rendered contexts (rl/rerendered.py: the
 chat template over each rollout's messages, as a message-keeping harness trains, without sampler
 logprobs) and with only the re-render's addition to the traced tokens: a trained stop token after
 each reply cut by max tokens. The verdict compares the mean reward of the last five steps with the
@@ -50,7 +50,7 @@ from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.errors import InputError, TrainerError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest
-from verbatim.harness.train import TrainLoop, TrainPlan
+from verbatim.rl.train import TrainLoop, TrainPlan
 from verbatim.trainer.correction import CorrectionConfig
 from verbatim.trainer.learner import Learner, LearnerConfig
 

@@ -182,9 +182,9 @@ def mismatch_report(
     """Recompute π for every model token of a trace and report how it differs from the sampler's μ."""
     from pathlib import Path
 
-    from verbatim.harness.run_weights import policy_weights
     from verbatim.harness.store import read_run
     from verbatim.paths import check_output_file, check_outside_run
+    from verbatim.rl.run_weights import policy_weights
     from verbatim.trainer.logprob_files import mismatch_file
     from verbatim.trainer.mismatch import check_vocabulary, mismatch, plot_histogram, save_logprobs, usable_rollouts
     from verbatim.trainer.reference import load_model

@@ -22,9 +22,9 @@ from rich.table import Table
 
 from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError
-from verbatim.harness.train import TrainLoop, TrainPlan
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
+from verbatim.rl.train import TrainLoop, TrainPlan
 from verbatim.trainer.advantages import ADVANTAGES, Advantage
 from verbatim.trainer.correction import CorrectionConfig
 from verbatim.trainer.learner import LearnerConfig

@@ -157,8 +157,8 @@ def train_flags(
         sequence_tis_option,
         train_command,
     )
-    from verbatim.harness.train import TrainPlan
     from verbatim.jobs.train import TrainConfig
+    from verbatim.rl.train import TrainPlan
     from verbatim.trainer.correction import CorrectionConfig
     from verbatim.trainer.learner import LearnerConfig
     from verbatim.trainer.objective import LossConfig

@@ -4,7 +4,7 @@
 worker or a user's own script does the same, so the env, model, renderer, learner and loop are put
 together in one place. Bad input is refused (one line, exit 2 from the CLI) before the engine starts or
 anything is written; then the engine starts, the trainer loads the same weights, and
-:class:`~verbatim.harness.train.TrainLoop` runs the steps.
+:class:`~verbatim.rl.train.TrainLoop` runs the steps.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from verbatim.errors import InputError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunManifest
-from verbatim.harness.train import TrainLoop, TrainPlan
-from verbatim.harness.train_resume import check_resumable
-from verbatim.harness.train_step import refuse_truncated
 from verbatim.jobs.engine_start import started
+from verbatim.rl.train import TrainLoop, TrainPlan
+from verbatim.rl.train_resume import check_resumable
+from verbatim.rl.train_step import refuse_truncated
 from verbatim.trackers.fanout import TrackerNames, open_trackers
 from verbatim.trainer.learner import LearnerConfig
 

@@ -1,7 +1,7 @@
 """What one training step is given: :class:`StepInput`, the rows as traced with their advantages.
 
 Plain data (NumPy and the data model, no torch): the harness builds it from a step's rollouts
-(:mod:`verbatim.harness.train_step`, :mod:`verbatim.harness.rerendered`) without loading the trainer, and
+(:mod:`verbatim.rl.train_step`, :mod:`verbatim.rl.rerendered`) without loading the trainer, and
 :meth:`verbatim.trainer.learner.Learner.train_step` turns it into tensors.
 """
 

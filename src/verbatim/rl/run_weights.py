@@ -15,7 +15,7 @@ from verbatim.datamodel import Rollout, Source
 from verbatim.engine.models import resolve
 from verbatim.errors import InputError
 from verbatim.harness.store import read_manifest
-from verbatim.harness.train_resume import CHECKPOINTS, trained_steps
+from verbatim.rl.train_resume import CHECKPOINTS, trained_steps
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ versions: they are trained again), and the first unfinished step plays only its 
 (the written ones were sampled by the checkpoint's version, or by versions the trace records).
 A step is counted once: its checkpoint is the commit. What a resume may go on from (and the two
 settings it may change, ``--checkpoint-every`` and ``--steps``) is checked before the engine starts
-(harness/train_resume.py).
+(rl/train_resume.py).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ from verbatim.engine.runtime import MAX_SEED
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
-from verbatim.harness.rerendered import closed_input, rerendered_input
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
-from verbatim.harness.train_resume import CHECKPOINTS, set_aside, trained_steps
-from verbatim.harness.train_step import step_input, step_logprobs, step_record
+from verbatim.rl.rerendered import closed_input, rerendered_input
+from verbatim.rl.train_resume import CHECKPOINTS, set_aside, trained_steps
+from verbatim.rl.train_step import step_input, step_logprobs, step_record
 from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.checkpoint import latest_checkpoint
 from verbatim.trainer.learner import Learner
@@ -87,13 +87,13 @@ class TrainPlan(Frozen):
     checkpoint_every: int = Field(default=10, ge=1)
     """Steps between checkpoints (weights, optimizer, RNG). The last planned step and the last step a
     stopped run trained are always checkpointed; a crash loses at most ``checkpoint_every − 1`` steps,
-    which a resume trains again (harness/train_resume.py)."""
+    which a resume trains again (rl/train_resume.py)."""
     concurrency: int = Field(default=16, ge=1)
     allow_truncated_sampling: bool = False
     """Train on rollouts sampled under top-p < 1, top-k or a regex, masks the trainer's π does not reproduce
     (each step's metrics count the sampled tokens outside π's mask); off, such a step is refused."""
     context: Literal["traced", "rerendered", "closed"] = "traced"
-    """What the learner trains on: the traced tokens, or (ablations, harness/rerendered.py) each
+    """What the learner trains on: the traced tokens, or (ablations, rl/rerendered.py) each
     rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
     with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
 

@@ -1,7 +1,7 @@
 """From one step's rollouts to the learner's rows, and the step's metrics record.
 
 Pure functions over what a step played (the rollouts as written) and what the learner
-reported; :mod:`verbatim.harness.train` does the I/O.
+reported; :mod:`verbatim.rl.train` does the I/O.
 
 * Trained rollouts: status ``ok`` or ``truncated`` (a truncated episode keeps the reward it
   earned). ``error`` and ``interrupted`` rollouts are data, recorded in the trace and counted
