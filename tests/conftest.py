@@ -167,16 +167,18 @@ def _serve(model_dir: Path, folder: Path):
     return ServerProcess(config, log_path=folder / "serve.log")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def _shared_server(default_model_dir, tmp_path_factory):
+    """One server a module: a server held for the whole session (~3.5 GB with its worker) pushed the suite past
+    the machine's memory in test_train_procs, whose ranks and engine run beside the session's own engine."""
     with _serve(default_model_dir, tmp_path_factory.mktemp("serve")) as proc:
         yield proc
-    assert proc.proc.poll() is not None, "the server must be stopped after the session"
+    assert proc.proc.poll() is not None, "the server must be stopped after the module"
 
 
 @pytest.fixture
 def vllm_server(_shared_server, default_model_dir):
-    """The session's one ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
+    """The module's ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
     an empty prefix cache (``HttpEngine.begin``), whatever the tests before it left there."""
     import asyncio
 
@@ -186,13 +188,8 @@ def vllm_server(_shared_server, default_model_dir):
         async with HttpEngine(_shared_server.url) as engine:
             await engine.begin(str(default_model_dir), 0)
 
-    assert _shared_server.proc.poll() is None, "a test killed the shared server: use own_vllm_server for that"
+    assert _shared_server.proc.poll() is None, "a test killed the module's server: only the module's last may"
     asyncio.run(reset())
     return _shared_server
 
 
-@pytest.fixture
-def own_vllm_server(default_model_dir, tmp_path):
-    """A ``vllm serve`` of this test's own, for a test whose point is the server's death."""
-    with _serve(default_model_dir, tmp_path) as proc:
-        yield proc
