@@ -286,7 +286,6 @@ class InprocEngine:
     async def begin(self, source: WeightSource, version: int) -> None:
         """``source`` served as ``version`` whatever this engine served before, its prefix cache emptied (the
         :class:`~verbatim.engine.protocol.Engine` protocol: a run on an engine another run used)."""
-        self._require_started()
         await self._load(source, version, CachePolicy.FLUSH)
 
     async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
