@@ -26,8 +26,8 @@ from test_trainer_learner import step_rows
 
 from verbatim.bench.prefixflow_exactness import tiny_llama
 from verbatim.trainer.distributed.team import join, leave
-from verbatim.trainer.learner import Learner, LearnerConfig
-from verbatim.trainer.objective import LossConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig, LossConfig
 
 CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
 """Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""

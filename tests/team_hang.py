@@ -21,9 +21,10 @@ from test_trainer_learner import step_rows
 from verbatim.errors import TeamError
 from verbatim.jobs.train import TrainConfig
 from verbatim.jobs.trainer_team import end_followers, join_team, leave_team, named_ranks, start_followers
-from verbatim.rl.train import TrainPlan
+from verbatim.rl.plan import TrainPlan
 from verbatim.trainer.distributed.lead import Lead
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.reference import load_model
 
 

@@ -87,7 +87,7 @@ def test_env_args_as_a_list_of_pairs(tmp_path, monkeypatch):
     ("run", "a.toml", 'env = "guess"\nresume = 1\n', "a.toml: resume must be true or false, not integer 1"),
     ("run", "a.toml", 'env = "guess"\nurl = "http://x"\n', 'url must be a list (the flag repeats), not string "http://x"'),
     ("train", "a.toml", 'env = "guess"\nenv_arg = [5]\n', "a.toml: env_arg[0] must be a string, not integer 5"),
-    ("run", "a.toml", 'env = "guess"\nmax_turns = 0\n', "a.toml: max_turns: "),
+    ("run", "a.toml", 'env = "guess"\nmax_turns = 0\n', "a.toml: max_turns = 0 must be at least 1"),
     ("run", "a.toml", 'env = "guess"\nmax_turns = 2\nmax-turns = 3\n',
      "--max-turns is given twice (as 'max_turns' and 'max-turns')"),
     ("run", "a.toml", 'env = "guess"\nmax_turns = \n', "a.toml is not valid TOML: Invalid value (at line 2"),

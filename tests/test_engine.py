@@ -238,7 +238,8 @@ def test_a_state_dict_pushed_through_shared_memory_is_what_the_engine_samples_fr
     backwards (v, k, q), which the direct reload cannot fuse in place, and goes through vLLM's reload."""
     import torch
 
-    from verbatim.trainer.learner import Learner, LearnerConfig
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.learner_config import LearnerConfig
     from verbatim.trainer.reference import load_model, reference_logprobs
 
     engine = engine_runner.engine

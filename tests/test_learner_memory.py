@@ -22,7 +22,8 @@ from verbatim.bench.prefixflow_exactness import VOCAB, tiny_llama
 from verbatim.datamodel import Source, TokenColumns
 from verbatim.trainer.adapters import trainer_lm
 from verbatim.trainer.causal_lm import LearnerLM, chunked_target_logprobs, sequence_logprobs
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.step_input import StepInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -25,7 +25,8 @@ from verbatim.rl.rerendered import (
     rerendered,
     rerendered_input,
 )
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.step_input import StepInput
 
 OPENING = [Message(role="system", content="Reply with one whole number only."),

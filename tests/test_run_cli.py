@@ -86,7 +86,8 @@ runner = CliRunner()
 
 @pytest.mark.parametrize("args,needle", [
     (["run", "--env", "nosuchenv"], "unknown env"),
-    (["run", "--env", "guess", "--cache-policy", "sometimes"], "unknown cache policy"),
+    (["run", "--env", "guess", "--cache-policy", "sometimes"],
+     "--cache-policy sometimes must be 'flush', 'keep', 'salt' or"),
     (["run", "--env", "guess", "--model", "/nonexistent/model"], "unknown model"),
     (["run", "--env", "guess", "--engine", "http"], "needs --url"),
     (["run", "--env", "guess", "--route", "round_robin"], "go with --engine http"),

@@ -51,16 +51,16 @@ def refused(args: list[str], needle: str) -> str:
     (["--lr", "0"], "--lr 0 must be above 0"),
     (["--lr", "-1"], "--lr -1 must be above 0"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
-    (["--group-size", "1"], "--group-size 1: group-relative advantages need at least 2 rollouts"),
+    (["--group-size", "1"], "--group-size 1 must be at least 2"),
     (["--groups", "0"], "--groups 0 must be at least 1"),
-    (["--lr-schedule", "step"], "unknown --lr-schedule 'step' (use constant, linear or cosine)"),
+    (["--lr-schedule", "step"], "--lr-schedule step must be 'constant', 'linear' or 'cosine'"),
     (["--lr-final", "2"], "--lr-final 2 must be"),
-    (["--advantage", "ppo"], "unknown --advantage 'ppo' (use grpo, rloo, mean)"),
-    (["--cache-policy", "sometimes"], "unknown cache policy 'sometimes' (use one of: flush, keep, salt, keep+salt)"),
+    (["--advantage", "ppo"], "--advantage ppo must be 'grpo', 'rloo' or 'mean'"),
+    (["--cache-policy", "sometimes"], "--cache-policy sometimes must be 'flush', 'keep', 'salt' or 'keep+salt'"),
     (["--sequence-tis", "product"], "--sequence-tis product replaces token-level TIS, which --token-tis-cap 2 "
-                                    "keeps on (add --token-tis-cap 0)"),
-    (["--sequence-tis", "mean", "--token-tis-cap", "0"], "unknown --sequence-tis 'mean'"),
-    (["--token-mask-band", "5"], "--token-mask-band must look like LOW,HIGH"),
+                                    "keeps on: add --token-tis-cap 0"),
+    (["--sequence-tis", "mean", "--token-tis-cap", "0"], "--sequence-tis mean must be 'product' or 'geo_mean'"),
+    (["--token-mask-band", "5"], "--token-mask-band 5 must look like LOW,HIGH"),
     (["--sequence-mask-band", "3,1"], "--sequence-mask-band 3,1 must satisfy 0 <= LOW < HIGH"),
     (["--env-arg", "nokey"], "--env-arg 'nokey' must look like KEY=VALUE"),
     (["--env", "gues"], "unknown env 'gues' (did you mean 'guess'?"),
@@ -219,7 +219,8 @@ def test_help_names_keep_salt_as_the_default_cache_policy():
     result = runner.invoke(app, ["train", "--help"])
     assert result.exit_code == 0
     text = " ".join(result.output.split())
-    assert re.search(r"--cache-policy \S+ flush \| keep \| salt \| keep\+salt\. Default keep\+salt", text), text
+    assert re.search(r"--cache-policy \S+ flush \| keep \| salt \| keep\+salt\. keep\+salt \(docs/engine",
+                     text), text
     assert "[default: keep+salt]" in text
 
 

@@ -29,11 +29,13 @@ from verbatim.envs.registry import load_env
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest, read_run
 from verbatim.renderers.registry import get_renderer
+from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import never_sampled, reply_ids, rerendered
-from verbatim.rl.train import TrainLoop, TrainPlan
+from verbatim.rl.train import TrainLoop
 from verbatim.rl.train_step import step_input
 from verbatim.trainer.checkpoint import load_checkpoint
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.reference import load_model, reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -56,8 +56,8 @@ def test_a_script_given_the_clis_config_builds_the_same_run(tmp_path, built):
 
 def test_a_scripts_bad_config_is_refused_before_any_model_loads(tmp_path, built):
     from verbatim.errors import InputError
-    from verbatim.rl.train import TrainPlan
-    from verbatim.trainer.learner import LearnerConfig
+    from verbatim.rl.plan import TrainPlan
+    from verbatim.trainer.learner_config import LearnerConfig
 
     config = TrainConfig(env="guess", plan=TrainPlan(steps=1, groups=1, group_size=2),
                          learner=LearnerConfig(updates_per_step=3), out=str(tmp_path / "run"))
@@ -71,9 +71,8 @@ def test_a_scripts_max_lag_sets_the_version_lag_mask_it_is_held_once():
     that sets the mask apart, to another number, is refused naming both."""
     from pydantic import ValidationError
 
-    from verbatim.rl.train import TrainPlan
-    from verbatim.trainer.correction import CorrectionConfig
-    from verbatim.trainer.learner import LearnerConfig
+    from verbatim.rl.plan import TrainPlan
+    from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
     config = TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2), learner=LearnerConfig())
     assert config.learner.correction.max_version_lag == 2
@@ -114,8 +113,8 @@ def test_trackers_are_closed_when_the_team_cannot_start(tmp_path, monkeypatch):
     """The trackers open before the team starts (a missing library is exit 2 first); a team that fails to
     start must not leave them open."""
     import verbatim.jobs.trainer_team as trainer_team
-    from verbatim.rl.train import TrainPlan
-    from verbatim.trainer.learner import LearnerConfig
+    from verbatim.rl.plan import TrainPlan
+    from verbatim.trainer.learner_config import LearnerConfig
 
     closed = []
 

@@ -18,7 +18,8 @@ from verbatim.errors import InputError
 from verbatim.harness.summary import RunSummary
 from verbatim.rl.train_step import peak_rss_mib, step_input, step_record, success_rate
 from verbatim.trainer.advantages import group_advantages
-from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.correction import correct
+from verbatim.trainer.learner_config import CorrectionConfig
 
 
 def rollout(group: int, index: int, reward: float | None = 1.0, status: str = "ok", *, solved: object = None,

@@ -12,7 +12,8 @@ import torch
 from verbatim.datamodel import Source, TokenColumns
 from verbatim.errors import TrainerError
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.correction import CorrectionConfig, correct, policy_gradient_loss
+from verbatim.trainer.correction import correct, policy_gradient_loss
+from verbatim.trainer.learner_config import CorrectionConfig
 
 OFF = dict(token_tis_cap=None, token_mask_band=None, sequence_tis=None, sequence_mask_band=None,
            max_version_lag=None)
@@ -107,7 +108,7 @@ def test_tis_combines_with_the_masks_and_masks_overlap(tis, row0):
 
 
 def test_token_and_sequence_tis_together_are_refused():
-    with pytest.raises(pydantic.ValidationError, match="alternatives") as info:
+    with pytest.raises(pydantic.ValidationError, match="replaces token-level TIS") as info:
         CorrectionConfig(sequence_tis="product")  # the token cap is on by default
     assert "token_tis_cap=None" in str(info.value)
     assert CorrectionConfig(token_tis_cap=None, sequence_tis="product").sequence_tis == "product"

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.correction import correct
 from verbatim.trainer.correction_metrics import hybrid_tokens, ratio_quantiles
+from verbatim.trainer.learner_config import CorrectionConfig
 
 
 def test_k1_k3_and_mean_abs_log_ratio_by_hand():

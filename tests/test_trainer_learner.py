@@ -21,8 +21,8 @@ from verbatim.errors import InputError
 from verbatim.trainer.advantages import group_advantages
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import correct, policy_gradient_loss
-from verbatim.trainer.learner import Learner, LearnerConfig, scheduled_lr
-from verbatim.trainer.objective import LossConfig
+from verbatim.trainer.learner import Learner, scheduled_lr
+from verbatim.trainer.learner_config import LearnerConfig, LossConfig
 from verbatim.trainer.reference import reference_logprobs
 from verbatim.trainer.step_input import StepInput
 

@@ -18,7 +18,8 @@ from verbatim.datamodel import Rollout, Source, Turn
 from verbatim.errors import TraceFormatError
 from verbatim.renderers.registry import get_renderer
 from verbatim.rl.train_step import step_input, step_logprobs
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.logprob_files import (
     RolloutLogprobs,
     logprob_files,

@@ -19,15 +19,9 @@ from verbatim.bench.prefixflow_exactness import VOCAB, grads_of, max_rel_err, ti
 from verbatim.errors import TrainerError
 from verbatim.trainer import update
 from verbatim.trainer.adapters import prefix_lm
-from verbatim.trainer.correction import CorrectionConfig, correct, policy_gradient_loss
-from verbatim.trainer.objective import (
-    LossConfig,
-    kl_penalty,
-    loss_coefficients,
-    objective_loss,
-    surrogate,
-    update_coefficients,
-)
+from verbatim.trainer.correction import correct, policy_gradient_loss
+from verbatim.trainer.learner_config import CorrectionConfig, LossConfig
+from verbatim.trainer.objective import kl_penalty, loss_coefficients, objective_loss, surrogate, update_coefficients
 from verbatim.trainer.reference import reference_logprobs
 from verbatim.trainer.update import StepBatch, backward_rows, policy_values
 

@@ -25,9 +25,10 @@ Readers accept every version up to their own."""
 
 
 class Frozen(BaseModel):
-    """Base for trace types: immutable, and unknown fields are an error."""
+    """Base for trace types and configs: immutable, and unknown fields are an error; a field's docstring is its
+    description (a config's flag help, :mod:`verbatim.jobs.flag_table`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 # ---------------------------------------------------------------------------

@@ -50,9 +50,10 @@ from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.errors import InputError, TrainerError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.store import RunManifest
-from verbatim.rl.train import TrainLoop, TrainPlan
-from verbatim.trainer.correction import CorrectionConfig
-from verbatim.trainer.learner import Learner, LearnerConfig
+from verbatim.rl.plan import TrainPlan
+from verbatim.rl.train import TrainLoop
+from verbatim.trainer.learner import Learner
+from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
 SECTION = "bench-learn"
 EXAMPLE_SECTION = "train-example"

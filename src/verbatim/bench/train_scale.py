@@ -75,7 +75,8 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     from verbatim.bench.prefixflow import peak_rss_mb
     from verbatim.bench.train_step import Workload, build_model, step_input
     from verbatim.trainer.distributed.team import join, leave
-    from verbatim.trainer.learner import Learner, LearnerConfig
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.learner_config import LearnerConfig
 
     torch.set_num_threads(work.threads_for(ranks))
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= ranks

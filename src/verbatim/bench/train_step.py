@@ -107,7 +107,8 @@ def step_input(vocab: int, work: Workload, seed: int = 0, reply: int | None = No
 def measure(model_name: str, setting: str, work: Workload) -> dict[str, Any]:
     """One (model, setting) in this process: a warm-up step, then the measured one."""
     from verbatim.bench.prefixflow import peak_rss_mb
-    from verbatim.trainer.learner import Learner, LearnerConfig
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.learner_config import LearnerConfig
 
     if work.threads is not None:
         torch.set_num_threads(work.threads)

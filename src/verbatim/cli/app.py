@@ -21,20 +21,19 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from verbatim import __version__
-from verbatim.cli import play_flags as flags
 from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.diff import diff_command
+from verbatim.cli.job_flags import job_command
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.models import models_app
 from verbatim.cli.plot import plot_command
 from verbatim.cli.serve import fleet_app, serve_command
 from verbatim.cli.show import show_command
-from verbatim.cli.train_flags import train_flags
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
-from verbatim.envs.registry import FALLBACK_MAX_TURNS
 from verbatim.errors import VerbatimError, shorten, stacks_on_request
+from verbatim.jobs.config import RUN_FLAGS, TRAIN_FLAGS
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -209,69 +208,24 @@ def generate(
 # ---------------------------------------------------------------------------
 
 
-@app.command("run")
-def run(
-    env: str = flags.ENV,
-    agent: str = flags.AGENT,
-    agent_cmd: str = flags.AGENT_CMD,
-    agent_timeout: float = flags.AGENT_TIMEOUT,
-    tasks: str = typer.Option(None, "--tasks", help="JSONL task file (default: the env's seeded generator; "
-                                                    "--agent needs one)."),
-    model: str = flags.MODEL,
-    renderer: str = flags.RENDERER,
-    groups: int = typer.Option(None, "--groups", min=1,
-                               help="Tasks, one group each (default: every task of --tasks, else 2 from the "
-                                    "env's generator)."),
-    group_size: int = typer.Option(4, "--group-size", min=1, help="Rollouts per group (G)."),
-    max_turns: int = typer.Option(None, "--max-turns", min=1,
-                                  help="Model turns per rollout at most; a rollout cut here is 'truncated' "
-                                       "(default: as many as the env's tasks allow, e.g. guess's 6 guesses; "
-                                       f"{FALLBACK_MAX_TURNS} for an env that does not say)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Sampled tokens per turn at most."),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 is greedy."),
-    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED,
-                             help="Seed of the env's tasks and of every request's sampling seed (same seed, same "
-                                  "tasks and draws; docs/engine.md)."),
-    out: str = typer.Option("runs/latest", "--out", help="Run directory (written incrementally)."),
-    engine: str = flags.ENGINE,
-    url: list[str] = flags.URL,
-    route: str = typer.Option(None, "--route", help="Routing over several --url replicas: round_robin | "
-                              "least_loaded | session_hash | sticky_least_loaded, optionally +group "
-                              "(default with several: sticky_least_loaded+group)."),
-    high_water: float = typer.Option(0.9, "--high-water", min=0.01, max=1.0,
-                                     help="Hold new rollouts while a replica's KV usage is at or above this."),
-    admission: bool = typer.Option(True, "--admission/--no-admission", help="KV admission control (router)."),
-    cache_policy: str = typer.Option("keep", "--cache-policy", help="flush | keep | salt | keep+salt"),
-    concurrency: int = flags.CONCURRENCY,
-    max_model_len: int = flags.MAX_MODEL_LEN,
-    kv_cache_gib: int = flags.KV_CACHE_GIB,
-    engine_gpu_memory: float = flags.ENGINE_GPU_MEMORY,
-    engine_tensor_parallel: int = flags.ENGINE_TENSOR_PARALLEL,
-    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run without redoing rollouts."),
-    stop_grace: float = typer.Option(30.0, "--stop-grace", min=0.0,
-                                     help="On SIGINT/SIGTERM, seconds the playing rollouts get to finish."),
-    summary_json: str = flags.SUMMARY_JSON,
-    log: list[str] = typer.Option([], "--log", help=flags.LOG_HELP.replace("each step's metrics", "the run's summary")),
-    config: str = flags.CONFIG,
-) -> None:
-    """Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a summary."""
+def _run(options: Any, summary_json: str | None) -> None:
     from verbatim.cli.run import run_command
-    from verbatim.cli.train import flag_errors
-    from verbatim.jobs.run import RunOptions
 
-    with flag_errors():  # a value RunOptions refuses: one line naming the option
-        options = RunOptions(env=env, agent=agent, agent_cmd=agent_cmd, agent_timeout_s=agent_timeout, tasks=tasks,
-                             model=model, renderer=renderer, groups=groups,
-                             group_size=group_size, max_turns=max_turns, max_tokens=max_tokens,
-                             temperature=temperature, seed=seed, out=out, engine=engine, urls=tuple(url),
-                             route=route, high_water=high_water, admission=admission, stop_grace_s=stop_grace,
-                             cache_policy=cache_policy, concurrency=concurrency, max_model_len=max_model_len,
-                             kv_cache_gib=kv_cache_gib, engine_gpu_memory=engine_gpu_memory,
-                             engine_tensor_parallel=engine_tensor_parallel, resume=resume, log=tuple(log))
     run_command(options, console, summary_json)
 
 
-app.command("train")(train_flags)  # the RL loop (cli/train_flags.py, cli/train.py)
+def _train(options: Any, summary_json: str | None) -> None:
+    from verbatim.cli.train import train_command
+
+    train_command(options, console, summary_json)
+
+
+app.command("run")(job_command(
+    RUN_FLAGS, _run, "Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a "
+                     "summary."))
+app.command("train")(job_command(
+    TRAIN_FLAGS, _train, "Train the model with RL on its own token-exact rollouts: play, learn, push weights, "
+                         "repeat."))
 
 
 # ---------------------------------------------------------------------------

@@ -13,25 +13,32 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
 import typer
+from pydantic import ValidationError
 
 from verbatim.errors import DependencyError, InputError
+from verbatim.jobs.flag_table import FlagTable
 
 CONFIG_HELP = "A .toml or .yaml file of flags (keys: the flags' names); flags on the command line win over it."
 KEY_VALUE_FLAGS = frozenset({"env_arg"})
 """Repeatable ``KEY=VALUE`` flags: a table in the file is written as those pairs (values as JSON)."""
 
 
-def load_config(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
-    """The ``--config`` option's callback (eager, so it runs before the other options are read):
-    the file's values become the command's defaults."""
-    if value:
-        values = read_config(Path(value))
-        ctx.default_map = {**(ctx.default_map or {}), **config_defaults(ctx, values, value)}
-    return value
+def config_loader(table: FlagTable) -> Callable[[typer.Context, typer.CallbackParam, str | None], str | None]:
+    """The ``--config`` option's callback for a command of ``table``'s flags (eager, so it runs before the other
+    options are read): the file's values become the command's defaults."""
+
+    def load_config(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+        if value:
+            values = read_config(Path(value))
+            ctx.default_map = {**(ctx.default_map or {}), **config_defaults(ctx, values, value, table)}
+        return value
+
+    return load_config
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -54,8 +61,9 @@ def read_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def config_defaults(ctx: typer.Context, values: dict[str, Any], source: str) -> dict[str, Any]:
-    """``values`` by the command's parameter names, each checked against its option's type."""
+def config_defaults(ctx: typer.Context, values: dict[str, Any], source: str, table: FlagTable) -> dict[str, Any]:
+    """``values`` by the command's parameter names, each checked against its option's type and its field's
+    bounds."""
     options = _options_by_key(ctx)
     defaults: dict[str, Any] = {}
     spelled: dict[str, str] = {}
@@ -70,6 +78,7 @@ def config_defaults(ctx: typer.Context, values: dict[str, Any], source: str) -> 
         spelled[option.name] = str(key)
         if value is not None:  # YAML's null: the flag's own default
             defaults[option.name] = _option_value(ctx, option, value, f"{source}: {key}")
+            _check_field(table, option.name, defaults[option.name], f"{source}: {key}")
     return defaults
 
 
@@ -93,6 +102,19 @@ def _option_value(ctx: typer.Context, option: Any, value: Any, where: str) -> An
     except typer.BadParameter as exc:
         raise InputError(f"{where}: {exc.message}") from None
     return value
+
+
+def _check_field(table: FlagTable, name: str, value: Any, where: str) -> None:
+    """A value its own field refuses (``max_turns = 0``), named by the file's key; a rule across fields waits
+    for the whole config (the command line may still change the other field)."""
+    flag = table.by_key()[name]
+    try:
+        table.config({name: value})
+    except ValidationError as exc:
+        for error in exc.errors():
+            found, shown, wanted = table.refused(error)
+            if found is flag:
+                raise InputError(f"{where} = {shown} {wanted}") from None
 
 
 def _typed(option: Any, value: Any, where: str) -> Any:

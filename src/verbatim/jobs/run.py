@@ -20,15 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from verbatim.datamodel import Frozen, Rollout
+from verbatim.datamodel import Rollout
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.protocol import Sampling
 from verbatim.engine.router import Router
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
@@ -36,50 +34,11 @@ from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
 from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
+from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import started
+from verbatim.jobs.run_record import write_config
 from verbatim.paths import check_run_dir
-from verbatim.trackers.fanout import TrackerNames, open_trackers
-
-
-class RunOptions(Frozen):
-    """Everything `verbatim run` was asked to do (recorded in the manifest)."""
-
-    env: str | None = None
-    agent: str | None = None
-    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
-    agent_cmd: str | None = None
-    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
-    agent_timeout_s: float = Field(default=600.0, gt=0)
-    tasks: str | None = None
-    model: str = "default"
-    renderer: str | None = None
-    groups: int | None = Field(default=None, ge=1)
-    """None: every task of the task file, else DEFAULT_GROUPS from the env's generator."""
-    group_size: int = Field(default=4, ge=1)
-    max_turns: int | None = Field(default=None, ge=1)
-    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
-    max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    out: str = "runs/latest"
-    engine: str = "inproc"
-    urls: tuple[str, ...] = ()
-    route: str | None = None
-    """Routing policy over the --url replicas (default sticky_least_loaded+group when there are several)."""
-    high_water: float = Field(default=0.9, gt=0, le=1)
-    admission: bool = True
-    cache_policy: str = "keep"
-    concurrency: int = Field(default=16, ge=1)
-    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
-    kv_cache_gib: int = Field(default=2, ge=1)
-    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
-    engine_tensor_parallel: int = Field(default=1, ge=1)
-    stop_grace_s: float = Field(default=30.0, ge=0)
-    """After SIGINT/SIGTERM, how long the playing rollouts may take to finish before they are cut."""
-    resume: bool = False
-    log: TrackerNames = ()
-    """Experiment trackers the summary and a table of rollouts are also sent to (``--log``)."""
-
+from verbatim.trackers.fanout import open_trackers
 
 DEFAULT_GROUPS = 2
 """Groups a run plays from the env's own task generator when --groups is not given."""
@@ -121,8 +80,8 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
 
-    policy = CachePolicy.parse(options.cache_policy)
-    factory = episode_source(options.env, options.agent, agent_cmd=options.agent_cmd)
+    policy = options.cache_policy
+    factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     options, tasks = with_tasks(options, factory)
     model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
     renderer_name = options.renderer or default_renderer(options.model)
@@ -132,7 +91,8 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     run_id = run_id or uuid.uuid4().hex[:12]
     plan = _plan(options, run_id)
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
-                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature))
+                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature,
+                                        top_p=options.top_p, top_k=options.top_k))
     choice = engine_choice(options)
     engine = make_engine(choice)  # constructing starts nothing
     check_here(choice)
@@ -142,7 +102,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
         run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
         engine={"kind": options.engine, "block_size": engine.block_size,
                 "cache_policy": policy.value, "urls": urls, "route": route},
-        config={"options": options.model_dump(exclude={"resume"}) | {"urls": urls},
+        config={"options": options.model_dump(mode="json", exclude={"resume"}) | {"urls": urls},
                 "plan": plan.model_dump(exclude={"run_id"})},
     )
     run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest,
@@ -229,6 +189,8 @@ def run_rollouts(options: RunOptions, console: Console | None = None, *,
     config = options.model_dump(mode="json", exclude={"log"}) | {"urls": [redact(u) for u in options.urls]}
     trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
     try:
+        resolved = type(options).model_validate(run.manifest.config["options"])  # --groups, --max-turns filled in
+        write_config(Path(options.out), flags_of(type(options)), resolved, "run")  # what a rerun repeats
         summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s, trackers.rollout))
         trackers.step(summary.model_dump())
         return summary

@@ -16,92 +16,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
 from rich.console import Console
 
-from verbatim.datamodel import Frozen
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import Sampling
-from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
-from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunManifest
+from verbatim.jobs.config import TrainConfig, flags_of
 from verbatim.jobs.engine_start import started
-from verbatim.rl.train import TrainLoop, TrainPlan
+from verbatim.jobs.run_record import recorded_config, write_config
+from verbatim.rl.train import TrainLoop
 from verbatim.rl.train_resume import check_resumable
 from verbatim.rl.train_step import refuse_truncated
-from verbatim.trackers.fanout import TrackerNames, open_trackers
-from verbatim.trainer.learner import LearnerConfig
-
-
-class TrainConfig(Frozen):
-    """Everything a training run is asked to do (its ``train`` section is the run's config; ``verbatim train``'s
-    flags map onto it one for one)."""
-
-    env: str | None = None
-    agent: str | None = None
-    """``FILE.py:FUNCTION`` or ``module:function``: an agent played through the endpoint instead of an env."""
-    agent_cmd: str | None = None
-    """A command run once per rollout, the endpoint in OPENAI_BASE_URL (``verbatim.agents.command``)."""
-    agent_timeout_s: float = Field(default=600.0, gt=0)
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the env's factory (``--env-arg KEY=VALUE``)."""
-    tasks: str | None = None
-    model: str = "default"
-    renderer: str | None = None
-    max_turns: int | None = Field(default=None, ge=1)
-    """None: as many turns as the env's tasks may need (:func:`verbatim.envs.registry.default_max_turns`)."""
-    max_tokens: int = Field(default=48, ge=1)
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    plan: TrainPlan
-    learner: LearnerConfig
-    out: str = "runs/train"
-    engine: str = "inproc"
-    urls: tuple[str, ...] = ()
-    route: str | None = None
-    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
-    kv_cache_gib: int = Field(default=2, ge=1)
-    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
-    """The share of each of its GPUs the in-process engine takes (None: vLLM's default); docs/scale.md."""
-    engine_tensor_parallel: int = Field(default=1, ge=1)
-    trainer_device: str = "cpu"
-    """Where the trainer's model runs (cpu, cuda, cuda:N); a resumed run may move."""
-    trainer_procs: int = Field(default=1, ge=1)
-    """Trainer processes the learner is sharded over (FSDP2; :mod:`verbatim.jobs.trainer_team`); under torchrun,
-    the processes it launched. A resumed run may change it."""
-    trainer_timeout_s: float = Field(default=600.0, gt=0)
-    """How long a call every trainer rank makes (a step's collectives, a checkpoint) waits for a silent rank
-    before the run stops naming it; followers wait for rank 0's next call as long as rollouts take."""
-    resume: bool = False
-    log: TrackerNames = ()
-    """Experiment trackers each step is also sent to (``--log``; :mod:`verbatim.trackers`); a resume may change
-    them."""
-
-    @model_validator(mode="after")
-    def _version_lag_mask_follows_max_lag(self) -> TrainConfig:
-        """The correction drops tokens more than ``plan.max_lag`` versions old: the number is the plan's, and the
-        learner's ``correction.max_version_lag`` is derived from it here (one left out), never set apart."""
-        held = self.learner.correction.max_version_lag
-        if held is not None and held != self.plan.max_lag:
-            raise ValueError(f"learner.correction.max_version_lag {held} differs from plan.max_lag "
-                             f"{self.plan.max_lag}: leave it out, the version-lag mask follows max_lag")
-        if held is None:
-            correction = self.learner.correction.model_copy(update={"max_version_lag": self.plan.max_lag})
-            object.__setattr__(self, "learner", self.learner.model_copy(update={"correction": correction}))
-        return self
-
-    def config(self) -> dict[str, Any]:
-        """What a --resume must match (the output path, where the engine and the trainer run, and --resume
-        itself excluded: a resumed run may move)."""
-        train = self.model_dump(mode="json", exclude={"resume", "out", "trainer_device", "engine_gpu_memory",
-                                                      "engine_tensor_parallel", "trainer_procs",
-                                                      "trainer_timeout_s", "log"})
-        train["urls"] = [redact(u) for u in self.urls]
-        return {"train": train}
+from verbatim.trackers.fanout import open_trackers
 
 
 def check(options: TrainConfig) -> int:
@@ -111,7 +40,10 @@ def check(options: TrainConfig) -> int:
 
     trainer_device(options.trainer_device)  # refused before the engine or the model
     check_updates(options)
-    return check_resumable(Path(options.out), options.resume, options.config())
+    out = Path(options.out)
+    recorded = recorded_config(out, flags_of(type(options))) if options.resume else None
+    return check_resumable(out, options.resume, options.config(),
+                           recorded=None if recorded is None else recorded.config()["train"])
 
 
 def prepare(options: TrainConfig) -> TrainLoop:
@@ -140,6 +72,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
     factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     tasks = _task_source(options, factory, load_tasks)
     choice = EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
+                          high_water=options.high_water, admission=options.admission,
                           max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib,
                           seed=options.plan.seed, gpu_memory=options.engine_gpu_memory,
                           tensor_parallel=options.engine_tensor_parallel)
@@ -269,6 +202,7 @@ def run_training(config: TrainConfig, console: Console | None = None,
     try:
         with named_ranks(followers, config.trainer_timeout_s):
             loop = prepare(config)
+            write_config(Path(config.out), flags_of(type(config)), config.recorded(), "train")  # what a rerun repeats
             loop.on_step = trackers.after(on_step)
             loop.on_rollout = trackers.rollout
             try:

@@ -43,68 +43,26 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from verbatim.datamodel import Frozen, Rollout
+from verbatim.datamodel import Rollout
 from verbatim.engine.checkpoints import model_files, publish_weights
 from verbatim.engine.protocol import CachePolicy
-from verbatim.engine.runtime import MAX_SEED
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer
-from verbatim.harness.run import Run, RunPlan, StopRequest
+from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
+from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import closed_input, rerendered_input
 from verbatim.rl.train_resume import CHECKPOINTS, set_aside, trained_steps
 from verbatim.rl.train_step import step_input, step_logprobs, step_record
-from verbatim.trainer.advantages import Advantage
 from verbatim.trainer.checkpoint import latest_checkpoint
 from verbatim.trainer.learner import Learner
 from verbatim.trainer.logprob_files import step_file, write_logprobs
 
 WEIGHTS = "weights"
-
-
-class TrainPlan(Frozen):
-    """What the loop does around the learner (recorded in the run's config)."""
-
-    steps: int = Field(ge=1)
-    groups: int = Field(default=2, ge=1)
-    group_size: int = Field(default=4, ge=2)
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    advantage: Advantage = "grpo"
-    cache_policy: CachePolicy = CachePolicy.KEEP_SALT
-    max_lag: int = Field(default=0, ge=0)
-    fixed_lag: bool = False
-    """With ``max_lag`` L ≥ 1, step n samples with exactly version n − 1 − L: the weights of step n − 1 reach
-    the engine only once the steps that need older ones have played (no update lands mid-step), so the
-    schedule, not the trainer's speed, fixes every version and a rerun repeats them. Off: a push lands as
-    soon as its step is trained (at most L versions behind)."""
-    keep_checkpoints: int = Field(default=2, ge=1)
-    checkpoint_every: int = Field(default=10, ge=1)
-    """Steps between checkpoints (weights, optimizer, RNG). The last planned step and the last step a
-    stopped run trained are always checkpointed; a crash loses at most ``checkpoint_every − 1`` steps,
-    which a resume trains again (rl/train_resume.py)."""
-    concurrency: int = Field(default=16, ge=1)
-    allow_truncated_sampling: bool = False
-    """Train on rollouts sampled under top-p < 1, top-k or a regex, masks the trainer's π does not reproduce
-    (each step's metrics count the sampled tokens outside π's mask); off, such a step is refused."""
-    context: Literal["traced", "rerendered", "closed"] = "traced"
-    """What the learner trains on: the traced tokens, or (ablations, rl/rerendered.py) each
-    rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
-    with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
-
-    def task_seed(self, k: int) -> int:
-        """The seed of the env's task generator for step ``k + 1`` (``k`` steps trained before it)."""
-        return self.seed * 100_003 + k
-
-    def run_plan(self, run_id: str, k: int) -> RunPlan:
-        """What step ``k + 1`` plays (``k`` steps trained before it): its groups, ids ``s{k+1:04d}-…``."""
-        return RunPlan(run_id=run_id, groups=self.groups, group_size=self.group_size, seed=self.seed,
-                       concurrency=self.concurrency, batch_size=max(self.group_size, 4), step=k + 1)
 
 
 class TrainLoop:

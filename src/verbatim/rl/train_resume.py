@@ -38,9 +38,10 @@ _EVERY_KEY = "plan.checkpoint_every"
 """How often a run checkpoints may change on a resume: it changes no step's result."""
 
 
-def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
+def check_resumable(out: Path, resume: bool, config: dict[str, Any], recorded: dict[str, Any] | None = None) -> int:
     """Refuse a used --out without --resume, and a resume that could not go on safely; returns the steps
-    already trained (0 for a new run)."""
+    already trained (0 for a new run). ``config`` is the run's ``train`` config now, compared against
+    ``recorded`` (the run folder's ``config.toml``, read back) or else the manifest's."""
     RunLock.check_free(out)
     check_no_leftover_engine(out)
     if not (out / "manifest.json").exists():
@@ -53,9 +54,10 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any]) -> int:
     previous = read_manifest(out).config
     if "train" not in previous:
         raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
-    check_changes(previous.get("train", {}), config.get("train", {}))
+    saved = recorded if recorded is not None else previous.get("train", {})
+    check_changes(saved, config.get("train", {}))
     trained = trained_steps(out)
-    plan = previous.get("train", {}).get("plan", {})
+    plan = saved.get("plan", {})
     check_recorded(out, trained, int(plan.get("max_lag", 0)), int(plan.get("checkpoint_every", 1)))
     return trained
 

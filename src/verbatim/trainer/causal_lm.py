@@ -28,20 +28,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from verbatim.errors import TrainerError
+from verbatim.trainer.learner_config import Precision
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim); a past of batch 1 (a shared prefix) serves
 every row of the call that reads it."""
-
-Precision = Literal["fp32", "bf16"]
-"""The learner's compute dtype: fp32 throughout, or a bfloat16 forward (autocast) over fp32 weights."""
 
 
 class PrefixCausalLM(Protocol):

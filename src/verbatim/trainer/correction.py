@@ -27,55 +27,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.correction_metrics import CorrectionMetrics, hybrid_tokens, summarize
+from verbatim.trainer.learner_config import CorrectionConfig
 
 RULES = ("token_band", "sequence_band", "version_lag")
 """Names of the masking rules, in the order they are reported."""
-
-
-class CorrectionConfig(BaseModel):
-    """Which corrections to apply; ``None`` turns a mode off."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    token_tis_cap: float | None = Field(default=2.0, gt=0)
-    """Token-level truncated IS: weight = min(π/μ, cap). Default 2.0."""
-
-    token_mask_band: tuple[float, float] | None = (0.5, 5.0)
-    """Token masking: drop tokens with π/μ outside [low, high]. Default (0.5, 5.0)."""
-
-    sequence_tis: Literal["product", "geo_mean"] | None = None
-    """Sequence-level truncated IS over the sequence's model tokens. Default off."""
-
-    sequence_tis_cap: float = Field(default=2.0, gt=0)
-    """Cap of the sequence-level weight, when ``sequence_tis`` is on. Default 2.0."""
-
-    sequence_mask_band: tuple[float, float] | None = None
-    """Sequence masking: drop sequences whose geometric-mean ratio is outside [low, high]. Default off."""
-
-    max_version_lag: int | None = Field(default=None, ge=0)
-    """Drop tokens sampled more than this many versions behind the trainer. Default off."""
-
-    hybrid_window: int = Field(default=32, ge=1)
-    """Metrics only: tokens within this many model tokens after a weight update are 'hybrid'."""
-
-    @model_validator(mode="after")
-    def _bands_ordered(self) -> CorrectionConfig:
-        for name in ("token_mask_band", "sequence_mask_band"):
-            band = getattr(self, name)
-            if band is not None and not 0 <= band[0] < band[1]:
-                raise ValueError(f"{name} must satisfy 0 <= low < high, got {band}")
-        return self
-
-    @model_validator(mode="after")
-    def _one_tis_level(self) -> CorrectionConfig:
-        if self.token_tis_cap is not None and self.sequence_tis is not None:
-            raise ValueError("token- and sequence-level TIS are alternatives: "
-                             "set token_tis_cap=None to use sequence_tis")
-        return self
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,58 +40,26 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from verbatim.errors import InputError, TrainerError
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.causal_lm import LearnerLM, Precision, PrefixCausalLM, refuse_dropout
+from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, refuse_dropout
 from verbatim.trainer.checkpoint import seed_generators
-from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.correction import correct
 from verbatim.trainer.distributed.sharding import ShardedModel, WholeModel
 from verbatim.trainer.distributed.split import rows_of
 from verbatim.trainer.distributed.team import Team
-from verbatim.trainer.objective import LossConfig, kl_penalty, loss_coefficients
-from verbatim.trainer.prefix_offload import Offload
+from verbatim.trainer.learner_config import LearnerConfig
+from verbatim.trainer.objective import kl_penalty, loss_coefficients
 from verbatim.trainer.step_input import StepInput
 from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, backward_rows, policy_values
-
-
-class LearnerConfig(BaseModel):
-    """How the trainer steps (recorded in the run's config; a resume must match it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    lr: float = Field(default=1e-5, gt=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    lr_final: float = Field(default=0.1, ge=0, le=1)
-    """The last step's learning rate as a fraction of ``lr`` (linear and cosine schedules)."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    updates_per_step: int = Field(default=1, ge=1)
-    microbatch: int = Field(default=4, ge=1)
-    """Rows per forward/backward (suffix microbatches under PrefixFlow)."""
-    prefixflow: bool | None = None
-    """True: PrefixFlow (the model's family must have an adapter); False: the plain path; None (auto):
-    PrefixFlow where the family has an adapter (:mod:`verbatim.trainer.adapters`)."""
-    dtype: Precision = "fp32"
-    """The forward's dtype: fp32, or bf16 (autocast over fp32 master weights and fp32 AdamW state; log π in
-    float32; on a team, FSDP's mixed precision gathers the weights in bfloat16 and reduces in float32)."""
-    checkpoint_layers: bool = False
-    """Activation checkpointing: keep each decoder layer's input only, recompute the layer in the backward."""
-    logprob_chunk: int = Field(default=512, ge=0)
-    """Rows of logits computed at once (forward and backward, recomputed in the backward); 0: all at once."""
-    prefix_activations: Offload = "keep"
-    """Under PrefixFlow, where a group's shared prompt's activations wait for their delayed backward: kept in
-    memory, moved to the CPU or to disk, or not kept (``recompute``: the prompt runs forward once more)."""
-    loss: LossConfig = Field(default_factory=LossConfig)
-    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
 
 def scheduled_lr(config: LearnerConfig, step: int, steps: int) -> float:

@@ -20,8 +20,9 @@ import torch
 from verbatim.datamodel import Rollout, Source
 from verbatim.errors import InputError, TraceError
 from verbatim.trainer.batch import behaviour_batch
-from verbatim.trainer.correction import CorrectionConfig, correct
+from verbatim.trainer.correction import correct
 from verbatim.trainer.learner import row_logprobs
+from verbatim.trainer.learner_config import CorrectionConfig
 from verbatim.trainer.logprob_files import RolloutLogprobs, write_logprobs
 from verbatim.trainer.reference import reference_logprobs
 

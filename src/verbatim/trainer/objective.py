@@ -34,35 +34,11 @@ without the penalty.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from verbatim.errors import TrainerError
-
-Normaliser = Literal["token", "sequence"]
-KlEstimator = Literal["k3", "k2"]
-
-
-class LossConfig(BaseModel):
-    """How the step's loss is normalised and clipped."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    normaliser: Normaliser = "token"
-    """``"token"``: divide by the update's kept tokens; ``"sequence"``: average each row over its
-    kept tokens, then over the update's rows that have any. Default ``"token"``."""
-
-    clip_eps: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip ε on π/π_old (bites only with more than one update per step). Default 0.2."""
-
-    kl_coef: float = Field(default=0.0, ge=0)
-    """β of the penalty toward the reference policy (the run's starting model; see the module docstring).
-    0, the default: no penalty, and no reference model is kept."""
-
-    kl_estimator: KlEstimator = "k3"
-    """The penalty's per-token estimator: ``k3`` (GRPO's) or ``k2`` (the gradient of KL(π ‖ π_ref))."""
+from verbatim.trainer.learner_config import KlEstimator, Normaliser
 
 
 def loss_coefficients(weights: torch.Tensor, keep: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:

@@ -22,13 +22,12 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch import nn
 
-Offload = Literal["keep", "recompute", "cpu", "disk"]
-OFFLOADS: tuple[str, ...] = get_args(Offload)
+from verbatim.trainer.learner_config import OFFLOADS, Offload
 
 
 class DormantStore:

@@ -23,8 +23,8 @@ import torch
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, sequence_logprobs
-from verbatim.trainer.objective import KlEstimator, objective_loss
-from verbatim.trainer.prefix_offload import Offload
+from verbatim.trainer.learner_config import KlEstimator, Offload
+from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.prefixflow import _pad, group_from_sequences, microbatches, prefixflow_backward, shared_prefix_len
 
 

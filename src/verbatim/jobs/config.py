@@ -1,0 +1,249 @@
+"""The config of a run: what ``verbatim run`` plays (:class:`RunOptions`) and what ``verbatim train`` trains
+(:class:`TrainConfig`), both from :class:`PlayConfig`, and their flags (:data:`RUN_FLAGS`, :data:`TRAIN_FLAGS`).
+
+Every default, bound and help text is written here once, as the field's default, ``Field`` bounds and
+docstring; the CLI's flags, ``--config`` files, the run folder's ``config.toml`` and a resume's check all
+derive from these models through :mod:`verbatim.jobs.flag_table`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from verbatim.datamodel import Frozen
+from verbatim.engine.protocol import CachePolicy
+from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
+from verbatim.engine.server_url import redact
+from verbatim.errors import InputError
+from verbatim.jobs.flag_table import DERIVED, FlagTable, Spec
+from verbatim.rl.plan import TrainPlan
+from verbatim.trackers.fanout import TrackerNames
+from verbatim.trainer.learner_config import LearnerConfig
+
+
+class PlayConfig(Frozen):
+    """What plays, how it samples, on which engine, and where it is written: the fields ``run`` and ``train``
+    share."""
+
+    env: str | None = None
+    """Built-in env (guess, tools, longdoc, python), module:Class, or entry point."""
+    agent: str | None = None
+    """Your agent instead of --env: FILE.py:FUNCTION or module:function, called per rollout as
+    FUNCTION(task, client) with an OpenAI client of a token-exact endpoint; returns the reward."""
+    agent_cmd: str | None = None
+    """Your agent as a command in any language, run per rollout with OPENAI_BASE_URL and OPENAI_API_KEY set and
+    the task as JSON on stdin; its last stdout line is the reward or {"reward": …}."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds an --agent rollout may take; past it the rollout is an error."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """KEY=VALUE for the env's factory (repeat), e.g. --env-arg high=5 for guess; values are JSON or text."""
+    tasks: str | None = None
+    """JSONL task file, taken in turn (default: the env's seeded generator; --agent needs one)."""
+    model: str = "default"
+    """Bundled model name or Hugging Face folder."""
+    renderer: str | None = None
+    """Chat format (default: the model's own)."""
+    max_turns: int | None = Field(default=None, ge=1)
+    """Model turns per rollout at most; a rollout cut here is 'truncated' (default: as many as the env's tasks
+    allow, e.g. guess's 6 guesses; 8 for an env that does not say)."""
+    max_tokens: int = Field(default=64, ge=1)
+    """Sampled tokens per turn at most."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; 0 is greedy (not for training: the trainer's π is log_softmax(logits / T))."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling (training below 1 needs --allow-truncated-sampling)."""
+    top_k: int = Field(default=0, ge=0)
+    """Sample among the k likeliest tokens; 0 is off (training above 0 needs --allow-truncated-sampling)."""
+    engine: str = "inproc"
+    """inproc (bundled vLLM) or http."""
+    urls: tuple[str, ...] = ()
+    """vLLM server URL (with --engine http); repeat for replicas."""
+    route: str | None = None
+    """Routing over several --url replicas: round_robin | least_loaded | session_hash | sticky_least_loaded,
+    optionally +group (default with several: sticky_least_loaded+group)."""
+    high_water: float = Field(default=0.9, gt=0, le=1)
+    """Hold new rollouts while a replica's KV usage is at or above this."""
+    admission: bool = True
+    """KV admission control (router)."""
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
+    """Context length per request: prompt + sampled tokens."""
+    kv_cache_gib: int = Field(default=2, ge=1)
+    """KV cache size in GiB (inproc engine)."""
+    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    """Share of each of its GPUs the in-process engine may take, in (0, 1] (vLLM's gpu_memory_utilization;
+    default vLLM's, 0.92); docs/scale.md."""
+    engine_tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs the in-process engine spans (vLLM's tensor_parallel_size): GPUs 0..N-1 of those this command
+    sees."""
+    out: str = "runs/latest"
+    """Run directory (written incrementally)."""
+    resume: bool = False
+    """Go on with the run in --out (after a stop or a kill) without redoing what it recorded."""
+    log: TrackerNames = ()
+    """Also send the run's metrics, its config and a table of sampled rollouts to this tracker: wandb,
+    tensorboard, mlflow or trackio (repeat for several; pip install 'verbatim-rl[NAME]'). docs/trainer.md."""
+
+    def recorded(self) -> Any:
+        """This config as a run folder records it: no credentials in its server URLs."""
+        return self.model_copy(update={"urls": tuple(redact(u) for u in self.urls)})
+
+
+def _default(field: str, value: Any) -> Any:
+    """``PlayConfig``'s field with another default (its bounds and help kept)."""
+    info = copy.copy(PlayConfig.model_fields[field])
+    info.default = value
+    return info
+
+
+class RunOptions(PlayConfig):
+    """Everything ``verbatim run`` was asked to do (recorded in the manifest and ``config.toml``)."""
+
+    groups: int | None = Field(default=None, ge=1)
+    """Tasks, one group each (default: every task of --tasks, else 2 from the env's generator)."""
+    group_size: int = Field(default=4, ge=1)
+    """Rollouts per group (G)."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed of the env's tasks and of every request's sampling seed (same seed, same tasks and draws;
+    docs/engine.md)."""
+    cache_policy: CachePolicy = CachePolicy.KEEP
+    """flush | keep | salt | keep+salt (docs/engine.md)."""
+    concurrency: int = Field(default=16, ge=1)
+    """Live rollouts at most."""
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    """On SIGINT/SIGTERM, seconds the playing rollouts get to finish."""
+
+
+class TrainConfig(PlayConfig):
+    """Everything a training run is asked to do: what plays (as for ``run``), the loop's plan, the learner and
+    where the trainer runs (its ``train`` section is the run's recorded config)."""
+
+    max_tokens: int = _default("max_tokens", 48)
+    out: str = _default("out", "runs/train")
+    plan: TrainPlan = Field(default_factory=TrainPlan)
+    """What the loop does around the learner."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """How the trainer steps."""
+    trainer_device: str = "cpu"
+    """Where the trainer's model runs: cpu, cuda or cuda:N (the engine places itself; weights reach it through
+    CPU memory); a resumed run may move."""
+    trainer_procs: int = Field(default=1, ge=1)
+    """Trainer processes the model is sharded over (FSDP2: gloo on the CPU, NCCL on GPUs); under torchrun,
+    leave it out. docs/scale.md."""
+    trainer_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a step's collectives wait for a silent trainer rank before the run stops naming it
+    (--trainer-procs > 1 or torchrun)."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _samples(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be above 0: the trainer's π is log_softmax(logits / T), which greedy "
+                             "decoding has not")
+        return value
+
+    @model_validator(mode="after")
+    def _version_lag_mask_follows_max_lag(self) -> TrainConfig:
+        """The correction drops tokens more than ``plan.max_lag`` versions old: the number is the plan's, and the
+        learner's ``correction.max_version_lag`` is derived from it here (one left out), never set apart."""
+        held = self.learner.correction.max_version_lag
+        if held is not None and held != self.plan.max_lag:
+            raise ValueError(f"learner.correction.max_version_lag {held} differs from plan.max_lag "
+                             f"{self.plan.max_lag}: leave it out, the version-lag mask follows max_lag")
+        if held is None:
+            correction = self.learner.correction.model_copy(update={"max_version_lag": self.plan.max_lag})
+            object.__setattr__(self, "learner", self.learner.model_copy(update={"correction": correction}))
+        return self
+
+    def config(self) -> dict[str, Any]:
+        """What a --resume must match (the output path, where the engine and the trainer run, and --resume
+        itself excluded: a resumed run may move)."""
+        train = self.model_dump(mode="json", exclude=set(MAY_CHANGE))
+        train["urls"] = [redact(u) for u in self.urls]
+        return {"train": train}
+
+
+MAY_CHANGE = ("resume", "out", "trainer_device", "engine_gpu_memory", "engine_tensor_parallel", "trainer_procs",
+              "trainer_timeout_s", "log")
+"""A training run's fields a resume may change: where it is written, where its engine and trainer run, its
+trackers."""
+
+
+def parse_band(text: str | None) -> tuple[float, float] | None:
+    """``LOW,HIGH`` (0 <= LOW < HIGH) or ``none``."""
+    if text is None or text.strip().lower() in ("none", "off", ""):
+        return None
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError("must look like LOW,HIGH (e.g. 0.5,5) or none") from None
+    return (low, high)
+
+
+def show_band(band: tuple[float, float] | None) -> str:
+    return "none" if band is None else f"{band[0]:g},{band[1]:g}"
+
+
+def parse_env_args(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is read as JSON (numbers, true/false, lists) or else kept as text."""
+    args: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise InputError(f"--env-arg {item!r} must look like KEY=VALUE (e.g. high=5)")
+        if _non_finite(value):  # JSON's NaN/Infinity and float()'s inf/nan alike
+            raise InputError(f"--env-arg {item!r}: {value.strip()} is not a finite number")
+        try:
+            args[key.strip()] = json.loads(value)
+        except ValueError:
+            args[key.strip()] = value
+    return args
+
+
+def _non_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _off_is_none(text: str | None) -> str | None:
+    return None if text is None or text.strip().lower() in ("none", "off", "") else text
+
+
+PLAY_SPECS = {
+    "agent_timeout_s": Spec(name="--agent-timeout"),
+    "env_args": Spec(name="--env-arg", kind=str, multiple=True, parse=parse_env_args,
+                     show=lambda args: [f"{k}={json.dumps(v)}" for k, v in args.items()]),
+    "tasks": Spec(aliases=("--task-file",)),
+    "urls": Spec(name="--url"),
+}
+RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
+TRAIN_SPECS = {
+    **PLAY_SPECS,
+    "trainer_timeout_s": Spec(name="--trainer-timeout"),
+    "plan.context": DERIVED,  # an ablation of bench learn's, not a setting of a run
+    "learner.dtype": Spec(name="--trainer-dtype"),
+    "learner.checkpoint_layers": Spec(name="--activation-checkpointing"),
+    "learner.correction.token_tis_cap": Spec(parse=lambda cap: cap or None, show=lambda cap: cap or 0.0),
+    "learner.correction.token_mask_band": Spec(kind=str, parse=parse_band, show=show_band),
+    "learner.correction.sequence_mask_band": Spec(kind=str, parse=parse_band, show=show_band),
+    "learner.correction.sequence_tis": Spec(parse=_off_is_none),
+    "learner.correction.max_version_lag": DERIVED,  # follows --max-lag
+}
+
+
+@functools.cache
+def flags_of(kind: type[PlayConfig]) -> FlagTable:
+    """The flag table of a config class: ``RunOptions``'s, ``TrainConfig``'s, or a subclass's (its own fields are
+    flags by the rule)."""
+    return FlagTable(kind, TRAIN_SPECS if issubclass(kind, TrainConfig) else RUN_SPECS)
+
+
+RUN_FLAGS = flags_of(RunOptions)
+TRAIN_FLAGS = flags_of(TrainConfig)
