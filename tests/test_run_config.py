@@ -5,10 +5,8 @@ No engine starts here: a command's config is caught where its work would begin."
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-
 import pytest
+import tomllib
 import typer
 from pydantic import Field
 from typer.testing import CliRunner

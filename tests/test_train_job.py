@@ -22,7 +22,7 @@ def built(monkeypatch):
     """The loops whose training would start, in order; training itself is not run."""
     loops = []
 
-    async def stop_here(loop, config, console):
+    async def stop_here(loop, config, console, **given):
         loops.append((loop, config))
         loop.engine.close()
         return []
@@ -77,7 +77,7 @@ def test_a_scripts_max_lag_sets_the_version_lag_mask_it_is_held_once():
     config = TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2), learner=LearnerConfig())
     assert config.learner.correction.max_version_lag == 2
     assert TrainConfig.model_validate_json(config.model_dump_json()) == config  # what a torchrun rank receives
-    with pytest.raises(ValidationError, match="max_version_lag 1 differs from plan.max_lag 2"):
+    with pytest.raises(ValidationError, match=r"max_version_lag 1 differs from 2 \(plan.max_lag 2"):
         TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2),
                     learner=LearnerConfig(correction=CorrectionConfig(max_version_lag=1)))
 

@@ -19,7 +19,8 @@ Settings: 4 groups of 8 per step (a group of 8 gives GRPO a better baseline than
 last step. A first version (4 groups of 4, constant lr 2e-5) learned to about 0.6 by step 20 in both
 seeds, then sagged, and one seed's last five steps ended only +0.175 above its first five.
 
-Runs (each a real ``TrainLoop`` on a fresh in-process engine, the settings of ``verbatim train``):
+Runs (each ``verbatim train``'s own run, :func:`~verbatim.jobs.train.run_training` of a
+:class:`~verbatim.jobs.config.TrainConfig`, on a fresh in-process engine):
 two seeds synchronous and on-policy (``max_lag 0``, ``keep+salt``); then the ablation, one seed
 with ``max_lag 2`` and ``keep`` (stale tokens and hybrid KV) with the default correction and with
 none; and every seed again with a trainer fed re-rendered contexts (rl/rerendered.py: the
@@ -31,7 +32,6 @@ first five.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -40,19 +40,16 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from verbatim.bench.engines import engine_log, started
 from verbatim.bench.failures import require_clean
 from verbatim.bench.learn_repeats import ON_POLICY, by_setting, setting_of
 from verbatim.bench.learn_repeats import markdown as repeats_markdown
 from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
-from verbatim.engine.protocol import CachePolicy, Sampling
+from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError, TrainerError
-from verbatim.harness.rollout import LoopConfig
-from verbatim.harness.store import RunManifest
+from verbatim.harness.step_metrics import steps_of
+from verbatim.jobs.config import TrainConfig
 from verbatim.rl.plan import TrainPlan
-from verbatim.rl.train import TrainLoop
-from verbatim.trainer.learner import Learner
 from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
 SECTION = "bench-learn"
@@ -60,7 +57,7 @@ EXAMPLE_SECTION = "train-example"
 ENV_ARGS = {"high": 5, "max_guesses": 3}
 WINDOW = 5
 GOAL = 0.2
-NO_CORRECTION = CorrectionConfig(token_tis_cap=None, token_mask_band=None, max_version_lag=None)
+NO_CORRECTION = CorrectionConfig(token_tis_cap=None, token_mask_band=None, version_lag_mask=False)
 
 
 class LearnRun(Frozen):
@@ -126,47 +123,35 @@ def run_folder(run: LearnRun, root: Path) -> Path:
 
 
 def train_run(run: LearnRun, settings: LearnSettings, model: str, root: Path) -> dict[str, Any]:
-    """Train once; the run's metrics per step and its wall time."""
+    """Train once, through ``verbatim train``'s entry point; the run's metrics per step and its wall time."""
+    from rich.console import Console
+
+    from verbatim.jobs.train import run_training
+
     started = time.perf_counter()
-    history, share_s = asyncio.run(_train(run, settings, model, run_folder(run, root)))
+    ended: list[Any] = []
+    history = run_training(train_config(run, settings, model, run_folder(run, root)), Console(stderr=True, quiet=True),
+                           on_end=ended.append)
     return {"run": run.model_dump(mode="json"), "history": history, "wall_s": time.perf_counter() - started,
-            "share_s": share_s}
+            "share_s": ended[0].share_s if ended else 0.0}
 
 
-async def _train(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> tuple[list[dict[str, Any]], float]:
-    from verbatim.engine.inproc import InprocEngine
-    from verbatim.engine.models import resolve
-    from verbatim.engine.runtime import EngineConfig
-    from verbatim.envs.registry import load_env
-    from verbatim.renderers.registry import get_renderer
-    from verbatim.trainer.reference import load_model
-
-    model_dir = resolve(model)
-    factory = load_env("guess", **ENV_ARGS)
-    correction = CorrectionConfig(max_version_lag=run.max_lag) if run.correction else NO_CORRECTION
-    learner = Learner(load_model(model_dir), LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule,
-                                                            lr_final=settings.lr_final, correction=correction),
-                      seed=run.seed)
-    plan = TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
-                     max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
-                     checkpoint_every=run.checkpoint_every)
-    loop = LoopConfig(max_turns=settings.max_turns, context_budget=2048, cache_policy=run.cache_policy,
-                      sampling=Sampling(max_tokens=settings.max_tokens, temperature=1.0))
-    engine = InprocEngine(EngineConfig(model=str(model_dir), max_model_len=2048, kv_cache_gib=1, seed=run.seed))
-    manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
-                           engine={"kind": "inproc", "block_size": engine.block_size},
-                           config={"train": {"bench": run.model_dump(mode="json"),
-                                             "settings": settings.model_dump(mode="json")}})
-    tasks = lambda k: list(factory.tasks(settings.groups, plan.task_seed(k)))  # noqa: E731
-    trainer = TrainLoop(plan, loop, learner, engine, get_renderer("smollm2", model_dir=model_dir), factory, tasks,
-                        out, manifest, model_dir, served=run.sync == "folder")
-    async with started(engine, engine_log("learn")):
-        return await trainer.train(), trainer.share_s
+def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) -> TrainConfig:
+    """The config of one run of the benchmark: ``verbatim train``'s, with the run's setting."""
+    correction = CorrectionConfig() if run.correction else NO_CORRECTION
+    return TrainConfig(
+        env="guess", env_args=ENV_ARGS, model=model, max_turns=settings.max_turns, max_tokens=settings.max_tokens,
+        temperature=1.0, max_model_len=2048, kv_cache_gib=1, out=str(out), weight_sync=run.sync,
+        plan=TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
+                       max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
+                       checkpoint_every=run.checkpoint_every),
+        learner=LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule, lr_final=settings.lr_final,
+                              correction=correction))
 
 
 def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
     """Mean reward of the first and the last ``WINDOW`` steps, and the difference."""
-    rewards = [r["reward_mean"] or 0.0 for r in history]
+    rewards = [r.reward_mean or 0.0 for r in steps_of(history)]
     if len(rewards) < 2 * WINDOW:
         raise InputError(f"--steps must be at least {2 * WINDOW} to compare the first and last {WINDOW} steps")
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
@@ -176,24 +161,23 @@ def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
 def require_clean_runs(results: list[dict[str, Any]]) -> None:
     """No table over a run whose steps recorded an errored rollout (bench/failures.py)."""
     for result in results:
-        history = result["history"]
-        errors = [f"step {r['step']} had an errored rollout (its trace says why)" for r in history
-                  for _ in range((r.get("statuses") or {}).get("error", 0))]
-        require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.get("rollouts", 0) for r in history))
+        history = steps_of(result["history"])
+        errors = [f"step {r.step} had an errored rollout (its trace says why)"
+                  for r in history for _ in range(r.errors)]
+        require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.rollouts for r in history))
 
 
 def row(result: dict[str, Any]) -> dict[str, Any]:
-    history = result["history"]
-    first, last, delta = gain(history)
+    history = steps_of(result["history"])
+    first, last, delta = gain(result["history"])
     rerendered = result["run"].get("context") == "rerendered"  # its π_old stands in for μ: no mismatch to show
-    mismatch = [] if rerendered else [r["mismatch_mean_abs"] for r in history
-                                      if r.get("mismatch_mean_abs") is not None]
-    dropped = [r["dropped"]["any"] for r in history if r.get("dropped")]
+    mismatch = [] if rerendered else [r.mismatch_mean_abs for r in history if r.mismatch_mean_abs is not None]
+    dropped = [r.dropped["any"] for r in history if r.dropped]
     return {"run": result["run"]["label"], "first": first, "last": last, "gain": delta,
             "mismatch": sum(mismatch) / len(mismatch) if mismatch else None,
             "dropped": sum(dropped) / len(dropped) if dropped else 0.0,
-            "hybrid": _total(history, "hybrid_tokens"),
-            "cache_hit": _total(history, "cache_hit_rate") / len(history),
+            "hybrid": sum(r.hybrid_tokens for r in history),
+            "cache_hit": sum(r.cache_hit_rate or 0.0 for r in history) / len(history),
             "wall_min": result["wall_s"] / 60}
 
 

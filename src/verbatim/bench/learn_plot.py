@@ -18,6 +18,7 @@ from verbatim.bench.learn import WINDOW
 from verbatim.bench.learn_repeats import ON_POLICY, setting_of
 from verbatim.datamodel import Frozen
 from verbatim.errors import InputError
+from verbatim.harness.step_metrics import steps_of
 
 
 class Curve(Frozen):
@@ -39,7 +40,7 @@ def smoothed(rewards: list[float], window: int = WINDOW) -> list[float]:
 
 
 def _rewards(result: dict[str, Any]) -> list[float]:
-    return [r["reward_mean"] or 0.0 for r in result["history"]]
+    return [r.reward_mean or 0.0 for r in steps_of(result["history"])]
 
 
 def curves(results: list[dict[str, Any]]) -> list[Curve]:

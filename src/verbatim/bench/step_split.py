@@ -25,6 +25,7 @@ from typing import Any
 
 from verbatim.bench.learn import LearnRun, LearnSettings, require_clean_runs, run_all
 from verbatim.errors import BenchmarkError
+from verbatim.harness.step_metrics import steps_of
 
 SECTION = "bench-step"
 PARTS = (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "weight_sync_s"),
@@ -54,7 +55,7 @@ def split(result: dict[str, Any]) -> dict[str, float]:
 
 def sync_first_and_later(result: dict[str, Any]) -> tuple[float, float]:
     """The first step's ``weight_sync_s`` and the median of the later steps' (the first's where it is alone)."""
-    syncs = [float(r.get("weight_sync_s") or 0.0) for r in result["history"]]
+    syncs = [r.weight_sync_s or 0.0 for r in steps_of(result["history"])]
     return syncs[0], statistics.median(syncs[1:] or syncs)
 
 

@@ -16,30 +16,28 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from verbatim.harness.step_metrics import StepMetrics, steps_of
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
 from verbatim.rl.train import TrainLoop
 
 
-def step_line(record: dict[str, Any], steps: int) -> str:
-    def num(key: str, fmt: str) -> str:
-        value = record.get(key)
-        return "–" if value is None else format(value, fmt)
-
-    return (f"step {record['step']}/{steps} · v{record['version']} · reward {num('reward_mean', '.3f')}"
-            f" · success {num('success_rate', '.0%')} · loss {num('loss', '+.4f')} · |Δlogp| "
-            f"{num('mismatch_mean_abs', '.1e')} · cache hit {num('cache_hit_rate', '.0%')} · rollout "
-            f"{num('rollout_s', '.1f')}s train {num('train_s', '.1f')}s sync {num('weight_sync_s', '.1f')}s")
+def step_line(step: StepMetrics, steps: int) -> str:
+    return (f"step {step.step}/{steps} · v{step.version} · reward {_fmt(step.reward_mean, '.3f')}"
+            f" · success {_fmt(step.success_rate, '.0%')} · loss {_fmt(step.loss, '+.4f')} · |Δlogp| "
+            f"{_fmt(step.mismatch_mean_abs, '.1e')} · cache hit {_fmt(step.cache_hit_rate, '.0%')} · rollout "
+            f"{_fmt(step.rollout_s, '.1f')}s train {_fmt(step.train_s, '.1f')}s "
+            f"sync {_fmt(step.weight_sync_s, '.1f')}s")
 
 
-def reward_table(history: list[dict[str, Any]], out: Path) -> Table:
+def reward_table(history: list[StepMetrics], out: Path) -> Table:
     table = Table(title=f"training ({out})")
     for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit"):
         table.add_column(column, justify="right")
     for r in history:
-        table.add_row(str(r["step"]), str(r["version"]), _fmt(r.get("reward_mean"), ".3f"),
-                      _fmt(r.get("success_rate"), ".0%"), _fmt(r.get("loss"), "+.4f"), _fmt(r.get("grad_norm"), ".3f"),
-                      _fmt(r.get("mismatch_mean_abs"), ".1e"), _fmt(r.get("cache_hit_rate"), ".0%"))
+        table.add_row(str(r.step), str(r.version), _fmt(r.reward_mean, ".3f"), _fmt(r.success_rate, ".0%"),
+                      _fmt(r.loss, "+.4f"), _fmt(r.grad_norm, ".3f"), _fmt(r.mismatch_mean_abs, ".1e"),
+                      _fmt(r.cache_hit_rate, ".0%"))
     return table
 
 
@@ -47,13 +45,13 @@ def _fmt(value: Any, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def summary(history: list[dict[str, Any]], options: TrainConfig, wall_s: float,
+def summary(history: list[StepMetrics], options: TrainConfig, wall_s: float,
             engine_start_s: float = 0.0, share_s: float = 0.0) -> dict[str, Any]:
-    return {"steps": len(history), "final_version": history[-1]["version"] if history else 0,
-            "mean_reward_by_step": [r.get("reward_mean") for r in history],
-            "success_rate_by_step": [r.get("success_rate") for r in history],
-            "mismatch_by_step": [r.get("mismatch_mean_abs") for r in history],
-            "cache_hit_rate_by_step": [r.get("cache_hit_rate") for r in history],
+    return {"steps": len(history), "final_version": history[-1].version if history else 0,
+            "mean_reward_by_step": [r.reward_mean for r in history],
+            "success_rate_by_step": [r.success_rate for r in history],
+            "mismatch_by_step": [r.mismatch_mean_abs for r in history],
+            "cache_hit_rate_by_step": [r.cache_hit_rate for r in history],
             "wall_s": round(wall_s, 2), "engine_start_s": round(engine_start_s, 2),
             "weight_share_s": round(share_s, 2), "run_dir": options.out}
 
@@ -73,20 +71,22 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
 
     def on_end(loop: TrainLoop) -> None:
         ended.append(loop)
-        if loop.history:
-            console.print(reward_table(loop.history, Path(options.out)))
-            warn_ignored_fields(summed(r.get("ignored_request_fields") for r in loop.history), console)
-        if summary_json and loop.history:
-            write_summary_json(summary_json, summary(loop.history, options, time.perf_counter() - started,
+        steps = steps_of(loop.history)
+        if steps:
+            console.print(reward_table(steps, Path(options.out)))
+            warn_ignored_fields(summed(r.ignored_request_fields for r in steps), console)
+        if summary_json and steps:
+            write_summary_json(summary_json, summary(steps, options, time.perf_counter() - started,
                                                      loop.engine_start_s, loop.share_s))
 
     def on_step(record: dict[str, Any]) -> None:
-        console.print(step_line(record, options.plan.steps))
+        console.print(step_line(StepMetrics.model_validate(record), options.plan.steps))
 
     history = run_training(options, console, on_step=on_step, on_end=on_end)
     if not ended:  # a resumed run with nothing left to train: its table, and the engine never started
-        if history:
-            console.print(reward_table(history, Path(options.out)))
+        steps = steps_of(history)
+        if steps:
+            console.print(reward_table(steps, Path(options.out)))
         if summary_json:
-            write_summary_json(summary_json, summary(history, options, time.perf_counter() - started))
+            write_summary_json(summary_json, summary(steps, options, time.perf_counter() - started))
     return history

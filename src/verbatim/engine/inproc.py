@@ -122,6 +122,9 @@ class InprocEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.loop = asyncio.get_running_loop()
+        """The event loop this engine runs on: every call to it is made there (a run given this engine, started
+        elsewhere, runs its coroutine on it: :func:`verbatim.jobs.engine_start.on_engine_loop`)."""
         self.serving_dir = await asyncio.to_thread(serving_copy, self.model_dir)
         args = AsyncEngineArgs(**engine_args(self.config, self.serving_dir))
         note_start("inproc", self.model_dir)

@@ -12,7 +12,7 @@ import copy
 import functools
 import json
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -135,6 +135,9 @@ class TrainConfig(PlayConfig):
     trainer_procs: int = Field(default=1, ge=1)
     """Trainer processes the model is sharded over (FSDP2: gloo on the CPU, NCCL on GPUs); under torchrun,
     leave it out. docs/scale.md."""
+    weight_sync: Literal["memory", "folder"] = "memory"
+    """How each step's weights reach an in-process engine: through shared memory, or as a published folder the
+    engine reloads (a served engine's way, always taken with --engine http; slower, bench step's "before")."""
     trainer_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a step's collectives wait for a silent trainer rank before the run stops naming it
     (--trainer-procs > 1 or torchrun)."""
@@ -152,11 +155,13 @@ class TrainConfig(PlayConfig):
         """The correction drops tokens more than ``plan.max_lag`` versions old: the number is the plan's, and the
         learner's ``correction.max_version_lag`` is derived from it here (one left out), never set apart."""
         held = self.learner.correction.max_version_lag
-        if held is not None and held != self.plan.max_lag:
-            raise ValueError(f"learner.correction.max_version_lag {held} differs from plan.max_lag "
-                             f"{self.plan.max_lag}: leave it out, the version-lag mask follows max_lag")
-        if held is None:
-            correction = self.learner.correction.model_copy(update={"max_version_lag": self.plan.max_lag})
+        derived = self.plan.max_lag if self.learner.correction.version_lag_mask else None
+        if held is not None and held != derived:
+            raise ValueError(f"learner.correction.max_version_lag {held} differs from {derived} (plan.max_lag "
+                             f"{self.plan.max_lag}, the version-lag mask {'on' if derived is not None else 'off'}): "
+                             "leave it out, the version-lag mask follows max_lag")
+        if held is None and derived is not None:
+            correction = self.learner.correction.model_copy(update={"max_version_lag": derived})
             object.__setattr__(self, "learner", self.learner.model_copy(update={"correction": correction}))
         return self
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -15,9 +15,36 @@ from verbatim.engine.logprobs_mode import unchecked_logprobs
 from verbatim.engine.reaper import Reaper, forget_engine, record_engine
 from verbatim.engine.start_log import start_logged
 
+T = TypeVar("T")
 ENGINE_LOG = "engine.log"
 """What the bundled engine's processes print (vLLM, Triton, NUMA and shared-memory notes), kept in the
 run directory instead of the terminal."""
+
+
+def on_engine_loop(run: Coroutine[Any, Any, T], engine: Any | None) -> T:
+    """``run`` to its end on the event loop a given engine runs on (one a caller started on a loop of its own
+    thread: the engine's calls must be made there), else on a new loop of this thread."""
+    loop = getattr(engine, "loop", None)
+    if loop is not None and loop.is_running() and not _running_on(loop):
+        return asyncio.run_coroutine_threadsafe(run, loop).result()
+    return asyncio.run(run)
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def given(engine: Any, begin_from: Path | None = None) -> AsyncIterator[float]:
+    """An engine the caller started and will close (a script's, a test's): neither started nor closed here,
+    but begun (:meth:`~verbatim.engine.protocol.Engine.begin`) with ``begin_from`` as version 0, since another
+    run may have left its weights and KV in it; yields 0.0, the seconds this run spent starting it."""
+    if begin_from is not None:
+        await engine.begin(str(begin_from), 0)
+    yield 0.0
 
 
 @contextlib.asynccontextmanager

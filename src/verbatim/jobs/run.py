@@ -13,7 +13,6 @@ the manifest says ``interrupted``, and the error carries exit code 130 (SIGINT) 
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import uuid
 from collections.abc import Callable
@@ -35,8 +34,9 @@ from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
 from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
 from verbatim.jobs.config import RunOptions, flags_of
-from verbatim.jobs.engine_start import started
+from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import write_config
+from verbatim.jobs.stop_signals import on_stop_signals
 from verbatim.paths import check_run_dir
 from verbatim.trackers.fanout import open_trackers
 
@@ -74,8 +74,9 @@ def engine_choice(options: RunOptions) -> EngineChoice:
                         gpu_memory=options.engine_gpu_memory, tensor_parallel=options.engine_tensor_parallel)
 
 
-def prepare_run(options: RunOptions) -> tuple[Run, Any]:
-    """Resolve every input before anything is written or started (bad input fails here, exit 2)."""
+def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, Any]:
+    """Resolve every input before anything is written or started (bad input fails here, exit 2); ``engine``:
+    one the caller started, used instead of the config's."""
     from verbatim.jobs.compose import make_engine
     from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
@@ -94,7 +95,7 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature,
                                         top_p=options.top_p, top_k=options.top_k))
     choice = engine_choice(options)
-    engine = make_engine(choice)  # constructing starts nothing
+    engine = make_engine(choice) if engine is None else engine  # constructing starts nothing
     check_here(choice)
     urls = [redact(u) for u in options.urls]  # no credentials in traces
     route = engine.config.label if isinstance(engine, Router) else None
@@ -114,37 +115,28 @@ def prepare_run(options: RunOptions) -> tuple[Run, Any]:
     return run, engine
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], None]:
     """Route SIGINT/SIGTERM to ``run.stop`` while it plays; returns the function that undoes it."""
-    loop = asyncio.get_running_loop()
 
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
+    def on_signal(sig: signal.Signals) -> None:
         if run.stopped is None:
-            console.print(f"{name}: no new rollouts; the playing ones get {grace_s:g}s to finish "
-                          f"({name} again stops them now)")
+            console.print(f"{sig.name}: no new rollouts; the playing ones get {grace_s:g}s to finish "
+                          f"({sig.name} again stops them now)")
         else:
-            console.print(f"{name} again: stopping the playing rollouts now")
-        run.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum), grace_s)
+            console.print(f"{sig.name} again: stopping the playing rollouts now")
+        run.stop(StopRequest(f"interrupted by {sig.name}", "interrupted", exit_code=128 + sig), grace_s)
 
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-
-    def undo() -> None:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-
-    return undo
+    return on_stop_signals(on_signal)
 
 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0,
-                  on_rollout: Callable[[Rollout], None] | None = None) -> RunSummary:
-    """Start the engine, then play with a progress bar. Until the engine answered nothing is written or
-    shown but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
-    async with started(engine, console, run.out, begin_from=Path(run.manifest.model)) as start_s:
+                  on_rollout: Callable[[Rollout], None] | None = None, *, engine_given: bool = False) -> RunSummary:
+    """Start the engine (unless it was given: then begin it with the run's model), then play with a progress
+    bar. Until the engine answered nothing is written or shown but a transient spinner: a ``--url`` that is not
+    a vLLM server ends here, exit code 2."""
+    model = Path(run.manifest.model)
+    async with (given(engine, model) if engine_given else started(engine, console, run.out, begin_from=model)) \
+            as start_s:
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             summary = await _play_with_progress(run, resume, console, on_rollout)
@@ -178,20 +170,21 @@ async def _play_with_progress(run: Run, resume: bool, console: Console,
 
 
 def run_rollouts(options: RunOptions, console: Console | None = None, *,
-                 on_end: Callable[[Run], None] | None = None) -> RunSummary:
+                 on_end: Callable[[Run], None] | None = None, engine: Any | None = None) -> RunSummary:
     """Play the run ``options`` describe; returns its summary (sent to the trackers of ``--log`` too).
 
     ``on_end`` sees the run however playing ends: after a stop or a failure, ``run.summary`` holds what was
     written (the error is raised after it)."""
     console = console or Console(stderr=True)
     check_run_dir(options.out)
-    run, engine = prepare_run(options)
+    run, engine_used = prepare_run(options, engine)
     config = options.model_dump(mode="json", exclude={"log"}) | {"urls": [redact(u) for u in options.urls]}
     trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
     try:
         resolved = type(options).model_validate(run.manifest.config["options"])  # --groups, --max-turns filled in
         write_config(Path(options.out), flags_of(type(options)), resolved, "run")  # what a rerun repeats
-        summary = asyncio.run(execute(run, engine, options.resume, console, options.stop_grace_s, trackers.rollout))
+        summary = on_engine_loop(execute(run, engine_used, options.resume, console, options.stop_grace_s,
+                                         trackers.rollout, engine_given=engine is not None), engine)
         trackers.step(summary.model_dump())
         return summary
     finally:

@@ -9,7 +9,6 @@ anything is written; then the engine starts, the trainer loads the same weights,
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import uuid
 from collections.abc import Callable
@@ -25,8 +24,9 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.jobs.config import TrainConfig, flags_of
-from verbatim.jobs.engine_start import started
+from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import recorded_config, write_config
+from verbatim.jobs.stop_signals import on_stop_signals
 from verbatim.rl.train import TrainLoop
 from verbatim.rl.train_resume import check_resumable
 from verbatim.rl.train_step import refuse_truncated
@@ -46,9 +46,10 @@ def check(options: TrainConfig) -> int:
                            recorded=None if recorded is None else recorded.config()["train"])
 
 
-def prepare(options: TrainConfig) -> TrainLoop:
+def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     """Resolve every input and build the loop, after :func:`check`; starts nothing (the engine starts in
-    :func:`execute`)."""
+    :func:`execute`). ``engine``: one the caller started, used instead of the config's (which still says
+    where it is placed)."""
     from verbatim.envs.registry import default_max_turns, load_tasks
     from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.jobs.compose import (
@@ -68,6 +69,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
 
     out = Path(options.out)
     config = options.config()
+    given_engine = engine is not None
     device = rank_device(trainer_device(options.trainer_device))
     factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     tasks = _task_source(options, factory, load_tasks)
@@ -76,7 +78,7 @@ def prepare(options: TrainConfig) -> TrainLoop:
                           max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib,
                           seed=options.plan.seed, gpu_memory=options.engine_gpu_memory,
                           tensor_parallel=options.engine_tensor_parallel)
-    engine = make_engine(choice)  # refuses bad engine options before the tokenizer loads
+    engine = make_engine(choice) if engine is None else engine  # bad engine options: refused before the tokenizer
     model_dir = resolve(options.model)
     renderer_name = options.renderer or default_renderer(options.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
@@ -105,7 +107,8 @@ def prepare(options: TrainConfig) -> TrainLoop:
     if announcements is not None:
         learner = Lead(learner, announcements)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
-                     served=options.engine == "http", make_player=make_player)
+                     served=options.engine == "http" or options.weight_sync == "folder",
+                     used=options.engine == "http" or given_engine, make_player=make_player)
 
 
 def sampling(options: TrainConfig) -> Sampling:
@@ -137,9 +140,11 @@ def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     return lambda k: [pool[(k * groups + g) % len(pool)] for g in range(groups)]
 
 
-async def execute(loop: TrainLoop, options: TrainConfig, console: Console) -> list[dict[str, Any]]:
-    """The engine started, the steps trained (SIGINT/SIGTERM finish the step being trained, then stop)."""
-    async with started(loop.engine, console, loop.out) as start_s:
+async def execute(loop: TrainLoop, options: TrainConfig, console: Console, *,
+                  given_engine: bool = False) -> list[dict[str, Any]]:
+    """The engine started (unless it was given), the steps trained (SIGINT/SIGTERM finish the step being trained,
+    then stop)."""
+    async with (given(loop.engine) if given_engine else started(loop.engine, console, loop.out)) as start_s:
         loop.engine_start_s = start_s
         undo = _stop_on_signals(loop, console)
         try:
@@ -149,22 +154,22 @@ async def execute(loop: TrainLoop, options: TrainConfig, console: Console) -> li
 
 
 def _stop_on_signals(loop: TrainLoop, console: Console) -> Any:
-    events = asyncio.get_running_loop()
+    def on_signal(sig: signal.Signals) -> None:
+        console.print(f"{sig.name}: finishing the step being trained, then stopping (--resume goes on)")
+        loop.stop(StopRequest(f"interrupted by {sig.name}", "interrupted", exit_code=128 + sig))
 
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        console.print(f"{name}: finishing the step being trained, then stopping (--resume goes on)")
-        loop.stop(StopRequest(f"interrupted by {name}", "interrupted", exit_code=128 + signum))
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        events.add_signal_handler(sig, on_signal, sig)
-    return lambda: [events.remove_signal_handler(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    return on_stop_signals(on_signal)
 
 
 def run_training(config: TrainConfig, console: Console | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_end: Callable[[TrainLoop], None] | None = None) -> list[dict[str, Any]]:
+                 on_end: Callable[[TrainLoop], None] | None = None, *,
+                 engine: Any | None = None) -> list[dict[str, Any]]:
     """Train the run ``config`` describes; returns its metrics by step (``metrics.jsonl``'s records).
+
+    ``engine``: an engine the caller started (and closes), used instead of starting the config's: the run
+    begins it with its own weights and an empty prefix cache, whatever another run left in it, and runs on
+    the event loop the engine runs on.
 
     ``on_step`` sees each step's record as it is written; ``on_end`` sees the loop however training ends
     (its ``history`` holds the steps trained). A ``--resume`` of a complete run says so, trains nothing and
@@ -201,12 +206,12 @@ def run_training(config: TrainConfig, console: Console | None = None,
     released = False
     try:
         with named_ranks(followers, config.trainer_timeout_s):
-            loop = prepare(config)
+            loop = prepare(config, engine)
             write_config(Path(config.out), flags_of(type(config)), config.recorded(), "train")  # what a rerun repeats
             loop.on_step = trackers.after(on_step)
             loop.on_rollout = trackers.rollout
             try:
-                metrics = asyncio.run(execute(loop, config, console))
+                metrics = on_engine_loop(execute(loop, config, console, given_engine=engine is not None), engine)
                 getattr(loop.learner, "close", lambda: None)()  # a Lead lets its followers go
                 released = True
                 return metrics

@@ -70,13 +70,17 @@ class TrainLoop:
 
     def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner, engine: Any, renderer: Any,
                  env: EnvFactory, tasks: Callable[[int], Sequence[dict[str, Any]]], out: Path,
-                 manifest: RunManifest, model_dir: Path, *, served: bool = False,
+                 manifest: RunManifest, model_dir: Path, *, served: bool = False, used: bool = False,
                  make_player: Callable[..., Any] = RolloutPlayer) -> None:
         self.plan, self.loop, self.learner, self.engine = plan, loop, learner, engine
         self.make_player = make_player
         """Each step's :class:`Run` plays with it (an env's rollout loop, or an agent's endpoint)."""
         self.renderer, self.env, self.tasks = renderer, env, tasks
         self.out, self.manifest, self.model_dir, self.served = Path(out), manifest, Path(model_dir), served
+        self.used = used
+        """The engine may hold what another run left (a server, or an engine the caller started and gives this
+        loop): the loop begins it with its own weights, its prefix cache emptied. ``served``: the weights reach
+        the engine through a published folder (a server reads it) rather than memory."""
         self.history: list[dict[str, Any]] = []
         self.engine_start_s = 0.0
         """Seconds the engine took to start (set by the command that started it)."""
@@ -167,7 +171,7 @@ class TrainLoop:
         server gets them whatever it held (another run's weights and KV, which it would otherwise sample this
         run's first step with), an engine this run started only when they are not its own."""
         start = await self._restored(resume)
-        if self.served:
+        if self.used:
             await self._push(CachePolicy.FLUSH, begin=True)
         elif self.learner.version > self.engine.version:
             await self._push(CachePolicy.FLUSH)

@@ -45,6 +45,10 @@ class CorrectionConfig(BaseModel):
     """Drop tokens sampled more than this many versions behind the trainer. Default off (a training run
     derives it from its plan's max_lag)."""
 
+    version_lag_mask: bool = True
+    """Drop tokens more than --max-lag versions behind the trainer (a training run's max_version_lag); off,
+    they are kept and weighted by the other corrections alone (an ablation)."""
+
     hybrid_window: int = Field(default=32, ge=1)
     """Metrics only: tokens within this many model tokens after a weight update are 'hybrid'."""
 
