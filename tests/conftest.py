@@ -162,8 +162,9 @@ async def _cancel_the_rest() -> None:
 
 
 @pytest.fixture(scope="session")
-def engine_runner(default_model_dir: Path):
-    """The bundled vLLM engine on the default model (fp32, prefix caching on)."""
+def session_engine(default_model_dir: Path):
+    """The bundled vLLM engine on the default model (fp32, prefix caching on), one for the whole session; a run
+    given it (``run_training(..., engine=)``) begins it with its own weights."""
     from verbatim.engine.inproc import InprocEngine
     from verbatim.engine.runtime import EngineConfig
 
@@ -172,6 +173,16 @@ def engine_runner(default_model_dir: Path):
     runner.run(engine.start())
     yield runner
     runner.close()
+
+
+@pytest.fixture
+def engine_runner(session_engine, default_model_dir: Path):
+    """The session's engine as a test finds it: the base weights as version 0 and an empty prefix cache
+    (``Engine.begin`` from the serving copy it started from, untied already), whatever the tests before it left
+    there."""
+    engine = session_engine.engine
+    session_engine.run(engine.begin(str(engine.serving_dir), 0))
+    return session_engine
 
 
 def _serve(model_dir: Path, folder: Path):

@@ -9,7 +9,8 @@ Two short real runs on the session's engine (the default model, fp32):
 - overlapping (``max_lag=1``, ``flush``), 3 steps: each token's recorded version is the one whose
   weights give its sampler logprob, checked against every checkpoint's weights.
 
-The engine gets the default weights back after each run (other modules share it).
+Each run goes through ``verbatim train``'s entry point, given the session's engine (which the run begins with
+the base weights as version 0, and the next test's fixture again).
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ import torch
 
 from verbatim.datamodel import Source
 from verbatim.engine.protocol import CachePolicy, Sampling
-from verbatim.envs.registry import load_env
-from verbatim.harness.rollout import LoopConfig
-from verbatim.harness.store import RunManifest, read_run
-from verbatim.renderers.registry import get_renderer
+from verbatim.harness.store import read_run
+from verbatim.jobs.config import TrainConfig
+from verbatim.jobs.train import run_training
 from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import never_sampled, reply_ids, rerendered
 from verbatim.rl.train import TrainLoop
 from verbatim.rl.train_step import step_input
 from verbatim.trainer.checkpoint import load_checkpoint
-from verbatim.trainer.learner import Learner
 from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.reference import load_model, reference_logprobs
 
@@ -43,34 +42,23 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.md measures ≈ 4e-5)
 
 
-def make_loop(engine, model_dir: Path, out: Path, plan: TrainPlan, learner: LearnerConfig,
-              sampling: Sampling = Sampling(max_tokens=12, temperature=1.0), factory=None) -> TrainLoop:
-    factory = factory or load_env("guess", high=8, max_guesses=3)
-    loop = LoopConfig(max_turns=2, context_budget=2048, cache_policy=plan.cache_policy, sampling=sampling)
-    manifest = RunManifest(run_id=out.name, model=str(model_dir), renderer="smollm2",
-                           engine={"kind": "inproc", "block_size": engine.block_size},
-                           config={"train": {"plan": plan.model_dump(mode="json")}})
-    trainer = Learner(load_model(model_dir), learner, version=engine.version)
-    return TrainLoop(plan, loop, trainer, engine, get_renderer("smollm2", model_dir=model_dir), factory,
-                     lambda k: list(factory.tasks(plan.groups, 100 + k)), out, manifest, model_dir)
-
-
-def train(engine_runner, default_model_dir, out, plan, learner, **loop_options):
-    engine = engine_runner.engine
-    loop = make_loop(engine, default_model_dir, out, plan, learner, **loop_options)
-    start = engine.version
-    try:
-        history = engine_runner.run(loop.train(), timeout=900)
-    finally:
-        engine_runner.run(engine.update_weights(default_model_dir, engine.version + 1, CachePolicy.FLUSH))
-    return loop, history, start
+def train(engine_runner, out: Path, plan: TrainPlan, learner: LearnerConfig, *, temperature: float = 1.0,
+          env: str = "guess", env_args: dict | None = None) -> tuple[TrainLoop, list[dict], int]:
+    """``verbatim train``'s run (its entry point, given the session's engine, which it begins with the base
+    weights as version 0): the loop, its metrics, and the version it started from."""
+    config = TrainConfig(env=env, env_args={"high": 8, "max_guesses": 3} if env_args is None else env_args,
+                         max_turns=2, max_tokens=12, temperature=temperature, max_model_len=2048, out=str(out),
+                         plan=plan, learner=learner)
+    ended: list[TrainLoop] = []
+    history = run_training(config, engine=engine_runner.engine, on_end=ended.append)
+    return ended[0], history, 0
 
 
 @pytest.fixture(scope="module")
-def synchronous(engine_runner, default_model_dir, tmp_path_factory):
+def synchronous(session_engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, checkpoint_every=1, seed=1)
-    yield train(engine_runner, default_model_dir, folder / "sync", plan, LearnerConfig(lr=3e-4))
+    yield train(session_engine, folder / "sync", plan, LearnerConfig(lr=3e-4))
     shutil.rmtree(folder, ignore_errors=True)  # 1.6 GB of checkpoints: CI's disk is not ours to fill
 
 
@@ -96,8 +84,7 @@ def test_a_synchronous_step_at_another_temperature_trains_on_the_distribution_it
     """μ is the engine's processed logprob (after the temperature) and π is log_softmax(logits / T) with T read
     from the trace: they agree to fp32 as at T = 1. Raw logprobs, or π at T = 1, are off by ~0.1 a token."""
     plan = TrainPlan(steps=1, groups=1, group_size=2, max_lag=0, seed=3)
-    loop, history, _ = train(engine_runner, default_model_dir, tmp_path / "t", plan, LearnerConfig(lr=1e-5),
-                             sampling=Sampling(max_tokens=12, temperature=temperature))
+    loop, history, _ = train(engine_runner, tmp_path / "t", plan, LearnerConfig(lr=1e-5), temperature=temperature)
     record = history[0]
     assert record["temperature"] == temperature and record["model_tokens"] > 0
     assert record["mismatch_mean_abs"] < 1e-4, record["mismatch_mean_abs"]
@@ -134,12 +121,17 @@ def test_pushed_weights_are_what_the_engine_samples_with(engine_runner, default_
 
 
 def take_a_step_that_moves(loop: TrainLoop) -> None:
-    """One more learner step on the run's last rollouts with advantages +1/−1, so the weights surely move."""
+    """One more learner step on the run's last rollouts with advantages +1/−1, so the weights surely move. Their
+    tokens are recorded as sampled by the learner's own version: the run's version-lag mask (--max-lag 0) would
+    drop tokens of the versions before it."""
+    from verbatim.datamodel import TokenColumns
     from verbatim.trainer.step_input import StepInput
 
     rollouts = sorted(read_run(loop.out).rollouts, key=lambda r: r.rollout_id)[-2:]
-    loop.learner.train_step(StepInput(columns=[r.tokens for r in rollouts], advantages=np.array([1.0, -1.0]),
-                                      groups=[[0, 1]]))
+    columns = [TokenColumns(token_id=t.token_id, source=t.source, logprob=t.logprob, turn=t.turn,
+                            policy_version=np.where(t.policy_version >= 0, loop.learner.version, -1))
+               for t in (r.tokens for r in rollouts)]
+    loop.learner.train_step(StepInput(columns=columns, advantages=np.array([1.0, -1.0]), groups=[[0, 1]]))
 
 
 def test_the_training_run_is_an_ordinary_run_directory(synchronous):
@@ -160,11 +152,11 @@ def test_the_training_run_is_an_ordinary_run_directory(synchronous):
 
 
 @pytest.fixture(scope="module")
-def overlapping(engine_runner, default_model_dir, tmp_path_factory):
+def overlapping(session_engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.FLUSH,
                      keep_checkpoints=3, checkpoint_every=1, seed=2)  # every version's weights kept
-    yield train(engine_runner, default_model_dir, folder / "lag1", plan, LearnerConfig(lr=3e-4))
+    yield train(session_engine, folder / "lag1", plan, LearnerConfig(lr=3e-4))
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -199,8 +191,7 @@ def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sample
     from verbatim.trainer.logprob_files import read_logprobs, step_file
 
     plan = TrainPlan(steps=1, groups=2, group_size=2, max_lag=0, seed=1, context="rerendered")
-    loop, history, start = train(engine_runner, default_model_dir, tmp_path / "rerendered", plan,
-                                 LearnerConfig(lr=1e-5))
+    loop, history, start = train(engine_runner, tmp_path / "rerendered", plan, LearnerConfig(lr=1e-5))
     record = history[0]
     rollouts = read_run(loop.out).rollouts
     trained = set(step_input(rollouts, plan.advantage)[0].rollout_ids)
@@ -226,14 +217,15 @@ class TrainedFirstFactory:
 
     name = "trained-first"
 
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, out: str, plan_seed: int) -> None:
+        self.out, self.plan_seed = Path(out), plan_seed
 
     def make(self):
         return TrainedFirstEnv(self.out)
 
     def tasks(self, count: int, seed: int) -> list[dict]:
-        return [{"id": f"t{seed}-{i}", "n": seed + i, "step": seed - 100 + 1} for i in range(count)]  # make_loop
+        step = seed - TrainPlan(seed=self.plan_seed).task_seed(0) + 1  # step k + 1's tasks: task_seed(k)
+        return [{"id": f"t{seed}-{i}", "n": seed + i, "step": step} for i in range(count)]
 
 
 class TrainedFirstEnv:
@@ -270,14 +262,9 @@ def test_a_fixed_lag_samples_every_step_with_the_weights_exactly_max_lag_behind(
     each step's second requests wait until the step before is trained (without the fixed lag they would take
     its weights: the test fails so)."""
     plan = TrainPlan(steps=3, groups=1, group_size=2, max_lag=1, fixed_lag=True, keep_checkpoints=1, seed=4)
-    engine = engine_runner.engine
-    loop = make_loop(engine, default_model_dir, tmp_path / "fixed", plan, LearnerConfig(lr=3e-4),
-                     factory=TrainedFirstFactory(tmp_path / "fixed"))
-    start = engine.version
-    try:
-        history = engine_runner.run(loop.train(), timeout=900)
-    finally:
-        engine_runner.run(engine.update_weights(default_model_dir, engine.version + 1, CachePolicy.FLUSH))
+    loop, history, start = train(engine_runner, tmp_path / "fixed", plan, LearnerConfig(lr=3e-4),
+                                 env="test_train_engine:TrainedFirstFactory",
+                                 env_args={"out": str(tmp_path / "fixed"), "plan_seed": plan.seed})
     assert [r["version"] for r in history] == [start + 1, start + 2, start + 3]
     for rollout in read_run(loop.out).rollouts:
         step, tokens = rollout.info["step"], rollout.tokens
