@@ -3,21 +3,29 @@
 The agents are written against clients nobody here wrote: the official ``openai`` package (async, a
 three-request tool loop, streamed requests) and the OpenAI Agents SDK running its own loop over chat
 completions (tests/agent_modes.py), and the example in examples/ (the sync ``openai.OpenAI`` client). One
-run plays every mode on one in-process engine; what each agent was told (usage, cached tokens) is held
-against what the trace recorded, later requests must hit the prefix cache, and an agent that drops its
-oldest exchange leaves a second segment that lint, the summary and the trainer's export all see.
+run plays every mode on the session's in-process engine (through the CLI's own function, its printing
+included); what each agent was told (usage, cached tokens) is held against what the trace recorded, later
+requests must hit the prefix cache, and an agent that drops its oldest exchange leaves a second segment that
+lint, the summary and the trainer's export all see.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from subprocess_cli import cli
 
+from verbatim.cli.run import run_command
 from verbatim.datamodel import Source
 from verbatim.harness.store import read_manifest, read_run
+from verbatim.jobs.config import RunOptions, TrainConfig
+from verbatim.jobs.train import run_training
+from verbatim.rl.plan import TrainPlan
+from verbatim.trainer.learner_config import LearnerConfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -29,16 +37,18 @@ TASKS = [{"mode": "tools", "question": "What is 17 + 25? Use the add tool.", "an
 
 
 @pytest.fixture(scope="module")
-def agent_run(tmp_path_factory) -> Path:
+def agent_run(tmp_path_factory, session_engine) -> Path:
+    """``verbatim run --agent …`` as the CLI runs it (its printing included), given the session's engine."""
     folder = tmp_path_factory.mktemp("agents")
     tasks = folder / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     out = folder / "run"
-    done = cli("run", "--agent", str(ROOT / "tests" / "agent_modes.py") + ":play", "--tasks", str(tasks),
-               "--group-size", "2", "--max-tokens", "24", "--max-turns", "4", "--max-model-len", "2048",
-               "--kv-cache-gib", "1", "--out", str(out), "--summary-json", str(folder / "summary.json"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    (folder / "stdout.txt").write_text(done.stdout)
+    printed = io.StringIO()
+    options = RunOptions(agent=str(ROOT / "tests" / "agent_modes.py") + ":play", tasks=str(tasks), group_size=2,
+                         max_tokens=24, max_turns=4, max_model_len=2048, out=str(out))
+    run_command(options, Console(file=printed, width=200), str(folder / "summary.json"),
+                engine=session_engine.engine)
+    (folder / "stdout.txt").write_text(printed.getvalue())
     return out
 
 
@@ -112,13 +122,13 @@ def test_a_rewritten_history_is_a_second_segment_that_every_reader_sees(agent_ru
     assert sum(i.endswith("#1") for i in ids) == 2 and len(ids) == 10
 
 
-def test_train_runs_the_example_agent_for_real_steps(tmp_path):
+def test_train_runs_the_example_agent_for_real_steps(tmp_path, engine_runner):
     out = tmp_path / "train"
-    done = cli("train", "--agent", str(ROOT / "examples" / "calculator_agent.py") + ":solve", "--tasks",
-               str(ROOT / "examples" / "calculator_tasks.jsonl"), "--steps", "2", "--groups", "2", "--group-size",
-               "2", "--max-turns", "3", "--max-tokens", "24", "--lr", "1e-5", "--max-model-len", "2048",
-               "--kv-cache-gib", "1", "--out", str(out))
-    assert done.returncode == 0, done.stdout + done.stderr
+    config = TrainConfig(agent=str(ROOT / "examples" / "calculator_agent.py") + ":solve",
+                         tasks=str(ROOT / "examples" / "calculator_tasks.jsonl"), max_turns=3, max_tokens=24,
+                         max_model_len=2048, out=str(out), plan=TrainPlan(steps=2, groups=2, group_size=2),
+                         learner=LearnerConfig(lr=1e-5))
+    run_training(config, engine=engine_runner.engine)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and [x["version"] for x in lines] == [1, 2]
     assert read_manifest(out).status == "completed"

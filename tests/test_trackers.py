@@ -8,17 +8,22 @@ trace, and the config with the run's.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tracker_readers as read
-from subprocess_cli import cli
+from rich.console import Console
 
+from verbatim.cli.run import run_command
 from verbatim.datamodel import Rollout, TokenColumns
 from verbatim.errors import InputError
 from verbatim.harness.store import read_run
+from verbatim.jobs.config import RunOptions, TrainConfig
+from verbatim.jobs.train import run_training
+from verbatim.rl.plan import TrainPlan
 from verbatim.trackers.fanout import Trackers, open_trackers, tracker_names
 from verbatim.trackers.records import ROLLOUT_COLUMNS, ROLLOUTS_SHOWN, flat_config, markdown_table, scalars, table_rows
 
@@ -150,12 +155,11 @@ def _table_ids(name: str, table) -> list[str]:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, default_model_dir):
+def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, engine_runner):
+    """``verbatim train --log …`` for every tracker, through its entry point, given the session's engine."""
     out = offline / "logged"
-    args = ["--env", "graded_env:GradedFactory", "--steps", "2", "--groups", "2", "--group-size", "2",
-            "--max-tokens", "8", "--kv-cache-gib", "1", "--max-model-len", "1024", "--seed", "3", "--out", str(out)]
-    done = cli("train", *args, *(flag for name in ALL for flag in ("--log", name)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_training(TrainConfig(env="graded_env:GradedFactory", max_tokens=8, max_model_len=1024, out=str(out), log=ALL,
+                             plan=TrainPlan(steps=2, groups=2, group_size=2, seed=3)), engine=engine_runner.engine)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = {r["step"]: scalars({k: v for k, v in r.items() if k != "step"}) for r in records}
     trace = read_run(out)
@@ -170,12 +174,12 @@ def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_run_logs_its_summary_and_rollouts_to_each_tracker(offline, default_model_dir):
+def test_run_logs_its_summary_and_rollouts_to_each_tracker(offline, engine_runner):
+    """``verbatim run --log … --summary-json`` for every tracker, as the CLI runs it, given the session's engine."""
     out = offline / "played"
-    done = cli("run", "--env", "guess", "--groups", "1", "--group-size", "2", "--max-turns", "1", "--max-tokens", "8",
-               "--kv-cache-gib", "1", "--max-model-len", "1024", "--out", str(out), "--summary-json",
-               str(offline / "summary.json"), *(flag for name in ALL for flag in ("--log", name)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    options = RunOptions(env="guess", groups=1, group_size=2, max_turns=1, max_tokens=8, max_model_len=1024,
+                         out=str(out), log=ALL)
+    run_command(options, Console(file=io.StringIO()), str(offline / "summary.json"), engine=engine_runner.engine)
     expected = {0: scalars(json.loads((offline / "summary.json").read_text()))}
     ids = sorted(r.rollout_id for r in read_run(out).rollouts)
     for name, (steps, tables, _) in _read_all(out, "played").items():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -16,12 +17,15 @@ from verbatim.jobs.run import RunOptions, run_rollouts
 from verbatim.paths import check_output_file
 
 
-def run_command(options: RunOptions, console: Console, summary_json: str | None = None) -> RunSummary:
+def run_command(options: RunOptions, console: Console, summary_json: str | None = None, *,
+                engine: Any | None = None) -> RunSummary:
+    """``verbatim run``: the run, its summary table and ``--summary-json``; ``engine``: one the caller started
+    (:func:`~verbatim.jobs.run.run_rollouts`)."""
     if summary_json:
         check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before the run, not after it
     ended: list[Run] = []
     try:
-        summary = run_rollouts(options, console, on_end=ended.append)
+        summary = run_rollouts(options, console, on_end=ended.append, engine=engine)
     except VerbatimError:  # a stopped run: what it wrote is summarised before the one-line reason
         if ended and ended[0].summary is not None:
             console.print(summary_table(ended[0].summary, ended[0].out))

@@ -56,7 +56,10 @@ def summary(history: list[StepMetrics], options: TrainConfig, wall_s: float,
             "weight_share_s": round(share_s, 2), "run_dir": options.out}
 
 
-def train_command(options: TrainConfig, console: Console, summary_json: str | None = None) -> list[dict]:
+def train_command(options: TrainConfig, console: Console, summary_json: str | None = None, *,
+                  engine: Any | None = None) -> list[dict]:
+    """``verbatim train``: a line a step, the reward table and ``--summary-json``; ``engine``: one the caller
+    started (:func:`~verbatim.jobs.train.run_training`)."""
     from verbatim.cli.run import warn_ignored_fields, write_summary_json
     from verbatim.harness.summary import summed
     from verbatim.jobs.trainer_team import following
@@ -82,7 +85,7 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
     def on_step(record: dict[str, Any]) -> None:
         console.print(step_line(StepMetrics.model_validate(record), options.plan.steps))
 
-    history = run_training(options, console, on_step=on_step, on_end=on_end)
+    history = run_training(options, console, on_step=on_step, on_end=on_end, engine=engine)
     if not ended:  # a resumed run with nothing left to train: its table, and the engine never started
         steps = steps_of(history)
         if steps:
