@@ -26,11 +26,27 @@ from verbatim.harness.run_diff import steady
 from verbatim.harness.store import read_run
 
 RUN = ["--env", "guess", "--groups", "1", "--group-size", "2", "--max-turns", "2", "--max-tokens", "8",
-       "--kv-cache-gib", "1", "--max-model-len", "1024", "--concurrency", "1"]
+       "--kv-cache-gib", "1", "--concurrency", "1"]
 TRAIN = ["--env", "graded_env:GradedFactory", "--groups", "2", "--group-size", "2", "--max-tokens", "8",
-         "--lr", "1e-4", "--kv-cache-gib", "1", "--max-model-len", "1024", "--concurrency", "1", "--seed", "5",
-         "--checkpoint-every", "1"]
-"""A one-turn env whose rewards in a group differ (tests/graded_env.py), so both steps move the weights."""
+         "--lr", "1e-4", "--kv-cache-gib", "1", "--concurrency", "1", "--seed", "5", "--checkpoint-every", "1"]
+"""A one-turn env whose rewards in a group differ (tests/graded_env.py), so both steps move the weights. Both
+command lines leave --max-model-len at its default, the session engine's (tests/conftest.py), so an engine a
+command starts and the session's one given to the same run are alike."""
+
+
+def flags(command: str, args: list[str], monkeypatch):
+    """The config ``verbatim COMMAND ARGS`` builds, caught where the command would start its run."""
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    seen = []
+    target = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}[command]
+    with monkeypatch.context() as patch:
+        patch.setattr(target, lambda options, *rest: seen.append(options))
+        result = CliRunner().invoke(app, [command, *args])
+    assert result.exit_code == 0 and len(seen) == 1, result.output
+    return seen[0]
 
 
 @given(st.integers(0, 2**40), st.text(max_size=20), st.integers(0, 1000))
@@ -75,13 +91,18 @@ def _same_tokens(a: Path, b: Path) -> None:
 @pytest.mark.engine
 @pytest.mark.slow
 def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp_path, default_model_dir,
-                                                                            demo_python):
-    """The first run is also ``make demo``'s ``verbatim run`` on what the demo installs (tests/test_demo.py)."""
+                                                                            demo_python, engine_runner, monkeypatch):
+    """The first run is ``make demo``'s ``verbatim run`` on what the demo installs (tests/test_demo.py), on an
+    engine of its own; the others are the same command's run given the session's engine (begun with the base
+    weights and an empty cache): the rerun repeats it bit for bit there too."""
+    from verbatim.jobs.run import run_rollouts
+
     outs = {name: tmp_path / name for name in ("first", "again", "other")}
-    for name, seed in (("first", "5"), ("again", "5"), ("other", "6")):
-        done = cli("run", *RUN, "--seed", seed, "--out", str(outs[name]),
-                   python=demo_python if name == "first" else None)
-        assert done.returncode == 0, done.stderr[-3000:]
+    done = cli("run", *RUN, "--seed", "5", "--out", str(outs["first"]), python=demo_python)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, seed in (("again", "5"), ("other", "6")):
+        run_rollouts(flags("run", [*RUN, "--seed", seed, "--out", str(outs[name])], monkeypatch),
+                     engine=engine_runner.engine)
     _same_tokens(outs["first"], outs["again"])
     first, other = _tokens(outs["first"]), _tokens(outs["other"])
     assert any(not np.array_equal(first[k][0], other[k][0]) for k in first)
@@ -109,21 +130,24 @@ def _step_rollouts(out: Path, step: int) -> int:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir, demo_python):
+def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir, demo_python,
+                                                                     engine_runner, monkeypatch):
     """Two 2-step runs of one command. One runs through (on what ``make demo`` installs: tests/test_demo.py). The
-    other stops after step 1; a resume samples step 2's rollouts on a fresh engine serving step 1's checkpoint and
-    is SIGKILLed while it trains on them; a second resume trains step 2 again from the checkpoint and the recorded
-    rollouts."""
+    other trains step 1 on the session's engine; a resume samples step 2's rollouts on a fresh engine (a process
+    of its own) serving step 1's checkpoint and is SIGKILLed while it trains on them; a second resume, on the
+    session's engine again, trains step 2 again from the checkpoint and the recorded rollouts."""
+    from verbatim.jobs.train import run_training
+
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     done = cli("train", *TRAIN, "--steps", "2", "--out", str(whole), python=demo_python)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = cli("train", *TRAIN, "--steps", "1", "--out", str(broken))
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_training(flags("train", [*TRAIN, "--steps", "1", "--out", str(broken)], monkeypatch),
+                 engine=engine_runner.engine)
     killed = Trainer(tmp_path, "killed", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"])
     killed.kill_when(lambda: _step_rollouts(broken, 2) == 4)  # every rollout of step 2 recorded: now it trains
     assert not (broken / "checkpoints" / "step-000002").exists()
-    done = cli("train", *TRAIN, "--steps", "2", "--out", str(broken), "--resume")
-    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = flags("train", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"], monkeypatch)
+    run_training(resumed, engine=engine_runner.engine)
 
     _same_tokens(whole, broken)
     metrics = _metrics(whole)
