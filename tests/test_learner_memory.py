@@ -270,9 +270,9 @@ def test_a_recomputed_prefix_changes_nothing_and_reaches_prefixflow(monkeypatch)
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--trainer-dtype", "fp16"], "unknown --trainer-dtype 'fp16' (use fp32 or bf16)"),
+    (["--trainer-dtype", "fp16"], "--trainer-dtype fp16 must be 'fp32' or 'bf16'"),
     (["--logprob-chunk", "-1"], "--logprob-chunk -1 must be at least 0"),
-    (["--prefix-activations", "gpu"], "unknown --prefix-activations 'gpu' (use one of keep, recompute, cpu, disk)"),
+    (["--prefix-activations", "gpu"], "--prefix-activations gpu must be 'keep', 'recompute', 'cpu' or 'disk'"),
 ])
 def test_bad_memory_flags_are_one_line(tmp_path, monkeypatch, flags, needle):
     from verbatim.cli.app import app
