@@ -41,6 +41,37 @@ class EngineStarts:
             write(f"  {len(started)}  {nodeid}")
 
 
+class MemoryPeaks:
+    """The suite process's own peak resident memory (``VmHWM``), charged to the test during which it rose: the
+    summary names the tests that raised it most, since this process shares the machine with every engine."""
+
+    def __init__(self) -> None:
+        self.peak = self.now()
+        self.by_test: dict[str, int] = {}
+
+    @staticmethod
+    def now() -> int:
+        """This process's peak resident memory so far, in MiB (0 where /proc does not say)."""
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) // 1024
+        except OSError:
+            pass
+        return 0
+
+    def charge(self, nodeid: str) -> None:
+        peak = self.now()
+        if peak > self.peak:
+            self.by_test[nodeid] = peak - self.peak
+            self.peak = peak
+
+    def report(self, write, shown: int = 8) -> None:
+        write(f"the suite process's peak resident memory: {self.peak} MiB; the tests that raised it most:")
+        for nodeid, grown in sorted(self.by_test.items(), key=lambda item: -item[1])[:shown]:
+            write(f"  +{grown} MiB  {nodeid}")
+
+
 def pytest_configure(config) -> None:
     import tempfile
 
@@ -49,18 +80,22 @@ def pytest_configure(config) -> None:
     folder = Path(tempfile.mkdtemp(prefix="verbatim-engine-starts-"))
     os.environ[STARTS_ENV] = str(folder / "starts.txt")  # inherited by every process a test starts
     config.engine_starts = EngineStarts(folder / "starts.txt")
+    config.memory_peaks = MemoryPeaks()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield
     item.config.engine_starts.charge(item.nodeid)
+    item.config.memory_peaks.charge(item.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     config.engine_starts.charge("(after the last test: teardown)")
     terminalreporter.write_sep("=", "engine starts")
     config.engine_starts.report(terminalreporter.write_line)
+    terminalreporter.write_sep("=", "memory")
+    config.memory_peaks.report(terminalreporter.write_line)
 
 
 @pytest.fixture(scope="module", autouse=True)
