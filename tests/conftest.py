@@ -229,29 +229,59 @@ def _serve(model_dir: Path, folder: Path):
     return ServerProcess(config, log_path=folder / "serve.log")
 
 
-@pytest.fixture(scope="module")
-def _shared_server(default_model_dir, tmp_path_factory):
-    """One server a module: a server held for the whole session (~3.5 GB with its worker) pushed the suite past
-    the machine's memory in test_train_procs, whose ranks and engine run beside the session's own engine."""
-    with _serve(default_model_dir, tmp_path_factory.mktemp("serve")) as proc:
-        yield proc
-    assert proc.proc.poll() is not None, "the server must be stopped after the module"
+class SharedServer:
+    """One ``vllm serve`` for every test that takes ``vllm_server``: started by the first, started again only after
+    a test killed it (that death is the test's subject), and stopped once the last of them has run
+    (:func:`pytest_runtest_teardown`), so that its ~3.5 GB are free for the modules after it (test_train_procs'
+    ranks and engine)."""
+
+    def __init__(self) -> None:
+        self.server = None
+        self.last_user: str | None = None
+
+    def get(self, model_dir: Path, folder_of) -> object:
+        if self.server is not None and self.server.proc.poll() is not None:
+            self.stop()  # a test killed it
+        if self.server is None:
+            self.server = _serve(model_dir, folder_of()).__enter__()
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            server.__exit__(None, None, None)
+
+
+SHARED_SERVER = SharedServer()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    users = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
+    SHARED_SERVER.last_user = users[-1] if users else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if item.nodeid == SHARED_SERVER.last_user or nextitem is None:
+        SHARED_SERVER.stop()
 
 
 @pytest.fixture
-def vllm_server(_shared_server, default_model_dir):
-    """The module's ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
+def vllm_server(default_model_dir, tmp_path_factory):
+    """The session's ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
     an empty prefix cache (``HttpEngine.begin``), whatever the tests before it left there."""
     import asyncio
 
     from verbatim.engine.http import HttpEngine
 
+    server = SHARED_SERVER.get(default_model_dir, lambda: tmp_path_factory.mktemp("serve"))
+
     async def reset() -> None:
-        async with HttpEngine(_shared_server.url) as engine:
+        async with HttpEngine(server.url) as engine:
             await engine.begin(str(default_model_dir), 0)
 
-    assert _shared_server.proc.poll() is None, "a test killed the module's server: only the module's last may"
     asyncio.run(reset())
-    return _shared_server
+    return server
 
 

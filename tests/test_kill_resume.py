@@ -1,12 +1,12 @@
 """`verbatim run` as a real process against one real `vllm serve`, hit by kills and signals.
 
-One server for the module (tests/conftest.py: vLLM's start-up is the expensive part); the CLI process
+The session's one server (tests/conftest.py: vLLM's start-up is the expensive part); the CLI process
 talks to it with ``--engine http`` and starts in seconds, so it can be killed many times:
 
 - SIGKILL at 21 points spread over a run, each followed by ``--resume``;
 - SIGTERM once (graceful) and SIGINT twice (at once), each with its exit code;
 - a run whose ``--url`` carries credentials leaves them in no file and no output;
-- the server killed mid-run: the run stops with one line (last: it ends the module's server).
+- the server killed mid-run: the run stops with one line (the next test that needs a server starts another).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def test_credentials_in_the_url_reach_no_file_and_no_output(vllm_server, tmp_pat
 
 
 def test_an_engine_killed_mid_run_stops_the_run_with_one_line(vllm_server, tmp_path):
-    """Last in the module: it kills the module's server."""
+    """It kills the session's server (tests/conftest.py starts another for the next test that needs one)."""
     out = tmp_path / "run"
     proc = CliProcess(tmp_path, run_args(vllm_server, out, groups=12), "dead")
     wait_until(lambda: written(out) >= 1, proc)

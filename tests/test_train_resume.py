@@ -1,6 +1,6 @@
 """`verbatim train` as a real process, killed with SIGKILL in each phase of a step, then resumed.
 
-One real `vllm serve` for the module (tests/conftest.py); the trainer process talks to it with ``--engine http``
+The session's one real `vllm serve` (tests/conftest.py); the trainer process talks to it with ``--engine http``
 (weights reach it through a folder published under RUN_DIR/weights and /collective_rpc), so each
 process starts in seconds and can be killed:
 
