@@ -6,22 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from command_config import config_of
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
 
 runner = CliRunner()
-
-
-def options_of(command: str, args: list[str], monkeypatch):
-    """The RunOptions/TrainConfig ``verbatim COMMAND ARGS`` builds (caught where the work would start)."""
-    seen = []
-    target = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}[command]
-    with monkeypatch.context() as patch:
-        patch.setattr(target, lambda options, *rest: seen.append(options))
-        result = runner.invoke(app, [command, *args])
-    assert result.exit_code == 0 and len(seen) == 1, (result.output, result.exception)
-    return seen[0]
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -42,7 +32,7 @@ admission = false
 
 
 def test_a_toml_file_sets_run_options_in_either_spelling(tmp_path, monkeypatch):
-    options = options_of("run", ["--config", write(tmp_path, "run.toml", RUN_TOML)], monkeypatch)
+    options = config_of("run", ["--config", write(tmp_path, "run.toml", RUN_TOML)], monkeypatch)
     assert (options.env, options.max_turns, options.max_tokens, options.temperature) == ("guess", 5, 12, 0.0)
     assert options.engine == "http" and options.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
     assert options.admission is False
@@ -51,7 +41,7 @@ def test_a_toml_file_sets_run_options_in_either_spelling(tmp_path, monkeypatch):
 
 def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch):
     config = write(tmp_path, "run.toml", RUN_TOML)
-    options = options_of("run", ["--max-turns", "7", "--config", config, "--url", "http://127.0.0.1:9"],
+    options = config_of("run", ["--max-turns", "7", "--config", config, "--url", "http://127.0.0.1:9"],
                          monkeypatch)
     assert options.max_turns == 7 and options.max_tokens == 12
     assert options.urls == ("http://127.0.0.1:9",)  # a repeated flag replaces the file's list
@@ -66,7 +56,7 @@ lr: 2.0e-5
 steps: 3
 prefixflow: false
 """)
-    options = options_of("train", ["--config", config], monkeypatch)
+    options = config_of("train", ["--config", config], monkeypatch)
     assert options.env_args == {"high": 5, "label": "7"}  # a string stays a string
     assert options.tasks == "tasks.jsonl" and options.plan.steps == 3
     assert options.learner.lr == 2e-5 and options.learner.prefixflow is False
@@ -74,7 +64,7 @@ prefixflow: false
 
 def test_env_args_as_a_list_of_pairs(tmp_path, monkeypatch):
     config = write(tmp_path, "train.yml", "env: guess\nenv-arg: [high=5, max_guesses=3]\n")
-    assert options_of("train", ["--config", config], monkeypatch).env_args == {"high": 5, "max_guesses": 3}
+    assert config_of("train", ["--config", config], monkeypatch).env_args == {"high": 5, "max_guesses": 3}
 
 
 @pytest.mark.parametrize("command,name,text,needle", [

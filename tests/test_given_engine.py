@@ -8,20 +8,15 @@ second training run. The tokens of the last two must be sampled by the base mode
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from trained_run import assert_sampled_with_base_not
 
-from verbatim.datamodel import Source
 from verbatim.engine.protocol import Sampling
-from verbatim.harness.store import read_run
 from verbatim.jobs.config import RunOptions, TrainConfig
 from verbatim.jobs.run import run_rollouts
 from verbatim.jobs.train import run_training
 from verbatim.rl.plan import TrainPlan
-from verbatim.trainer.checkpoint import load_checkpoint
 from verbatim.trainer.learner_config import LearnerConfig
-from verbatim.trainer.reference import load_model, reference_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -44,21 +39,7 @@ def test_runs_on_a_given_engine_begin_it_with_their_own_weights_and_leave_it_run
     assert len(run_training(training(second, 1e-5), engine=engine)) == 1
     assert (second / "config.toml").exists() and not (second / "engine.log").exists()  # not started here
 
-    base = load_model(default_model_dir).eval()
-    trained = load_model(default_model_dir)
-    load_checkpoint(first / "checkpoints" / "step-000001", trained, None)
-    trained.eval()
-    off_base, off_first = 0.0, 0.0
-    for rollout in [*read_run(played).rollouts, *[r for r in read_run(second).rollouts if r.info["step"] == 1]]:
-        tokens = rollout.tokens
-        at = np.flatnonzero(tokens.source == Source.MODEL)
-        with torch.no_grad():
-            want = reference_logprobs(base, tokens.token_id, at).numpy()
-            other = reference_logprobs(trained, tokens.token_id, at).numpy()
-        off_base = max(off_base, float(np.abs(want - tokens.logprob[at]).max()))
-        off_first = max(off_first, float(np.abs(other - tokens.logprob[at]).max()))
-    assert off_base < 1e-3, off_base  # fp32 engine vs transformers (docs/engine.md)
-    assert off_first > 1e-2, off_first  # the first run's weights would have been told apart
+    assert_sampled_with_base_not(first, [played, second], default_model_dir)
 
     reply = engine_runner.run(engine.generate([1, 2, 3], Sampling(max_tokens=2, temperature=0.0)))
     assert len(reply.token_ids) == 2  # the engine still runs for the suite's next test

@@ -43,24 +43,23 @@ def exactness(model_dir: str) -> dict[str, float]:
     group = make_group(3, 0.75, loss_in_prefix=True, seed=11, seq=32, vocab=model.config.vocab_size)
     loss_fn = rl_like_loss(group)
     everything, split = [[0, 1, 2]], [[2, 0], [1]]
-    seen32: dict[int, torch.Tensor] = {}
-    seen64: dict[int, torch.Tensor] = {}
+    grads: dict[str, dict] = {}
+    lp_err: dict[str, float] = {}
     with float64_norm():
-        full_sequence_backward(lm, group, loss_fn, everything)
-        full32 = grads_of(model)
-        prefixflow_backward(lm, group, recording(loss_fn, seen32), split)
-        flow32 = grads_of(model)
-        reference_backward(model, group, loss_fn)
-        hf32 = grads_of(model)
-        lp_err32 = logprob_rel_err(model, group, seen32)
-        model.double()
-        full_sequence_backward(lm, group, loss_fn, everything)
-        full64 = grads_of(model)
-        prefixflow_backward(lm, group, recording(loss_fn, seen64), split)
-        flow64 = grads_of(model)
-        reference_backward(model, group, loss_fn)
-        hf64 = grads_of(model)
-        lp_err64 = logprob_rel_err(model, group, seen64)
+        for bits in ("32", "64"):
+            if bits == "64":
+                model.double()
+            seen: dict[int, torch.Tensor] = {}
+            full_sequence_backward(lm, group, loss_fn, everything)
+            grads["full" + bits] = grads_of(model)
+            prefixflow_backward(lm, group, recording(loss_fn, seen), split)
+            grads["flow" + bits] = grads_of(model)
+            reference_backward(model, group, loss_fn)
+            grads["hf" + bits] = grads_of(model)
+            lp_err[bits] = logprob_rel_err(model, group, seen)
+    full32, flow32, hf32, full64, flow64, hf64 = (grads[k] for k in ("full32", "flow32", "hf32", "full64", "flow64",
+                                                                       "hf64"))
+    lp_err32, lp_err64 = lp_err["32"], lp_err["64"]
     return {"flow64_full64": max_rel_err(flow64, full64), "flow64_hf64": max_rel_err(flow64, hf64),
             "lp_err64": lp_err64, "fp32_noise": max_rel_err(full32, full64), "hf_noise": max_rel_err(hf32, hf64),
             "flow32_full32": max_rel_err(flow32, full32), "flow32_full64": max_rel_err(flow32, full64),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from command_config import config_of
 from hypothesis import given
 from hypothesis import strategies as st
 from killable_train import Trainer
@@ -32,21 +33,6 @@ TRAIN = ["--env", "graded_env:GradedFactory", "--groups", "2", "--group-size", "
 """A one-turn env whose rewards in a group differ (tests/graded_env.py), so both steps move the weights. Both
 command lines leave --max-model-len at its default, the session engine's (tests/conftest.py), so an engine a
 command starts and the session's one given to the same run are alike."""
-
-
-def flags(command: str, args: list[str], monkeypatch):
-    """The config ``verbatim COMMAND ARGS`` builds, caught where the command would start its run."""
-    from typer.testing import CliRunner
-
-    from verbatim.cli.app import app
-
-    seen = []
-    target = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}[command]
-    with monkeypatch.context() as patch:
-        patch.setattr(target, lambda options, *rest: seen.append(options))
-        result = CliRunner().invoke(app, [command, *args])
-    assert result.exit_code == 0 and len(seen) == 1, result.output
-    return seen[0]
 
 
 @given(st.integers(0, 2**40), st.text(max_size=20), st.integers(0, 1000))
@@ -101,7 +87,7 @@ def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp
     done = cli("run", *RUN, "--seed", "5", "--out", str(outs["first"]), python=demo_python)
     assert done.returncode == 0, done.stderr[-3000:]
     for name, seed in (("again", "5"), ("other", "6")):
-        run_rollouts(flags("run", [*RUN, "--seed", seed, "--out", str(outs[name])], monkeypatch),
+        run_rollouts(config_of("run", [*RUN, "--seed", seed, "--out", str(outs[name])], monkeypatch),
                      engine=engine_runner.engine)
     _same_tokens(outs["first"], outs["again"])
     first, other = _tokens(outs["first"]), _tokens(outs["other"])
@@ -141,12 +127,12 @@ def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, d
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     done = cli("train", *TRAIN, "--steps", "2", "--out", str(whole), python=demo_python)
     assert done.returncode == 0, done.stderr[-3000:]
-    run_training(flags("train", [*TRAIN, "--steps", "1", "--out", str(broken)], monkeypatch),
+    run_training(config_of("train", [*TRAIN, "--steps", "1", "--out", str(broken)], monkeypatch),
                  engine=engine_runner.engine)
     killed = Trainer(tmp_path, "killed", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"])
     killed.kill_when(lambda: _step_rollouts(broken, 2) == 4)  # every rollout of step 2 recorded: now it trains
     assert not (broken / "checkpoints" / "step-000002").exists()
-    resumed = flags("train", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"], monkeypatch)
+    resumed = config_of("train", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"], monkeypatch)
     run_training(resumed, engine=engine_runner.engine)
 
     _same_tokens(whole, broken)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import tomllib
 import typer
+from command_config import config_of
 from pydantic import Field
 from typer.testing import CliRunner
 
@@ -22,17 +23,6 @@ from verbatim.rl.plan import TrainPlan
 from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig, LossConfig
 
 runner = CliRunner()
-
-
-def caught(command: str, args: list[str], monkeypatch) -> object:
-    """The config ``verbatim COMMAND ARGS`` builds, caught where the run would start."""
-    seen = []
-    target = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}[command]
-    with monkeypatch.context() as patch:
-        patch.setattr(target, lambda options, *rest: seen.append(options))
-        result = runner.invoke(app, [command, *args])
-    assert result.exit_code == 0 and len(seen) == 1, (result.output, result.exception)
-    return seen[0]
 
 
 def test_every_field_of_a_config_is_a_flag_but_the_derived_ones():
@@ -58,7 +48,7 @@ UNUSUAL = TrainConfig(
 
 def test_config_toml_read_by_config_gives_the_same_training_config(tmp_path, monkeypatch):
     path = write_config(tmp_path / "run", TRAIN_FLAGS, UNUSUAL, "train")
-    again = caught("train", ["--config", str(path)], monkeypatch)
+    again = config_of("train", ["--config", str(path)], monkeypatch)
     assert again == UNUSUAL
     assert recorded_config(tmp_path / "run", TRAIN_FLAGS) == UNUSUAL
     text = path.read_text()
@@ -69,12 +59,12 @@ def test_config_toml_of_a_rollout_run_repeats_it_too(tmp_path, monkeypatch):
     options = RunOptions(env="guess", groups=3, group_size=2, seed=4, cache_policy=CachePolicy.SALT, top_k=5,
                          stop_grace_s=2.5, env_args={"high": 9}, resume=True)
     path = write_config(tmp_path / "run", RUN_FLAGS, options, "run")
-    assert caught("run", ["--config", str(path)], monkeypatch) == options.model_copy(update={"resume": False})
+    assert config_of("run", ["--config", str(path)], monkeypatch) == options.model_copy(update={"resume": False})
 
 
 def test_a_flag_on_the_command_line_still_wins_over_a_recorded_config(tmp_path, monkeypatch):
     path = write_config(tmp_path / "run", TRAIN_FLAGS, UNUSUAL, "train")
-    again = caught("train", ["--config", str(path), "--out", str(tmp_path / "new"), "--lr", "0.01"], monkeypatch)
+    again = config_of("train", ["--config", str(path), "--out", str(tmp_path / "new"), "--lr", "0.01"], monkeypatch)
     assert again.out == str(tmp_path / "new") and again.learner.lr == 0.01 and again.plan.seed == 7
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from command_config import config_of
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
@@ -123,16 +124,6 @@ def test_resuming_a_verbatim_run_directory_is_refused_untouched(tmp_path):
     assert tree(tmp_path) == before
 
 
-def _options_of(args: list[str], monkeypatch):
-    """The TrainConfig the command line builds from ``args`` (caught where training would start)."""
-    seen = []
-    with monkeypatch.context() as patch:
-        patch.setattr("verbatim.cli.train.train_command", lambda options, *rest: seen.append(options))
-        result = runner.invoke(app, ["train", *args])
-    assert result.exit_code == 0 and len(seen) == 1, result.output
-    return seen[0]
-
-
 @pytest.mark.parametrize("changed,needle", [
     (["--lr", "2e-5"], "--resume with a changed config: learner.lr: 1e-05 -> 2e-05"),
     (["--group-size", "8"], "--resume with a changed config: plan.group_size: 4 -> 8"),
@@ -143,7 +134,7 @@ def _options_of(args: list[str], monkeypatch):
 def test_resuming_with_a_changed_setting_names_it(tmp_path, monkeypatch, changed, needle):
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out)]
-    options = _options_of(args, monkeypatch)
+    options = config_of("train", args, monkeypatch)
     _manifest(out, options.config())
     before = tree(tmp_path)
     line = refused([*args, "--resume", *changed], needle)
@@ -155,7 +146,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     """The control of the test above: same settings, so the check lets the resume through to the model."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--lr", "3e-5"]
-    _manifest(out, _options_of(args, monkeypatch).config())
+    _manifest(out, config_of("train", args, monkeypatch).config())
 
     def passed(options):
         raise AssertionError("passed")
@@ -170,9 +161,9 @@ def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path,
     asks for (rl/train_resume.py's ADDED), so the check lets it through; with the flag it is a change."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--max-lag", "1"]
-    config = _options_of(args, monkeypatch).config()
+    config = config_of("train", args, monkeypatch).config()
     assert config["train"]["plan"]["fixed_lag"] is False
-    assert _options_of([*args, "--fixed-lag"], monkeypatch).plan.fixed_lag
+    assert config_of("train", [*args, "--fixed-lag"], monkeypatch).plan.fixed_lag
     del config["train"]["plan"]["fixed_lag"]
     _manifest(out, config)
 
@@ -190,8 +181,9 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
     estimator, so a resume without --kl-coef goes through and one with it is a change."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out)]
-    config = _options_of(args, monkeypatch).config()
-    assert _options_of([*args, "--kl-coef", "0.1", "--kl-estimator", "k2"], monkeypatch).learner.loss.kl_coef == 0.1
+    config = config_of("train", args, monkeypatch).config()
+    penalised = config_of("train", [*args, "--kl-coef", "0.1", "--kl-estimator", "k2"], monkeypatch)
+    assert penalised.learner.loss.kl_coef == 0.1
     for key in ("kl_coef", "kl_estimator"):
         del config["train"]["learner"]["loss"][key]
     _manifest(out, config)
@@ -209,8 +201,8 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
 def test_the_trainer_device_may_change_on_resume(monkeypatch):
     """Where the trainer runs does not change what it computes: not part of the config a resume matches."""
     args = ["--env", "guess", "--out", "run"]
-    on_cpu = _options_of(args, monkeypatch)
-    on_gpu = _options_of([*args, "--trainer-device", "cuda:1"], monkeypatch)
+    on_cpu = config_of("train", args, monkeypatch)
+    on_gpu = config_of("train", [*args, "--trainer-device", "cuda:1"], monkeypatch)
     assert (on_cpu.trainer_device, on_gpu.trainer_device) == ("cpu", "cuda:1")
     assert on_cpu.config() == on_gpu.config()
 
@@ -261,7 +253,7 @@ def test_a_resume_whose_recorded_steps_have_no_checkpoint_is_refused_untouched(t
                                                                               rollout_steps, needle):
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
-    _trained_run(out, _options_of(args, monkeypatch).config(), 2, checkpointed, rollout_steps)
+    _trained_run(out, config_of("train", args, monkeypatch).config(), 2, checkpointed, rollout_steps)
     before = tree(tmp_path)
     refused([*args, "--resume"], needle)
     assert tree(tmp_path) == before
@@ -272,7 +264,7 @@ def test_rollouts_of_a_step_the_loop_could_not_have_begun_refuse_the_resume(tmp_
     step 2 would be played into the trace beside them, and step 3 again."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
-    _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2, 3))
+    _trained_run(out, config_of("train", args, monkeypatch).config(), 1, 1, (1, 2, 3))
     refused([*args, "--resume"], "records step 3 (the trace's rollouts) but the newest checkpoint is step 1")
 
 
@@ -280,7 +272,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     """The control: step 2's rollouts on disk with step 1 checkpointed is what a kill during step 2 leaves."""
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
-    _trained_run(out, _options_of(args, monkeypatch).config(), 1, 1, (1, 2))
+    _trained_run(out, config_of("train", args, monkeypatch).config(), 1, 1, (1, 2))
 
     def passed(options):
         raise AssertionError("passed")
@@ -293,7 +285,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
 def test_resuming_a_finished_run_says_it_is_complete_and_starts_nothing(tmp_path, monkeypatch):
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--steps", "2"]
-    _trained_run(out, _options_of(args, monkeypatch).config(), 2, 2)
+    _trained_run(out, config_of("train", args, monkeypatch).config(), 2, 2)
     before = tree(tmp_path)
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert result.exit_code == 0, result.output
@@ -312,7 +304,7 @@ def test_resuming_a_finished_run_says_it_is_complete_and_starts_nothing(tmp_path
 def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monkeypatch, schedule, steps, needle):
     out = tmp_path / "run"
     args = ["--env", "guess", "--out", str(out), "--lr-schedule", schedule]
-    _trained_run(out, _options_of([*args, "--steps", "3"], monkeypatch).config(), 3, 3)
+    _trained_run(out, config_of("train", [*args, "--steps", "3"], monkeypatch).config(), 3, 3)
     if needle is not None:
         refused([*args, "--steps", steps, "--resume"], needle)
         return

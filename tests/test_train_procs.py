@@ -1,5 +1,8 @@
 """`verbatim train --trainer-procs 2` on the real engine: the default model sharded over two gloo ranks.
 
+The engine is the session's `vllm serve` (tests/conftest.py; the team, not the engine's start, is the subject
+here), which every run begins with its own weights.
+
 Three steps of the graded env (rewards differ within a group, so every step moves the weights), two
 groups (one a rank), with rank 1 SIGKILLed during step 2: one line names it, and ``--resume`` restores
 the team from step 1's checkpoint and finishes the run: versions go 0 → 3, `lint trace` is clean, each
@@ -21,12 +24,12 @@ from trained_run import assert_sampled_with_previous_checkpoint
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def test_torchrun_launches_the_same_train_command_as_a_team_of_two(tmp_path):
+def test_torchrun_launches_the_same_train_command_as_a_team_of_two(tmp_path, vllm_server):
     """The documented launch: plain torchrun on `verbatim train`; rank 0 runs the loop, rank 1 follows."""
     out = tmp_path / "run"
     done = cli("train", "--env", "graded_env:GradedFactory", "--steps", "1", "--groups", "2", "--group-size", "2",
-               "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4", "--kv-cache-gib", "1",
-               "--out", str(out), launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+               "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4", "--engine", "http", "--url",
+               vllm_server.url, "--out", str(out), launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("training (") == 1  # rank 0 alone prints the run's table
     assert not (out / "trainer-rank1.log").exists()  # torchrun started rank 1, not verbatim
@@ -37,8 +40,8 @@ def test_torchrun_launches_the_same_train_command_as_a_team_of_two(tmp_path):
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
-def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finishes_it(tmp_path,
-                                                                                     default_model_dir):
+def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finishes_it(tmp_path, default_model_dir,
+                                                                                     vllm_server):
     """SIGKILL of rank 1 during step 2: one line names the rank, nothing past step 1 is committed, and
     ``--resume`` (restoring the team from the checkpoint of step 1) trains steps 2 and 3 once each."""
     import os
@@ -49,8 +52,8 @@ def test_a_trainer_rank_killed_mid_run_stops_the_run_naming_it_and_resume_finish
 
     out = tmp_path / "run"
     args = ["train", "--env", "graded_env:GradedFactory", "--steps", "3", "--groups", "2", "--group-size", "2",
-            "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4", "--kv-cache-gib", "1",
-            "--checkpoint-every", "1", "--trainer-procs", "2", "--out", str(out)]
+            "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4", "--engine", "http", "--url",
+            vllm_server.url, "--checkpoint-every", "1", "--trainer-procs", "2", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(Path(__file__).parent),
                                                                      os.environ.get("PYTHONPATH")) if p))
     run = subprocess.Popen([sys.executable, "-m", "verbatim.cli", *args], env=env, stdout=subprocess.PIPE,

@@ -210,12 +210,7 @@ def test_a_run_on_a_server_another_run_trained_samples_its_first_step_with_its_o
     """The first run leaves its trained weights (its version 1) in the server; a ``verbatim run`` and then a second
     training run begin on the same server, and their tokens must be sampled by the base model they record: μ equal
     to the base model's log-probabilities recomputed with transformers, far from the first run's weights."""
-    import numpy as np
-    import torch
-
-    from verbatim.datamodel import Source
-    from verbatim.trainer.checkpoint import load_checkpoint
-    from verbatim.trainer.reference import load_model, reference_logprobs
+    from trained_run import assert_sampled_with_base_not
 
     common = ["train", "--env", "graded_env:GradedFactory", "--steps", "1", "--groups", "2", "--group-size", "4",
               "--max-tokens", "8", "--max-model-len", "1024", "--engine", "http", "--url", vllm_server.url]
@@ -228,18 +223,4 @@ def test_a_run_on_a_server_another_run_trained_samples_its_first_step_with_its_o
     assert done.exit_code == 0, done.output
     done = CliRunner().invoke(app, [*common, "--lr", "1e-5", "--out", str(second)])
     assert done.exit_code == 0, done.output
-    base = load_model(default_model_dir).eval()
-    trained = load_model(default_model_dir)
-    load_checkpoint(first / "checkpoints" / "step-000001", trained, None)
-    trained.eval()
-    off_base, off_first = 0.0, 0.0
-    for rollout in [*read_run(played).rollouts, *read_run(second).rollouts]:
-        tokens = rollout.tokens
-        at = np.flatnonzero(tokens.source == Source.MODEL)
-        with torch.no_grad():
-            want = reference_logprobs(base, tokens.token_id, at).numpy()
-            other = reference_logprobs(trained, tokens.token_id, at).numpy()
-        off_base = max(off_base, float(np.abs(want - tokens.logprob[at]).max()))
-        off_first = max(off_first, float(np.abs(other - tokens.logprob[at]).max()))
-    assert off_base < 1e-3, off_base  # fp32 engine vs transformers (docs/engine.md)
-    assert off_first > 1e-2, off_first  # the first run's weights would have been told apart
+    assert_sampled_with_base_not(first, [played, second], default_model_dir)

@@ -54,3 +54,23 @@ def assert_sampled_with_previous_checkpoint(out: Path, model_dir: Path, step: in
         assert np.abs(want - tokens.logprob[at]).max() < AGREEMENT, rollout.rollout_id
         moved = max(moved, float(np.abs(before - tokens.logprob[at]).max()))
     assert moved > 10 * AGREEMENT, "training did not move the weights: the push proves nothing"
+
+
+def assert_sampled_with_base_not(first: Path, runs: list[Path], model_dir: Path) -> None:
+    """The model tokens of ``runs`` (rollout runs, or one-step training runs) have the base model's logprobs, far
+    from those of ``first``'s step-1 checkpoint: an engine ``first`` trained was begun with the base weights."""
+    base = load_model(model_dir).eval()
+    trained = load_model(model_dir)
+    load_checkpoint(first / "checkpoints" / "step-000001", trained, None)
+    trained.eval()
+    off_base, off_first = 0.0, 0.0
+    for rollout in (r for out in runs for r in read_run(out).rollouts):
+        tokens = rollout.tokens
+        at = np.flatnonzero(tokens.source == Source.MODEL)
+        with torch.no_grad():
+            want = reference_logprobs(base, tokens.token_id, at).numpy()
+            other = reference_logprobs(trained, tokens.token_id, at).numpy()
+        off_base = max(off_base, float(np.abs(want - tokens.logprob[at]).max()))
+        off_first = max(off_first, float(np.abs(other - tokens.logprob[at]).max()))
+    assert off_base < AGREEMENT, off_base  # fp32 engine vs transformers (docs/engine.md)
+    assert off_first > 10 * AGREEMENT, off_first  # the first run's weights would have been told apart

@@ -1,0 +1,22 @@
+"""The config a ``verbatim run`` or ``verbatim train`` command line builds, caught where the command would start
+its run (no engine, nothing written): the flags parsed by the CLI itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.testing import CliRunner
+
+from verbatim.cli.app import app
+
+TARGETS = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}
+
+
+def config_of(command: str, args: list[str], monkeypatch) -> Any:
+    """The ``RunOptions`` or ``TrainConfig`` of ``verbatim COMMAND ARGS``."""
+    seen = []
+    with monkeypatch.context() as patch:
+        patch.setattr(TARGETS[command], lambda options, *rest, **given: seen.append(options))
+        result = CliRunner().invoke(app, [command, *args])
+    assert result.exit_code == 0 and len(seen) == 1, (result.output, result.exception)
+    return seen[0]
