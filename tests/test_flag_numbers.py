@@ -93,7 +93,7 @@ def test_a_non_finite_float_in_a_config_file_is_refused_naming_the_key(tmp_path,
 @pytest.mark.parametrize("seed", ["-1", str(MAX_SEED + 1)])
 def test_a_seed_vllm_would_refuse_is_refused_first(tmp_path, monkeypatch, command, seed):
     monkeypatch.chdir(tmp_path)
-    refused([command, "--env", "guess", "--seed", seed, "--out", "out"], "'--seed'")
+    refused([command, "--env", "guess", "--seed", seed, "--out", "out"], f"--seed {seed} must be in [0, {MAX_SEED}]")
     assert not (tmp_path / "out").exists()
 
 

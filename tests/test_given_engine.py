@@ -37,7 +37,8 @@ def test_runs_on_a_given_engine_begin_it_with_their_own_weights_and_leave_it_run
     summary = run_rollouts(RunOptions(env=ENV, groups=1, group_size=2, max_tokens=8, out=str(played)), engine=engine)
     assert summary.rollouts == 2 and engine.version == 0
     assert len(run_training(training(second, 1e-5), engine=engine)) == 1
-    assert (second / "config.toml").exists() and not (second / "engine.log").exists()  # not started here
+    assert (second / "config.toml").exists() and (played / "config.toml").exists()
+    assert not (second / "engine.log").exists()  # not started here
 
     assert_sampled_with_base_not(first, [played, second], default_model_dir)
 

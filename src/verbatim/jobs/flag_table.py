@@ -71,9 +71,9 @@ class Flag:
         low = ("(", found["gt"]) if "gt" in found else ("[", found["ge"]) if "ge" in found else None
         high = (found["lt"], ")") if "lt" in found else (found["le"], "]") if "le" in found else None
         if low and high:
-            return f"in {low[0]}{low[1]:g}, {high[0]:g}{high[1]}"
+            return f"in {low[0]}{_number(low[1])}, {_number(high[0])}{high[1]}"
         words = {"gt": "above", "ge": "at least", "lt": "below", "le": "at most"}
-        return " and ".join(f"{words[name]} {bound:g}" for name, bound in self.bounds) or None
+        return " and ".join(f"{words[name]} {_number(bound)}" for name, bound in self.bounds) or None
 
     @property
     def key(self) -> str:
@@ -172,6 +172,11 @@ class FlagTable:
         if flag is not None and isinstance(value, (tuple, list, enum.Enum)):
             value = flag.flag_value(value)
         return flag, format(value, "g") if isinstance(value, float) else str(value), wanted
+
+
+def _number(value: Any) -> str:
+    """A bound as the flag takes it: an integer whole (4294967295), a float short (1e-05)."""
+    return format(value, "g") if isinstance(value, float) else str(value)
 
 
 def _derived(specs: Mapping[str, Spec]) -> set[str]:

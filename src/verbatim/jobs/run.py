@@ -130,13 +130,16 @@ def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], 
 
 
 async def execute(run: Run, engine: Any, resume: bool, console: Console, stop_grace_s: float = 30.0,
-                  on_rollout: Callable[[Rollout], None] | None = None, *, engine_given: bool = False) -> RunSummary:
-    """Start the engine (unless it was given: then begin it with the run's model), then play with a progress
-    bar. Until the engine answered nothing is written or shown but a transient spinner: a ``--url`` that is not
-    a vLLM server ends here, exit code 2."""
+                  on_rollout: Callable[[Rollout], None] | None = None, *, engine_given: bool = False,
+                  record: Callable[[], None] | None = None) -> RunSummary:
+    """Start the engine (unless it was given: then begin it with the run's model), call ``record`` (the run
+    folder's config.toml), then play with a progress bar. Until the engine answered nothing is written or shown
+    but a transient spinner: a ``--url`` that is not a vLLM server ends here, exit code 2."""
     model = Path(run.manifest.model)
     async with (given(engine, model) if engine_given else started(engine, console, run.out, begin_from=model)) \
             as start_s:
+        if record is not None:
+            record()
         undo_signals = stop_on_signals(run, console, stop_grace_s)  # until here Ctrl-C ends a slow start at once
         try:
             summary = await _play_with_progress(run, resume, console, on_rollout)
@@ -182,9 +185,10 @@ def run_rollouts(options: RunOptions, console: Console | None = None, *,
     trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
     try:
         resolved = type(options).model_validate(run.manifest.config["options"])  # --groups, --max-turns filled in
-        write_config(Path(options.out), flags_of(type(options)), resolved, "run")  # what a rerun repeats
         summary = on_engine_loop(execute(run, engine_used, options.resume, console, options.stop_grace_s,
-                                         trackers.rollout, engine_given=engine is not None), engine)
+                                         trackers.rollout, engine_given=engine is not None,
+                                         record=lambda: write_config(run.out, flags_of(type(options)), resolved,
+                                                                     "run")), engine)
         trackers.step(summary.model_dump())
         return summary
     finally:

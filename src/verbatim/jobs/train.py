@@ -146,6 +146,7 @@ async def execute(loop: TrainLoop, options: TrainConfig, console: Console, *,
     then stop)."""
     async with (given(loop.engine) if given_engine else started(loop.engine, console, loop.out)) as start_s:
         loop.engine_start_s = start_s
+        write_config(loop.out, flags_of(type(options)), options.recorded(), "train")  # what a rerun repeats
         undo = _stop_on_signals(loop, console)
         try:
             return await loop.train(resume=options.resume)
@@ -207,7 +208,6 @@ def run_training(config: TrainConfig, console: Console | None = None,
     try:
         with named_ranks(followers, config.trainer_timeout_s):
             loop = prepare(config, engine)
-            write_config(Path(config.out), flags_of(type(config)), config.recorded(), "train")  # what a rerun repeats
             loop.on_step = trackers.after(on_step)
             loop.on_rollout = trackers.rollout
             try:
