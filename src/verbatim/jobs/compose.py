@@ -32,6 +32,15 @@ class EngineChoice(Frozen):
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
 
 
+def engine_choice(config: Any, seed: int) -> EngineChoice:
+    """The engine a run's config (:class:`~verbatim.jobs.config.PlayConfig`: ``run``'s or ``train``'s) asks for,
+    seeded with the run's seed."""
+    return EngineChoice(kind=config.engine, model=config.model, urls=config.urls, route=config.route,
+                        high_water=config.high_water, admission=config.admission, max_model_len=config.max_model_len,
+                        kv_cache_gib=config.kv_cache_gib, seed=seed, gpu_memory=config.engine_gpu_memory,
+                        tensor_parallel=config.engine_tensor_parallel)
+
+
 def make_engine(choice: EngineChoice) -> Any:
     """The engine, constructed (constructing starts nothing); bad engine options are refused here."""
     if choice.kind == "inproc":

@@ -32,7 +32,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
-from verbatim.jobs.compose import EngineChoice, default_renderer, episode_source, existing_run_id, players
+from verbatim.jobs.compose import default_renderer, engine_choice, episode_source, existing_run_id, players
 from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import write_config
@@ -67,13 +67,6 @@ def _plan(options: RunOptions, run_id: str) -> RunPlan:
                    concurrency=options.concurrency, batch_size=max(options.group_size, 4))
 
 
-def engine_choice(options: RunOptions) -> EngineChoice:
-    return EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
-                        high_water=options.high_water, admission=options.admission,
-                        max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib, seed=options.seed,
-                        gpu_memory=options.engine_gpu_memory, tensor_parallel=options.engine_tensor_parallel)
-
-
 def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, Any]:
     """Resolve every input before anything is written or started (bad input fails here, exit 2); ``engine``:
     one the caller started, used instead of the config's."""
@@ -94,7 +87,7 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
                       sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature,
                                         top_p=options.top_p, top_k=options.top_k))
-    choice = engine_choice(options)
+    choice = engine_choice(options, options.seed)
     engine = make_engine(choice) if engine is None else engine  # constructing starts nothing
     check_here(choice)
     urls = [redact(u) for u in options.urls]  # no credentials in traces

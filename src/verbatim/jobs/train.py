@@ -53,8 +53,8 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     from verbatim.envs.registry import default_max_turns, load_tasks
     from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.jobs.compose import (
-        EngineChoice,
         default_renderer,
+        engine_choice,
         episode_source,
         existing_run_id,
         make_engine,
@@ -73,11 +73,7 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     device = rank_device(trainer_device(options.trainer_device))
     factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
     tasks = _task_source(options, factory, load_tasks)
-    choice = EngineChoice(kind=options.engine, model=options.model, urls=options.urls, route=options.route,
-                          high_water=options.high_water, admission=options.admission,
-                          max_model_len=options.max_model_len, kv_cache_gib=options.kv_cache_gib,
-                          seed=options.plan.seed, gpu_memory=options.engine_gpu_memory,
-                          tensor_parallel=options.engine_tensor_parallel)
+    choice = engine_choice(options, options.plan.seed)
     engine = make_engine(choice) if engine is None else engine  # bad engine options: refused before the tokenizer
     model_dir = resolve(options.model)
     renderer_name = options.renderer or default_renderer(options.model)
