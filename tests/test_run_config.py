@@ -98,7 +98,7 @@ def test_a_field_added_to_the_config_is_a_flag_recorded_and_checked_without_anot
     knob_app.command("other")(lambda: None)  # a group, so the command is called by name
 
     help_text = " ".join(runner.invoke(knob_app, ["train", "--help"]).output.split())
-    assert "--knob-turns" in help_text and "How far the new knob turns. [range: at least 1] [default: 3]" in help_text
+    assert "--knob-turns" in help_text and "How far the new knob turns. [x>=1] [default: 3]" in help_text
 
     result = runner.invoke(knob_app, ["train", "--env", "guess", "--knob-turns", "5", "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output

@@ -74,6 +74,6 @@ def _parameter(flag: Flag) -> inspect.Parameter:
     default = (flag.default or []) if flag.multiple else flag.default
     if default is None:
         annotation = Optional[annotation]  # noqa: UP045 - typer reads the annotation at run time
-    shown = flag.help if flag.range_words() is None else f"{flag.help} [range: {flag.range_words()}]"
+    shown = flag.help if flag.range_formula() is None else f"{flag.help}  [{flag.range_formula()}]"
     option = typer.Option(default, *names, help=shown, show_default=default not in (None, []))
     return inspect.Parameter(flag.key, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)

@@ -65,6 +65,16 @@ class Flag:
     parse: Callable[[Any], Any] | None = None
     show: Callable[[Any], Any] | None = None
 
+    def range_formula(self) -> str | None:
+        """The bounds as click's ``--help`` shows a range: ``0<x<=1``, ``x>=1``."""
+        found = dict(self.bounds)
+        high = f"<{_number(found['lt'])}" if "lt" in found else f"<={_number(found['le'])}" if "le" in found else ""
+        if not high:  # a lower bound alone reads from x, as click's: x>=1
+            return f"x>{_number(found['gt'])}" if "gt" in found else f"x>={_number(found['ge'])}" if "ge" in found \
+                else None
+        low = f"{_number(found['gt'])}<" if "gt" in found else f"{_number(found['ge'])}<=" if "ge" in found else ""
+        return f"{low}x{high}"
+
     def range_words(self) -> str | None:
         """The bounds in words: ``in (0, 1]``, ``at least 1``, ``above 0``."""
         found = dict(self.bounds)
