@@ -11,8 +11,13 @@ from verbatim.bench.learn import LearnSettings, plan_runs, run_all
 from verbatim.errors import InputError
 
 
+def steps(*records: dict) -> list[dict]:
+    """``metrics.jsonl``'s records of a run whose steps hold ``records``' values (steps and versions from 1)."""
+    return [{"step": n, "version": n} | record for n, record in enumerate(records, start=1)]
+
+
 def fake_result(run, settings) -> dict:
-    return {"run": run.model_dump(mode="json"), "history": [{"reward_mean": 0.5}] * 10, "wall_s": 1.0,
+    return {"run": run.model_dump(mode="json"), "history": steps(*[{"reward_mean": 0.5}] * 10), "wall_s": 1.0,
             "settings": settings.model_dump(mode="json")}
 
 
@@ -59,7 +64,7 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
             "rerendered_never_sampled": 3, "rerendered_failed": 0, "rerendered_replies": 8, "rerendered_reencoded": 1}
     results = [fake_result(r, settings) for r in runs]
     for ablation in (results[7], results[9]):  # a failure here must not fail the verdict
-        ablation["history"] = [step | {"reward_mean": 0.0}] * 10
+        ablation["history"] = steps(*[step | {"reward_mean": 0.0}] * 10)
     text = learn.markdown(results, settings, "verbatim bench learn", None)
     assert "Goal (last 5 steps' mean reward at least 0.2 above the first 5 in every seed): NOT met " \
            "(gains +0.000, +0.000)." in text  # two seeds only
@@ -82,7 +87,7 @@ def _gains(result_gains: dict[str, list[float]], settings: LearnSettings) -> lis
             continue
         gain = gains[run.seed]
         result = fake_result(run, settings)
-        result["history"] = [{"reward_mean": 0.0}] * 5 + [{"reward_mean": gain}] * 5
+        result["history"] = steps(*[{"reward_mean": 0.0}] * 5, *[{"reward_mean": gain}] * 5)
         results.append(result)
     return results
 

@@ -17,7 +17,8 @@ def _results(rewards_by_setting: dict[str, list[list[float]]]) -> list[dict]:
     for run in plan_runs(list(range(seeds)), ablation=True):
         if run.setting in rewards_by_setting:
             rewards = rewards_by_setting[run.setting][run.seed]
-            out.append({"run": run.model_dump(mode="json"), "history": [{"reward_mean": r} for r in rewards],
+            history = [{"step": n, "version": n, "reward_mean": r} for n, r in enumerate(rewards, start=1)]
+            out.append({"run": run.model_dump(mode="json"), "history": history,
                         "settings": LearnSettings().model_dump(mode="json")})
     return out
 

@@ -9,7 +9,8 @@ from verbatim.bench.step_split import RUNS, markdown, split, sync_first_and_late
 
 def _result(label: str, sync: float, checkpoint: float, first_sync: float | None = None,
             share: float | None = None) -> dict:
-    history = [{"step": n, "rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": sync, "checkpoint_s": checkpoint,
+    history = [{"step": n, "version": n, "rollout_s": 2.0, "train_s": 3.0, "weight_sync_s": sync,
+                "checkpoint_s": checkpoint,
                 "rollouts": 4, "statuses": {"ok": 4}} for n in (1, 2)]
     if first_sync is not None:
         history[0]["weight_sync_s"] = first_sync
@@ -34,7 +35,7 @@ def test_the_table_gives_each_run_against_the_first_and_its_first_sync_apart():
                                                  ([2.0, 0.3, 0.5, 0.2], (2.0, 0.3)),
                                                  ([2.0, 0.3, 0.5, 0.2, 0.4], (2.0, 0.35))])
 def test_the_first_sync_stands_apart_from_the_median_of_the_later_ones(syncs, expected):
-    result = {"history": [{"weight_sync_s": s} for s in syncs]}
+    result = {"history": [{"step": n, "version": n, "weight_sync_s": s} for n, s in enumerate(syncs, start=1)]}
     first, later = sync_first_and_later(result)
     assert (first, round(later, 6)) == expected
 
