@@ -168,9 +168,7 @@ class TrainConfig(PlayConfig):
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
-        train = self.model_dump(mode="json", exclude=set(MAY_CHANGE))
-        train["urls"] = [redact(u) for u in self.urls]
-        return {"train": train}
+        return {"train": self.recorded().model_dump(mode="json", exclude=set(MAY_CHANGE))}
 
 
 MAY_CHANGE = ("resume", "out", "trainer_device", "engine_gpu_memory", "engine_tensor_parallel", "trainer_procs",

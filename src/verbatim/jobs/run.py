@@ -174,7 +174,7 @@ def run_rollouts(options: RunOptions, console: Console | None = None, *,
     console = console or Console(stderr=True)
     check_run_dir(options.out)
     run, engine_used = prepare_run(options, engine)
-    config = options.model_dump(mode="json", exclude={"log"}) | {"urls": [redact(u) for u in options.urls]}
+    config = options.recorded().model_dump(mode="json", exclude={"log"})
     trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
     try:
         resolved = type(options).model_validate(run.manifest.config["options"])  # --groups, --max-turns filled in
