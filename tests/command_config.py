@@ -20,3 +20,12 @@ def config_of(command: str, args: list[str], monkeypatch) -> Any:
         result = CliRunner().invoke(app, [command, *args])
     assert result.exit_code == 0 and len(seen) == 1, (result.output, result.exception)
     return seen[0]
+
+
+def with_flags(config: Any, **flags: Any) -> Any:
+    """``config`` with some flags set otherwise (``resume=True``, ``lr=0.5``), by its flag table: a field in any
+    section changed as its flag would change it."""
+    from verbatim.jobs.config import flags_of
+
+    table = flags_of(type(config))
+    return table.config({**table.values(config), **flags})

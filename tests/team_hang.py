@@ -30,7 +30,8 @@ from verbatim.trainer.reference import load_model
 
 def main(model_dir: str, out: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
-    config = TrainConfig(model=model_dir, trainer_procs=2, trainer_timeout_s=timeout_s, out=out,
+    config = TrainConfig(engine={"model": model_dir}, placement={"trainer_procs": 2, "trainer_timeout_s": timeout_s},
+                         output={"out": out},
                          plan=TrainPlan(steps=2, groups=2, group_size=2), learner=LearnerConfig(microbatch=2))
     followers = start_followers(config.model_dump_json(), 2, Path(out))
     result: dict[str, object] = {}

@@ -44,8 +44,9 @@ def agent_run(tmp_path_factory, session_engine) -> Path:
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
     out = folder / "run"
     printed = io.StringIO()
-    options = RunOptions(agent=str(ROOT / "tests" / "agent_modes.py") + ":play", tasks=str(tasks), group_size=2,
-                         max_tokens=24, max_turns=4, max_model_len=2048, out=str(out))
+    options = RunOptions(play={"agent": str(ROOT / "tests" / "agent_modes.py") + ":play", "tasks": str(tasks),
+                               "max_turns": 4}, sampling={"max_tokens": 24}, engine={"max_model_len": 2048},
+                         output={"out": str(out)}, group_size=2)
     run_command(options, Console(file=printed, width=200), str(folder / "summary.json"),
                 engine=session_engine.engine)
     (folder / "stdout.txt").write_text(printed.getvalue())
@@ -124,9 +125,10 @@ def test_a_rewritten_history_is_a_second_segment_that_every_reader_sees(agent_ru
 
 def test_train_runs_the_example_agent_for_real_steps(tmp_path, engine_runner):
     out = tmp_path / "train"
-    config = TrainConfig(agent=str(ROOT / "examples" / "calculator_agent.py") + ":solve",
-                         tasks=str(ROOT / "examples" / "calculator_tasks.jsonl"), max_turns=3, max_tokens=24,
-                         max_model_len=2048, out=str(out), plan=TrainPlan(steps=2, groups=2, group_size=2),
+    config = TrainConfig(play={"agent": str(ROOT / "examples" / "calculator_agent.py") + ":solve",
+                               "tasks": str(ROOT / "examples" / "calculator_tasks.jsonl"), "max_turns": 3},
+                         sampling={"max_tokens": 24}, engine={"max_model_len": 2048}, output={"out": str(out)},
+                         plan=TrainPlan(steps=2, groups=2, group_size=2),
                          learner=LearnerConfig(lr=1e-5))
     run_training(config, engine=engine_runner.engine)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

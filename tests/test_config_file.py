@@ -33,9 +33,10 @@ admission = false
 
 def test_a_toml_file_sets_run_options_in_either_spelling(tmp_path, monkeypatch):
     options = config_of("run", ["--config", write(tmp_path, "run.toml", RUN_TOML)], monkeypatch)
-    assert (options.env, options.max_turns, options.max_tokens, options.temperature) == ("guess", 5, 12, 0.0)
-    assert options.engine == "http" and options.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
-    assert options.admission is False
+    assert (options.play.env, options.play.max_turns, options.sampling.max_tokens) == ("guess", 5, 12)
+    assert options.sampling.temperature == 0.0 and options.engine.kind == "http"
+    assert options.engine.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert options.routing.admission is False
     assert options.groups is None  # not in the file: the flag's default (the task count, else 2, resolved later)
 
 
@@ -43,8 +44,8 @@ def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch):
     config = write(tmp_path, "run.toml", RUN_TOML)
     options = config_of("run", ["--max-turns", "7", "--config", config, "--url", "http://127.0.0.1:9"],
                          monkeypatch)
-    assert options.max_turns == 7 and options.max_tokens == 12
-    assert options.urls == ("http://127.0.0.1:9",)  # a repeated flag replaces the file's list
+    assert options.play.max_turns == 7 and options.sampling.max_tokens == 12
+    assert options.engine.urls == ("http://127.0.0.1:9",)  # a repeated flag replaces the file's list
 
 
 def test_a_yaml_file_sets_train_options_env_args_as_a_table(tmp_path, monkeypatch):
@@ -57,14 +58,14 @@ steps: 3
 prefixflow: false
 """)
     options = config_of("train", ["--config", config], monkeypatch)
-    assert options.env_args == {"high": 5, "label": "7"}  # a string stays a string
-    assert options.tasks == "tasks.jsonl" and options.plan.steps == 3
+    assert options.play.env_args == {"high": 5, "label": "7"}  # a string stays a string
+    assert options.play.tasks == "tasks.jsonl" and options.plan.steps == 3
     assert options.learner.lr == 2e-5 and options.learner.prefixflow is False
 
 
 def test_env_args_as_a_list_of_pairs(tmp_path, monkeypatch):
     config = write(tmp_path, "train.yml", "env: guess\nenv-arg: [high=5, max_guesses=3]\n")
-    assert config_of("train", ["--config", config], monkeypatch).env_args == {"high": 5, "max_guesses": 3}
+    assert config_of("train", ["--config", config], monkeypatch).play.env_args == {"high": 5, "max_guesses": 3}
 
 
 @pytest.mark.parametrize("command,name,text,needle", [

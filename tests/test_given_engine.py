@@ -24,8 +24,9 @@ ENV = "graded_env:GradedFactory"
 
 
 def training(out, lr: float) -> TrainConfig:
-    return TrainConfig(env=ENV, max_tokens=8, max_model_len=1024, out=str(out),
-                       plan=TrainPlan(steps=1, groups=2, group_size=4), learner=LearnerConfig(lr=lr))
+    return TrainConfig(play={"env": ENV}, sampling={"max_tokens": 8}, engine={"max_model_len": 1024},
+                       output={"out": str(out)}, plan=TrainPlan(steps=1, groups=2, group_size=4),
+                       learner=LearnerConfig(lr=lr))
 
 
 def test_runs_on_a_given_engine_begin_it_with_their_own_weights_and_leave_it_running(engine_runner, tmp_path,
@@ -34,7 +35,8 @@ def test_runs_on_a_given_engine_begin_it_with_their_own_weights_and_leave_it_run
     first, played, second = tmp_path / "first", tmp_path / "played", tmp_path / "second"
     assert len(run_training(training(first, 1e-3), engine=engine)) == 1
     assert engine.version == 1  # the first run's trained weights are what the engine now serves
-    summary = run_rollouts(RunOptions(env=ENV, groups=1, group_size=2, max_tokens=8, out=str(played)), engine=engine)
+    summary = run_rollouts(RunOptions(play={"env": ENV}, sampling={"max_tokens": 8}, output={"out": str(played)},
+                                      groups=1, group_size=2), engine=engine)
     assert summary.rollouts == 2 and engine.version == 0
     assert len(run_training(training(second, 1e-5), engine=engine)) == 1
     assert (second / "config.toml").exists() and (played / "config.toml").exists()

@@ -126,10 +126,11 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, default_mod
 
 
 def _prepared(tmp_path, **options):
-    from verbatim.jobs.run import RunOptions, prepare_run
+    from verbatim.jobs.config import RUN_FLAGS
+    from verbatim.jobs.run import prepare_run
 
-    run, _ = prepare_run(RunOptions(engine="http", urls=("http://127.0.0.1:9",), out=str(tmp_path / "run"),
-                                    **options))  # constructing the engine starts nothing
+    flags = {"engine": "http", "url": ["http://127.0.0.1:9"], "out": str(tmp_path / "run"), **options}
+    run, _ = prepare_run(RUN_FLAGS.config(flags))  # constructing the engine starts nothing
     return run
 
 
@@ -138,7 +139,7 @@ def test_a_one_task_file_runs_one_group_and_max_turns_covers_the_envs_guesses(tm
     tasks.write_text('{"target": 7, "max_guesses": 5}\n')
     run = _prepared(tmp_path, env="guess", tasks=str(tasks))
     assert len(run.groups) == 1 and run.loop.max_turns == 5
-    assert run.manifest.config["options"]["groups"] == 1 and run.manifest.config["options"]["max_turns"] == 5
+    assert run.manifest.config["options"]["groups"] == 1 and run.manifest.config["options"]["play"]["max_turns"] == 5
     default = _prepared(tmp_path, env="guess")  # the env's generator: 2 groups of 6-guess games
     assert len(default.groups) == 2 and default.loop.max_turns == 6
     chosen = _prepared(tmp_path, env="guess", groups=3, max_turns=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import tomllib
 import typer
-from command_config import config_of
+from command_config import config_of, with_flags
 from pydantic import Field
 from typer.testing import CliRunner
 
@@ -27,23 +27,24 @@ runner = CliRunner()
 
 def test_every_field_of_a_config_is_a_flag_but_the_derived_ones():
     paths = {".".join(f.path) for f in TRAIN_FLAGS.flags}
-    assert {"learner.loss.clip_eps", "plan.max_lag", "max_tokens", "urls"} <= paths
+    assert {"learner.loss.clip_eps", "plan.max_lag", "sampling.max_tokens", "engine.urls"} <= paths
     assert "learner.correction.max_version_lag" not in paths  # derived from --max-lag
     assert {f.name for f in RUN_FLAGS.flags} >= {"--stop-grace", "--env-arg", "--high-water", "--top-p"}
     assert all(f.help for f in TRAIN_FLAGS.flags + RUN_FLAGS.flags)
 
 
 UNUSUAL = TrainConfig(
-    env="guess", env_args={"high": 5, "name": "a \"quoted\"\nline ü"}, tasks=None, max_tokens=12, temperature=0.7,
-    top_p=0.9, engine="http", urls=("http://127.0.0.1:8001", "http://127.0.0.1:8002"), admission=False,
-    out="runs/x", log=("tensorboard",),
+    play={"env": "guess", "env_args": {"high": 5, "name": "a \"quoted\"\nline ü"}, "tasks": None},
+    sampling={"max_tokens": 12, "temperature": 0.7, "top_p": 0.9},
+    engine={"kind": "http", "urls": ("http://127.0.0.1:8001", "http://127.0.0.1:8002")}, routing={"admission": False},
+    output={"out": "runs/x", "log": ("tensorboard",)},
     plan=TrainPlan(steps=3, groups=1, group_size=2, seed=7, advantage="rloo", cache_policy=CachePolicy.FLUSH,
                    max_lag=1, fixed_lag=True, allow_truncated_sampling=True),
     learner=LearnerConfig(lr=3e-4, lr_schedule="cosine", prefixflow=False, dtype="bf16",
                           loss=LossConfig(normaliser="sequence", kl_coef=0.05),
                           correction=CorrectionConfig(token_tis_cap=None, sequence_tis="geo_mean",
                                                       token_mask_band=None, sequence_mask_band=(0.25, 4.0))),
-    trainer_procs=2)
+    placement={"trainer_procs": 2})
 
 
 def test_config_toml_read_by_config_gives_the_same_training_config(tmp_path, monkeypatch):
@@ -56,20 +57,21 @@ def test_config_toml_read_by_config_gives_the_same_training_config(tmp_path, mon
 
 
 def test_config_toml_of_a_rollout_run_repeats_it_too(tmp_path, monkeypatch):
-    options = RunOptions(env="guess", groups=3, group_size=2, seed=4, cache_policy=CachePolicy.SALT, top_k=5,
-                         stop_grace_s=2.5, env_args={"high": 9}, resume=True)
+    options = RunOptions(play={"env": "guess", "env_args": {"high": 9}}, sampling={"top_k": 5},
+                         output={"resume": True}, groups=3, group_size=2, seed=4, cache_policy=CachePolicy.SALT,
+                         stop_grace_s=2.5)
     path = write_config(tmp_path / "run", RUN_FLAGS, options, "run")
-    assert config_of("run", ["--config", str(path)], monkeypatch) == options.model_copy(update={"resume": False})
+    assert config_of("run", ["--config", str(path)], monkeypatch) == with_flags(options, resume=False)
 
 
 def test_a_flag_on_the_command_line_still_wins_over_a_recorded_config(tmp_path, monkeypatch):
     path = write_config(tmp_path / "run", TRAIN_FLAGS, UNUSUAL, "train")
     again = config_of("train", ["--config", str(path), "--out", str(tmp_path / "new"), "--lr", "0.01"], monkeypatch)
-    assert again.out == str(tmp_path / "new") and again.learner.lr == 0.01 and again.plan.seed == 7
+    assert again.output.out == str(tmp_path / "new") and again.learner.lr == 0.01 and again.plan.seed == 7
 
 
 def test_the_recorded_config_holds_no_credentials():
-    secret = UNUSUAL.model_copy(update={"urls": ("http://user:hunter2@127.0.0.1:8001/?api_key=abc",)})
+    secret = with_flags(UNUSUAL, url=["http://user:hunter2@127.0.0.1:8001/?api_key=abc"])
     assert "hunter2" not in str(TRAIN_FLAGS.values(secret.recorded()))
     assert "abc" not in str(TRAIN_FLAGS.values(secret.recorded()))
 
@@ -114,22 +116,51 @@ def test_a_field_added_to_the_config_is_a_flag_recorded_and_checked_without_anot
                                             config=config.config()))
     from verbatim.jobs.train import check
 
-    changed = config.model_copy(update={"knob_turns": 6, "resume": True})
+    changed = with_flags(config, knob_turns=6, resume=True)
     with pytest.raises(InputError, match="knob_turns: 5 -> 6"):  # the resume check reads it from config.toml
         check(changed)
-    assert check(config.model_copy(update={"resume": True})) == 0  # the same knob goes on (no step trained yet)
+    assert check(with_flags(config, resume=True)) == 0  # the same knob goes on (no step trained yet)
 
 
 def test_a_resume_compares_against_config_toml_where_the_folder_has_one(tmp_path):
     from verbatim.jobs.train import check
 
     out = tmp_path / "run"
-    config = TrainConfig(env="guess", out=str(out), plan=TrainPlan(steps=2))
+    config = TrainConfig(play={"env": "guess"}, output={"out": str(out)}, plan=TrainPlan(steps=2))
     TraceWriter(out, RunManifest(run_id="r", model="m", renderer="r", engine={"block_size": 16},
                                  config=config.config()))
-    edited = config.model_copy(update={"learner": config.learner.model_copy(update={"lr": 0.5})})
-    write_config(out, TRAIN_FLAGS, edited, "train")  # the record says 0.5, the manifest 1e-05
+    write_config(out, TRAIN_FLAGS, with_flags(config, lr=0.5), "train")  # the record says 0.5, the manifest 1e-05
     with pytest.raises(InputError, match=r"learner.lr: 0.5 -> 1e-05"):
-        check(config.model_copy(update={"resume": True}))
+        check(with_flags(config, resume=True))
     (out / CONFIG_FILE).unlink()  # a folder written before config.toml: the manifest's config serves
-    assert check(config.model_copy(update={"resume": True})) == 0
+    assert check(with_flags(config, resume=True)) == 0
+
+
+def _flat(train: dict) -> dict:
+    """A ``train`` config as runs recorded it before the config had sections: every field of ``play``,
+    ``sampling``, ``routing``, ``output`` and ``placement`` at the top, the engine's as ``engine``,
+    ``engine_gpu_memory`` …"""
+    flat = {k: v for k, v in train.items() if k in ("plan", "learner")}
+    for section in ("play", "sampling", "routing", "output", "placement"):
+        flat.update(train.get(section, {}))
+    renamed = {"kind": "engine", "gpu_memory": "engine_gpu_memory", "tensor_parallel": "engine_tensor_parallel"}
+    flat.update({renamed.get(k, k): v for k, v in train["engine"].items()})
+    return flat
+
+
+def test_a_run_recorded_before_the_config_had_sections_resumes_and_its_changes_are_named(tmp_path):
+    from verbatim.jobs.train import check
+
+    out = tmp_path / "run"
+    config = TrainConfig(play={"env": "guess", "env_args": {"high": 5}}, sampling={"max_tokens": 12},
+                         engine={"max_model_len": 2048}, output={"out": str(out)}, plan=TrainPlan(steps=2))
+    flat = _flat(config.config()["train"])
+    assert flat["max_tokens"] == 12 and flat["engine"] == "inproc" and "play" not in flat
+    TraceWriter(out, RunManifest(run_id="r", model="m", renderer="r", engine={"block_size": 16},
+                                 config={"train": flat}))
+    assert TRAIN_FLAGS.nest(flat) == config.config()["train"]
+    assert check(with_flags(config, resume=True)) == 0
+    with pytest.raises(InputError, match=r"sampling.max_tokens: 12 -> 13"):
+        check(with_flags(config, resume=True, max_tokens=13))
+    with pytest.raises(InputError, match=r"engine.kind: 'inproc' -> 'http'"):
+        check(with_flags(config, resume=True, engine="http", url=["http://127.0.0.1:9"]))

@@ -110,7 +110,8 @@ def test_a_run_manifest_holds_only_redacted_urls(tmp_path, default_model_dir):
     from verbatim.jobs.run import RunOptions, prepare_run
 
     urls = ("http://alice:pw-123@127.0.0.1:9/?api_key=pw-456", "http://127.0.0.1:10/?token=pw-789")
-    run, engine = prepare_run(RunOptions(env="guess", engine="http", urls=urls, out=str(tmp_path / "run")))
+    run, engine = prepare_run(RunOptions(play={"env": "guess"}, engine={"kind": "http", "urls": urls},
+                                         output={"out": str(tmp_path / "run")}))
     text = run.manifest.model_dump_json()
     for secret in ("pw-123", "pw-456", "pw-789", "alice"):
         assert secret not in text

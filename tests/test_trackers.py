@@ -158,7 +158,8 @@ def _table_ids(name: str, table) -> list[str]:
 def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, engine_runner):
     """``verbatim train --log …`` for every tracker, through its entry point, given the session's engine."""
     out = offline / "logged"
-    run_training(TrainConfig(env="graded_env:GradedFactory", max_tokens=8, max_model_len=1024, out=str(out), log=ALL,
+    run_training(TrainConfig(play={"env": "graded_env:GradedFactory"}, sampling={"max_tokens": 8},
+                             engine={"max_model_len": 1024}, output={"out": str(out), "log": ALL},
                              plan=TrainPlan(steps=2, groups=2, group_size=2, seed=3)), engine=engine_runner.engine)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = {r["step"]: scalars({k: v for k, v in r.items() if k != "step"}) for r in records}
@@ -177,8 +178,8 @@ def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, 
 def test_run_logs_its_summary_and_rollouts_to_each_tracker(offline, engine_runner):
     """``verbatim run --log … --summary-json`` for every tracker, as the CLI runs it, given the session's engine."""
     out = offline / "played"
-    options = RunOptions(env="guess", groups=1, group_size=2, max_turns=1, max_tokens=8, max_model_len=1024,
-                         out=str(out), log=ALL)
+    options = RunOptions(play={"env": "guess", "max_turns": 1}, sampling={"max_tokens": 8},
+                         engine={"max_model_len": 1024}, output={"out": str(out), "log": ALL}, groups=1, group_size=2)
     run_command(options, Console(file=io.StringIO()), str(offline / "summary.json"), engine=engine_runner.engine)
     expected = {0: scalars(json.loads((offline / "summary.json").read_text()))}
     ids = sorted(r.rollout_id for r in read_run(out).rollouts)

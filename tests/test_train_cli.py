@@ -81,7 +81,7 @@ def refused(args: list[str], needle: str) -> str:
     (["--max-grad-norm", "0"], "--max-grad-norm 0 must be above 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints 0 must be at least 1"),
     (["--engine", "http"], "--engine http needs --url"),
-    (["--engine", "vllm"], "unknown engine 'vllm'"),
+    (["--engine", "vllm"], "--engine vllm must be 'inproc' or 'http'"),
     (["--task-file", "missing.jsonl"], "missing.jsonl does not exist"),
     (["--trainer-device", "gpu"], "--trainer-device 'gpu' is not a device"),
     (["--trainer-device", "meta"], "--trainer-device 'meta': the trainer runs on cpu or cuda"),
@@ -127,7 +127,7 @@ def test_resuming_a_verbatim_run_directory_is_refused_untouched(tmp_path):
 @pytest.mark.parametrize("changed,needle", [
     (["--lr", "2e-5"], "--resume with a changed config: learner.lr: 1e-05 -> 2e-05"),
     (["--group-size", "8"], "--resume with a changed config: plan.group_size: 4 -> 8"),
-    (["--env-arg", "high=5"], "--resume with a changed config: env_args.high: (missing) -> 5"),
+    (["--env-arg", "high=5"], "--resume with a changed config: play.env_args.high: (missing) -> 5"),
     (["--fixed-lag"], "--resume with a changed config: plan.fixed_lag: False -> True"),
     (["--kl-coef", "0.05"], "--resume with a changed config: learner.loss.kl_coef: 0.0 -> 0.05"),
 ])
@@ -148,7 +148,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--lr", "3e-5"]
     _manifest(out, config_of("train", args, monkeypatch).config())
 
-    def passed(options):
+    def passed(*given):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -167,7 +167,7 @@ def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path,
     del config["train"]["plan"]["fixed_lag"]
     _manifest(out, config)
 
-    def passed(options):
+    def passed(*given):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -188,7 +188,7 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
         del config["train"]["learner"]["loss"][key]
     _manifest(out, config)
 
-    def passed(options):
+    def passed(*given):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -203,7 +203,7 @@ def test_the_trainer_device_may_change_on_resume(monkeypatch):
     args = ["--env", "guess", "--out", "run"]
     on_cpu = config_of("train", args, monkeypatch)
     on_gpu = config_of("train", [*args, "--trainer-device", "cuda:1"], monkeypatch)
-    assert (on_cpu.trainer_device, on_gpu.trainer_device) == ("cpu", "cuda:1")
+    assert (on_cpu.placement.trainer_device, on_gpu.placement.trainer_device) == ("cpu", "cuda:1")
     assert on_cpu.config() == on_gpu.config()
 
 
@@ -274,7 +274,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, config_of("train", args, monkeypatch).config(), 1, 1, (1, 2))
 
-    def passed(options):
+    def passed(*given):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -309,7 +309,7 @@ def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monke
         refused([*args, "--steps", steps, "--resume"], needle)
         return
 
-    def passed(options):
+    def passed(*given):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)

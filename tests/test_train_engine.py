@@ -46,9 +46,9 @@ def train(engine_runner, out: Path, plan: TrainPlan, learner: LearnerConfig, *, 
           env: str = "guess", env_args: dict | None = None) -> tuple[TrainLoop, list[dict], int]:
     """``verbatim train``'s run (its entry point, given the session's engine, which it begins with the base
     weights as version 0): the loop, its metrics, and the version it started from."""
-    config = TrainConfig(env=env, env_args={"high": 8, "max_guesses": 3} if env_args is None else env_args,
-                         max_turns=2, max_tokens=12, temperature=temperature, max_model_len=2048, out=str(out),
-                         plan=plan, learner=learner)
+    play = {"env": env, "env_args": {"high": 8, "max_guesses": 3} if env_args is None else env_args, "max_turns": 2}
+    config = TrainConfig(play=play, sampling={"max_tokens": 12, "temperature": temperature},
+                         engine={"max_model_len": 2048}, output={"out": str(out)}, plan=plan, learner=learner)
     ended: list[TrainLoop] = []
     history = run_training(config, engine=engine_runner.engine, on_end=ended.append)
     return ended[0], history, 0

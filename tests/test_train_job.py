@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from command_config import with_flags
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
@@ -38,11 +39,11 @@ def test_a_script_given_the_clis_config_builds_the_same_run(tmp_path, built):
     assert result.exit_code == 0, result.output
     (cli_loop, cli_config), = built
     # what a torchrun worker receives: the config as JSON, the run directory its own
-    sent = cli_config.model_copy(update={"out": str(tmp_path / "script")}).model_dump_json()
+    sent = with_flags(cli_config, out=str(tmp_path / "script")).model_dump_json()
     config = TrainConfig.model_validate_json(sent)
     assert run_training(config) == []
     script_loop, _ = built[1]
-    assert config.model_dump(exclude={"out"}) == cli_config.model_dump(exclude={"out"})
+    assert config.model_dump(exclude={"output": {"out"}}) == cli_config.model_dump(exclude={"output": {"out"}})
     assert script_loop.plan == cli_loop.plan and script_loop.plan.steps == 3
     assert script_loop.loop == cli_loop.loop
     assert script_loop.learner.config == cli_loop.learner.config and cli_loop.learner.config.lr == 2e-5
@@ -59,8 +60,8 @@ def test_a_scripts_bad_config_is_refused_before_any_model_loads(tmp_path, built)
     from verbatim.rl.plan import TrainPlan
     from verbatim.trainer.learner_config import LearnerConfig
 
-    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, groups=1, group_size=2),
-                         learner=LearnerConfig(updates_per_step=3), out=str(tmp_path / "run"))
+    config = TrainConfig(play={"env": "guess"}, plan=TrainPlan(steps=1, groups=1, group_size=2),
+                         learner=LearnerConfig(updates_per_step=3), output={"out": str(tmp_path / "run")})
     with pytest.raises(InputError, match="--updates-per-step 3 is more than the 2 rollouts"):
         run_training(config)
     assert built == [] and not (tmp_path / "run").exists()
@@ -74,11 +75,11 @@ def test_a_scripts_max_lag_sets_the_version_lag_mask_it_is_held_once():
     from verbatim.rl.plan import TrainPlan
     from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
-    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2), learner=LearnerConfig())
+    config = TrainConfig(play={"env": "guess"}, plan=TrainPlan(steps=1, max_lag=2), learner=LearnerConfig())
     assert config.learner.correction.max_version_lag == 2
     assert TrainConfig.model_validate_json(config.model_dump_json()) == config  # what a torchrun rank receives
     with pytest.raises(ValidationError, match=r"max_version_lag 1 differs from 2 \(plan.max_lag 2"):
-        TrainConfig(env="guess", plan=TrainPlan(steps=1, max_lag=2),
+        TrainConfig(play={"env": "guess"}, plan=TrainPlan(steps=1, max_lag=2),
                     learner=LearnerConfig(correction=CorrectionConfig(max_version_lag=1)))
 
 
@@ -96,7 +97,7 @@ def test_a_rank_above_0_under_torchrun_follows_without_touching_the_run_folder(t
     result = CliRunner().invoke(app, ["train", "--env", "guess", "--steps", "1", "--out", str(out),
                                       "--summary-json", str(tmp_path / "s.json")])
     assert result.exit_code == 0, result.output
-    assert len(followed) == 1 and followed[0].out == str(out) and followed[0].trainer_procs == 1
+    assert len(followed) == 1 and followed[0].output.out == str(out) and followed[0].placement.trainer_procs == 1
     assert not (tmp_path / "s.json").exists() and result.output.strip() == ""
 
 
@@ -127,8 +128,8 @@ def test_trackers_are_closed_when_the_team_cannot_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr("verbatim.jobs.train.open_trackers", lambda *args: Recorded())
     monkeypatch.setattr(trainer_team, "start_followers", no_team)
-    config = TrainConfig(env="guess", plan=TrainPlan(steps=1, groups=1, group_size=2), learner=LearnerConfig(),
-                         out=str(tmp_path / "run"))
+    config = TrainConfig(play={"env": "guess"}, plan=TrainPlan(steps=1, groups=1, group_size=2),
+                         learner=LearnerConfig(), output={"out": str(tmp_path / "run")})
     with pytest.raises(RuntimeError, match="no team"):
         run_training(config)
     assert closed == [True]

@@ -48,7 +48,7 @@ from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError, TrainerError
 from verbatim.harness.step_metrics import steps_of
-from verbatim.jobs.config import TrainConfig
+from verbatim.jobs.config import EngineChoice, Placement, PlaySource, TrainConfig, TrainOutput, TrainSampling
 from verbatim.rl.plan import TrainPlan
 from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
@@ -140,8 +140,10 @@ def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
     """The config of one run of the benchmark: ``verbatim train``'s, with the run's setting."""
     correction = CorrectionConfig() if run.correction else NO_CORRECTION
     return TrainConfig(
-        env="guess", env_args=ENV_ARGS, model=model, max_turns=settings.max_turns, max_tokens=settings.max_tokens,
-        temperature=1.0, max_model_len=2048, kv_cache_gib=1, out=str(out), weight_sync=run.sync,
+        play=PlaySource(env="guess", env_args=ENV_ARGS, max_turns=settings.max_turns),
+        sampling=TrainSampling(max_tokens=settings.max_tokens, temperature=1.0),
+        engine=EngineChoice(model=model, max_model_len=2048, kv_cache_gib=1), output=TrainOutput(out=str(out)),
+        placement=Placement(weight_sync=run.sync),
         plan=TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
                        max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
                        checkpoint_every=run.checkpoint_every),

@@ -75,9 +75,10 @@ def load_workload(traces: Sequence[Path]) -> TraceWorkload:
 
 def _describe(manifest: Any) -> str:
     o = manifest.config.get("options", {})
+    play, sampling = o.get("play", o), o.get("sampling", o)  # a run recorded before its config had sections: flat
     engine = next((f"{k} {v}" for k, v in manifest.versions.items() if k.startswith("vllm")), "vLLM")
-    return (f"`{o.get('env', '?')}`: {o.get('groups', '?')} groups × {o.get('group_size', '?')}, "
-            f"≤{o.get('max_turns', '?')} turns of ≤{o.get('max_tokens', '?')} tokens, "
+    return (f"`{play.get('env', '?')}`: {o.get('groups', '?')} groups × {o.get('group_size', '?')}, "
+            f"≤{play.get('max_turns', '?')} turns of ≤{sampling.get('max_tokens', '?')} tokens, "
             f"{Path(manifest.model).name or '?'}, {engine}, concurrency {o.get('concurrency', '?')}")
 
 

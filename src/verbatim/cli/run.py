@@ -22,7 +22,7 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
     """``verbatim run``: the run, its summary table and ``--summary-json``; ``engine``: one the caller started
     (:func:`~verbatim.jobs.run.run_rollouts`)."""
     if summary_json:
-        check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before the run, not after it
+        check_output_file(summary_json, "--summary-json", created=Path(options.output.out))  # before the run
     ended: list[Run] = []
     try:
         summary = run_rollouts(options, console, on_end=ended.append, engine=engine)

@@ -53,7 +53,7 @@ def summary(history: list[StepMetrics], options: TrainConfig, wall_s: float,
             "mismatch_by_step": [r.mismatch_mean_abs for r in history],
             "cache_hit_rate_by_step": [r.cache_hit_rate for r in history],
             "wall_s": round(wall_s, 2), "engine_start_s": round(engine_start_s, 2),
-            "weight_share_s": round(share_s, 2), "run_dir": options.out}
+            "weight_share_s": round(share_s, 2), "run_dir": options.output.out}
 
 
 def train_command(options: TrainConfig, console: Console, summary_json: str | None = None, *,
@@ -67,16 +67,16 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
     if following():  # a rank above 0 under torchrun: rank 0 owns the run folder and prints; this one trains
         return run_training(options, console)
     started = time.perf_counter()
-    check_run_dir(options.out)
+    check_run_dir(options.output.out)
     if summary_json:
-        check_output_file(summary_json, "--summary-json", created=Path(options.out))  # before training, not after it
+        check_output_file(summary_json, "--summary-json", created=Path(options.output.out))  # before training
     ended: list[TrainLoop] = []
 
     def on_end(loop: TrainLoop) -> None:
         ended.append(loop)
         steps = steps_of(loop.history)
         if steps:
-            console.print(reward_table(steps, Path(options.out)))
+            console.print(reward_table(steps, Path(options.output.out)))
             warn_ignored_fields(summed(r.ignored_request_fields for r in steps), console)
         if summary_json and steps:
             write_summary_json(summary_json, summary(steps, options, time.perf_counter() - started,
@@ -89,7 +89,7 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
     if not ended:  # a resumed run with nothing left to train: its table, and the engine never started
         steps = steps_of(history)
         if steps:
-            console.print(reward_table(steps, Path(options.out)))
+            console.print(reward_table(steps, Path(options.output.out)))
         if summary_json:
             write_summary_json(summary_json, summary(steps, options, time.perf_counter() - started))
     return history

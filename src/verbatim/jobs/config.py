@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from verbatim.datamodel import Frozen
-from verbatim.engine.protocol import CachePolicy
+from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
@@ -27,9 +27,15 @@ from verbatim.trackers.fanout import TrackerNames
 from verbatim.trainer.learner_config import LearnerConfig
 
 
-class PlayConfig(Frozen):
-    """What plays, how it samples, on which engine, and where it is written: the fields ``run`` and ``train``
-    share."""
+def _default(model: type[Frozen], field: str, value: Any) -> Any:
+    """``model``'s field with another default (its bounds and help kept), for a job's own section."""
+    info = copy.copy(model.model_fields[field])
+    info.default = value
+    return info
+
+
+class PlaySource(Frozen):
+    """What the rollouts play: an env or an agent, its tasks, and the chat format its turns are rendered in."""
 
     env: str | None = None
     """Built-in env (guess, tools, longdoc, python), module:Class, or entry point."""
@@ -45,13 +51,21 @@ class PlayConfig(Frozen):
     """KEY=VALUE for the env's factory (repeat), e.g. --env-arg high=5 for guess; values are JSON or text."""
     tasks: str | None = None
     """JSONL task file, taken in turn (default: the env's seeded generator; --agent needs one)."""
-    model: str = "default"
-    """Bundled model name or Hugging Face folder."""
     renderer: str | None = None
     """Chat format (default: the model's own)."""
     max_turns: int | None = Field(default=None, ge=1)
     """Model turns per rollout at most; a rollout cut here is 'truncated' (default: as many as the env's tasks
     allow, e.g. guess's 6 guesses; 8 for an env that does not say)."""
+
+    @property
+    def player(self) -> str | None:
+        """The agent a rollout is played by (--agent or --agent-cmd), None for an env's own loop."""
+        return self.agent or self.agent_cmd
+
+
+class SamplingConfig(Frozen):
+    """How each turn samples."""
+
     max_tokens: int = Field(default=64, ge=1)
     """Sampled tokens per turn at most."""
     temperature: float = Field(default=1.0, ge=0)
@@ -60,10 +74,37 @@ class PlayConfig(Frozen):
     """Nucleus sampling (training below 1 needs --allow-truncated-sampling)."""
     top_k: int = Field(default=0, ge=0)
     """Sample among the k likeliest tokens; 0 is off (training above 0 needs --allow-truncated-sampling)."""
-    engine: str = "inproc"
+
+    def sampling(self) -> Sampling:
+        """These settings as every request of the run carries them."""
+        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+class EngineChoice(Frozen):
+    """Which engine serves the run and the model it serves: the bundled in-process vLLM, or vLLM servers over
+    HTTP (one per replica)."""
+
+    kind: Literal["inproc", "http"] = "inproc"
     """inproc (bundled vLLM) or http."""
+    model: str = "default"
+    """Bundled model name or Hugging Face folder."""
     urls: tuple[str, ...] = ()
     """vLLM server URL (with --engine http); repeat for replicas."""
+    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
+    """Context length per request: prompt + sampled tokens."""
+    kv_cache_gib: int = Field(default=2, ge=1)
+    """KV cache size in GiB (inproc engine)."""
+    gpu_memory: float | None = Field(default=None, gt=0, le=1)
+    """Share of each of its GPUs the in-process engine may take, in (0, 1] (vLLM's gpu_memory_utilization;
+    default vLLM's, 0.92); docs/scale.md."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs the in-process engine spans (vLLM's tensor_parallel_size): GPUs 0..N-1 of those this command
+    sees."""
+
+
+class Routing(Frozen):
+    """How requests spread over several --url replicas."""
+
     route: str | None = None
     """Routing over several --url replicas: round_robin | least_loaded | session_hash | sticky_least_loaded,
     optionally +group (default with several: sticky_least_loaded+group)."""
@@ -71,16 +112,11 @@ class PlayConfig(Frozen):
     """Hold new rollouts while a replica's KV usage is at or above this."""
     admission: bool = True
     """KV admission control (router)."""
-    max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
-    """Context length per request: prompt + sampled tokens."""
-    kv_cache_gib: int = Field(default=2, ge=1)
-    """KV cache size in GiB (inproc engine)."""
-    engine_gpu_memory: float | None = Field(default=None, gt=0, le=1)
-    """Share of each of its GPUs the in-process engine may take, in (0, 1] (vLLM's gpu_memory_utilization;
-    default vLLM's, 0.92); docs/scale.md."""
-    engine_tensor_parallel: int = Field(default=1, ge=1)
-    """GPUs the in-process engine spans (vLLM's tensor_parallel_size): GPUs 0..N-1 of those this command
-    sees."""
+
+
+class Output(Frozen):
+    """Where the run is written, and who else is told."""
+
     out: str = "runs/latest"
     """Run directory (written incrementally)."""
     resume: bool = False
@@ -89,16 +125,26 @@ class PlayConfig(Frozen):
     """Also send the run's metrics, its config and a table of sampled rollouts to this tracker: wandb,
     tensorboard, mlflow or trackio (repeat for several; pip install 'verbatim-rl[NAME]'). docs/trainer.md."""
 
+
+class PlayConfig(Frozen):
+    """What plays, how it samples, on which engine and routes, and where it is written: the sections ``run`` and
+    ``train`` share."""
+
+    play: PlaySource = Field(default_factory=PlaySource)
+    """What the rollouts play."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How each turn samples."""
+    engine: EngineChoice = Field(default_factory=EngineChoice)
+    """The engine and its model."""
+    routing: Routing = Field(default_factory=Routing)
+    """Routing over replicas."""
+    output: Output = Field(default_factory=Output)
+    """The run folder and trackers."""
+
     def recorded(self) -> Any:
         """This config as a run folder records it: no credentials in its server URLs."""
-        return self.model_copy(update={"urls": tuple(redact(u) for u in self.urls)})
-
-
-def _default(field: str, value: Any) -> Any:
-    """``PlayConfig``'s field with another default (its bounds and help kept)."""
-    info = copy.copy(PlayConfig.model_fields[field])
-    info.default = value
-    return info
+        engine = self.engine.model_copy(update={"urls": tuple(redact(u) for u in self.engine.urls)})
+        return self.model_copy(update={"engine": engine})
 
 
 class RunOptions(PlayConfig):
@@ -119,16 +165,29 @@ class RunOptions(PlayConfig):
     """On SIGINT/SIGTERM, seconds the playing rollouts get to finish."""
 
 
-class TrainConfig(PlayConfig):
-    """Everything a training run is asked to do: what plays (as for ``run``), the loop's plan, the learner and
-    where the trainer runs (its ``train`` section is the run's recorded config)."""
+class TrainSampling(SamplingConfig):
+    """How each turn of a training run samples: shorter replies by default, and never greedily."""
 
-    max_tokens: int = _default("max_tokens", 48)
-    out: str = _default("out", "runs/train")
-    plan: TrainPlan = Field(default_factory=TrainPlan)
-    """What the loop does around the learner."""
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    """How the trainer steps."""
+    max_tokens: int = _default(SamplingConfig, "max_tokens", 48)
+
+    @field_validator("temperature")
+    @classmethod
+    def _samples(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be above 0: the trainer's π is log_softmax(logits / T), which greedy "
+                             "decoding has not")
+        return value
+
+
+class TrainOutput(Output):
+    """Where a training run is written, and who else is told."""
+
+    out: str = _default(Output, "out", "runs/train")
+
+
+class Placement(Frozen):
+    """Where the trainer runs and how weights reach the engine."""
+
     trainer_device: str = "cpu"
     """Where the trainer's model runs: cpu, cuda or cuda:N (the engine places itself; weights reach it through
     CPU memory); a resumed run may move."""
@@ -142,13 +201,21 @@ class TrainConfig(PlayConfig):
     """Seconds a step's collectives wait for a silent trainer rank before the run stops naming it
     (--trainer-procs > 1 or torchrun)."""
 
-    @field_validator("temperature")
-    @classmethod
-    def _samples(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("must be above 0: the trainer's π is log_softmax(logits / T), which greedy "
-                             "decoding has not")
-        return value
+
+class TrainConfig(PlayConfig):
+    """Everything a training run is asked to do: what plays (as for ``run``), the loop's plan, the learner and
+    where the trainer runs (its ``train`` section is the run's recorded config)."""
+
+    sampling: TrainSampling = Field(default_factory=TrainSampling)
+    """How each turn samples."""
+    output: TrainOutput = Field(default_factory=TrainOutput)
+    """The run folder and trackers."""
+    plan: TrainPlan = Field(default_factory=TrainPlan)
+    """What the loop does around the learner."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """How the trainer steps."""
+    placement: Placement = Field(default_factory=Placement)
+    """Where the trainer runs."""
 
     @model_validator(mode="after")
     def _version_lag_mask_follows_max_lag(self) -> TrainConfig:
@@ -168,13 +235,26 @@ class TrainConfig(PlayConfig):
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
-        return {"train": self.recorded().model_dump(mode="json", exclude=set(MAY_CHANGE))}
+        dumped = self.recorded().model_dump(mode="json", exclude=_exclusion(MAY_CHANGE))
+        return {"train": {k: v for k, v in dumped.items() if v != {}}}  # a section left empty: not a setting
 
 
-MAY_CHANGE = ("resume", "out", "trainer_device", "engine_gpu_memory", "engine_tensor_parallel", "trainer_procs",
-              "trainer_timeout_s", "log")
+MAY_CHANGE = ("output.resume", "output.out", "output.log", "engine.gpu_memory", "engine.tensor_parallel",
+              "placement.trainer_device", "placement.trainer_procs", "placement.trainer_timeout_s")
 """A training run's fields a resume may change: where it is written, where its engine and trainer run, its
 trackers."""
+
+
+def _exclusion(paths: tuple[str, ...]) -> dict[str, Any]:
+    """Dotted field paths as pydantic's nested ``exclude``: ``{"output": {"out": True}}``."""
+    tree: dict[str, Any] = {}
+    for path in paths:
+        *parents, last = path.split(".")
+        place = tree
+        for part in parents:
+            place = place.setdefault(part, {})
+        place[last] = True
+    return tree
 
 
 def parse_band(text: str | None) -> tuple[float, float] | None:
@@ -220,16 +300,19 @@ def _off_is_none(text: str | None) -> str | None:
 
 
 PLAY_SPECS = {
-    "agent_timeout_s": Spec(name="--agent-timeout"),
-    "env_args": Spec(name="--env-arg", kind=str, multiple=True, parse=parse_env_args,
-                     show=lambda args: [f"{k}={json.dumps(v)}" for k, v in args.items()]),
-    "tasks": Spec(aliases=("--task-file",)),
-    "urls": Spec(name="--url"),
+    "play.agent_timeout_s": Spec(name="--agent-timeout"),
+    "play.env_args": Spec(name="--env-arg", kind=str, multiple=True, parse=parse_env_args,
+                          show=lambda args: [f"{k}={json.dumps(v)}" for k, v in args.items()]),
+    "play.tasks": Spec(aliases=("--task-file",)),
+    "engine.kind": Spec(name="--engine"),
+    "engine.urls": Spec(name="--url"),
+    "engine.gpu_memory": Spec(name="--engine-gpu-memory"),
+    "engine.tensor_parallel": Spec(name="--engine-tensor-parallel"),
 }
 RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
 TRAIN_SPECS = {
     **PLAY_SPECS,
-    "trainer_timeout_s": Spec(name="--trainer-timeout"),
+    "placement.trainer_timeout_s": Spec(name="--trainer-timeout"),
     "plan.context": DERIVED,  # an ablation of bench learn's, not a setting of a run
     "learner.dtype": Spec(name="--trainer-dtype"),
     "learner.checkpoint_layers": Spec(name="--activation-checkpointing"),

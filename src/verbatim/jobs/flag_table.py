@@ -160,6 +160,21 @@ class FlagTable:
                 raise ValueError(f"{flag.name}: None, whose default is {flag.default!r}, needs a Spec.show")
         return found
 
+    def nest(self, flat: Mapping[str, Any]) -> dict[str, Any]:
+        """A config recorded before it had sections (``{"max_tokens": 48, "plan": {…}}``) in today's shape: each
+        key that is no field of the model goes where the field of that name, or of that flag, is now. A key
+        that names neither stays where it is (a comparison shows it)."""
+        nested: dict[str, Any] = {}
+        for key, value in flat.items():
+            info = self.model.model_fields.get(key)
+            kept = info is not None and (isinstance(value, Mapping) or _model_of(info.annotation) is None)
+            flag = None if kept else next((f for f in self.flags if f.path[-1] == key or f.key == key), None)
+            place, path = nested, (flag.path if flag is not None else (key,))
+            for part in path[:-1]:
+                place = place.setdefault(part, {})
+            place[path[-1]] = value
+        return nested
+
     def refusal(self, exc: ValidationError) -> str | None:
         """The config's first refusal as one line naming the flag: ``--clip-eps 1.5 must be below 1``; None
         where it names no flag's field."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from verbatim.engine.runtime import VLLM_GPU_MEMORY
 from verbatim.errors import InputError
-from verbatim.jobs.compose import EngineChoice
+from verbatim.jobs.config import EngineChoice
 
 GIB = float(1 << 30)
 

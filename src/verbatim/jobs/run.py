@@ -24,15 +24,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from verbatim.datamodel import Rollout
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import Sampling
 from verbatim.engine.router import Router
-from verbatim.engine.server_url import redact
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import RunManifest
 from verbatim.harness.summary import RunSummary
-from verbatim.jobs.compose import default_renderer, engine_choice, episode_source, existing_run_id, players
+from verbatim.jobs.compose import default_renderer, episode_source, existing_run_id, players
 from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import write_config
@@ -52,14 +50,15 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
     """
     from verbatim.envs.registry import default_max_turns, load_tasks
 
-    if options.tasks:
-        tasks = list(load_tasks(options.tasks))  # an empty file is refused there
+    play = options.play
+    if play.tasks:
+        tasks = list(load_tasks(play.tasks))  # an empty file is refused there
         groups = options.groups or len(tasks)
     else:
         groups = options.groups or DEFAULT_GROUPS
         tasks = list(factory.tasks(groups, options.seed))
-    max_turns = options.max_turns or default_max_turns(factory, tasks[:groups])
-    return options.model_copy(update={"groups": groups, "max_turns": max_turns}), tasks
+    play = play.model_copy(update={"max_turns": play.max_turns or default_max_turns(factory, tasks[:groups])})
+    return options.model_copy(update={"groups": groups, "play": play}), tasks
 
 
 def _plan(options: RunOptions, run_id: str) -> RunPlan:
@@ -75,36 +74,33 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     from verbatim.renderers.registry import get_renderer
 
     policy = options.cache_policy
-    factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
+    factory = episode_source(options.play)
     options, tasks = with_tasks(options, factory)
-    model_dir = resolve(options.model)  # the tokenizer is local even when the engine is a server
-    renderer_name = options.renderer or default_renderer(options.model)
+    play, choice, out = options.play, options.engine, Path(options.output.out)
+    model_dir = resolve(choice.model)  # the tokenizer is local even when the engine is a server
+    renderer_name = play.renderer or default_renderer(choice.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
-    out = Path(options.out)
-    run_id = existing_run_id(out) if options.resume else None
+    run_id = existing_run_id(out) if options.output.resume else None
     run_id = run_id or uuid.uuid4().hex[:12]
     plan = _plan(options, run_id)
-    loop = LoopConfig(max_turns=options.max_turns, context_budget=options.max_model_len, cache_policy=policy,
-                      sampling=Sampling(max_tokens=options.max_tokens, temperature=options.temperature,
-                                        top_p=options.top_p, top_k=options.top_k))
-    choice = engine_choice(options, options.seed)
-    engine = make_engine(choice) if engine is None else engine  # constructing starts nothing
+    loop = LoopConfig(max_turns=play.max_turns, context_budget=choice.max_model_len, cache_policy=policy,
+                      sampling=options.sampling.sampling())
+    engine = make_engine(choice, options.routing, options.seed) if engine is None else engine  # starts nothing
     check_here(choice)
-    urls = [redact(u) for u in options.urls]  # no credentials in traces
+    recorded = options.recorded()  # no credentials in traces
     route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(
-        run_id=run_id, model=str(model_dir or options.model), renderer=renderer_name,
-        engine={"kind": options.engine, "block_size": engine.block_size,
-                "cache_policy": policy.value, "urls": urls, "route": route},
-        config={"options": options.model_dump(mode="json", exclude={"resume"}) | {"urls": urls},
+        run_id=run_id, model=str(model_dir or choice.model), renderer=renderer_name,
+        engine={"kind": choice.kind, "block_size": engine.block_size,
+                "cache_policy": policy.value, "urls": list(recorded.engine.urls), "route": route},
+        config={"options": recorded.model_dump(mode="json", exclude={"output": {"resume"}}),
                 "plan": plan.model_dump(exclude={"run_id"})},
     )
-    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest,
-              make_player=players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s))
-    run.check_out_dir(options.resume)
-    if options.env is not None:  # an agent's prompts are known only when it asks
-        preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
-                  max_tokens=options.max_tokens)
+    run = Run(plan, loop, engine, renderer, factory, tasks, out, manifest, make_player=players(play, choice.model))
+    run.check_out_dir(options.output.resume)
+    if play.env is not None:  # an agent's prompts are known only when it asks
+        preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
+                  max_tokens=options.sampling.max_tokens)
     return run, engine
 
 
@@ -172,13 +168,13 @@ def run_rollouts(options: RunOptions, console: Console | None = None, *,
     ``on_end`` sees the run however playing ends: after a stop or a failure, ``run.summary`` holds what was
     written (the error is raised after it)."""
     console = console or Console(stderr=True)
-    check_run_dir(options.out)
+    check_run_dir(options.output.out)
     run, engine_used = prepare_run(options, engine)
-    config = options.recorded().model_dump(mode="json", exclude={"log"})
-    trackers = open_trackers(options.log, Path(options.out), config)  # a tracker that is not installed: exit 2
+    config = options.recorded().model_dump(mode="json", exclude={"output": {"log"}})
+    trackers = open_trackers(options.output.log, Path(options.output.out), config)  # not installed: exit 2
     try:
         resolved = type(options).model_validate(run.manifest.config["options"])  # --groups, --max-turns filled in
-        summary = on_engine_loop(execute(run, engine_used, options.resume, console, options.stop_grace_s,
+        summary = on_engine_loop(execute(run, engine_used, options.output.resume, console, options.stop_grace_s,
                                          trackers.rollout, engine_given=engine is not None,
                                          record=lambda: write_config(run.out, flags_of(type(options)), resolved,
                                                                      "run")), engine)

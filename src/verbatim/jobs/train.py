@@ -38,12 +38,13 @@ def check(options: TrainConfig) -> int:
     Returns the steps already trained."""
     from verbatim.trainer.reference import trainer_device
 
-    trainer_device(options.trainer_device)  # refused before the engine or the model
+    trainer_device(options.placement.trainer_device)  # refused before the engine or the model
     check_updates(options)
-    out = Path(options.out)
-    recorded = recorded_config(out, flags_of(type(options))) if options.resume else None
-    return check_resumable(out, options.resume, options.config(),
-                           recorded=None if recorded is None else recorded.config()["train"])
+    out, resume = Path(options.output.out), options.output.resume
+    table = flags_of(type(options))
+    recorded = recorded_config(out, table) if resume else None
+    return check_resumable(out, resume, options.config(), recorded=None if recorded is None else
+                           recorded.config()["train"], upgrade=table.nest)
 
 
 def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
@@ -54,7 +55,6 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.jobs.compose import (
         default_renderer,
-        engine_choice,
         episode_source,
         existing_run_id,
         make_engine,
@@ -67,50 +67,48 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model, trainer_device
 
-    out = Path(options.out)
-    config = options.config()
+    out, play, choice, placement = Path(options.output.out), options.play, options.engine, options.placement
     given_engine = engine is not None
-    device = rank_device(trainer_device(options.trainer_device))
-    factory = episode_source(options.env, options.agent, options.env_args, options.agent_cmd)
+    device = rank_device(trainer_device(placement.trainer_device))
+    factory = episode_source(play)
     tasks = _task_source(options, factory, load_tasks)
-    choice = engine_choice(options, options.plan.seed)
-    engine = make_engine(choice) if engine is None else engine  # bad engine options: refused before the tokenizer
-    model_dir = resolve(options.model)
-    renderer_name = options.renderer or default_renderer(options.model)
+    if engine is None:  # bad engine options: refused before the tokenizer
+        engine = make_engine(choice, options.routing, options.plan.seed)
+    model_dir = resolve(choice.model)
+    renderer_name = play.renderer or default_renderer(choice.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
-    max_turns = options.max_turns or default_max_turns(factory, tasks(0))
-    loop = LoopConfig(max_turns=max_turns, context_budget=options.max_model_len,
+    max_turns = play.max_turns or default_max_turns(factory, tasks(0))
+    loop = LoopConfig(max_turns=max_turns, context_budget=choice.max_model_len,
                       cache_policy=options.plan.cache_policy,
                       sampling=sampling(options))
     run_id = existing_run_id(out) or uuid.uuid4().hex[:12]
     manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
-                           engine={"kind": options.engine, "block_size": engine.block_size,
+                           engine={"kind": choice.kind, "block_size": engine.block_size,
                                    "cache_policy": options.plan.cache_policy.value,
-                                   "urls": config["train"]["urls"], "route": options.route},
-                           config=config)
-    make_player = players(options.agent or options.agent_cmd, options.model, options.agent_timeout_s)
+                                   "urls": list(options.recorded().engine.urls), "route": options.routing.route},
+                           config=options.config())
+    make_player = players(play, choice.model)
     first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
                 make_player=make_player)
-    if options.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
-        preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=options.max_model_len,
-                  max_tokens=options.max_tokens)
+    if play.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
+        preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
+                  max_tokens=options.sampling.max_tokens)
     model = load_model(model_dir)
     check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
-               dtype=options.learner.dtype, ranks=team_size(options.trainer_procs),
+               dtype=options.learner.dtype, ranks=team_size(placement.trainer_procs),
                reference=options.learner.loss.kl_coef > 0)  # before the model moves
-    team, announcements = join_team(device, options.trainer_timeout_s)  # the other ranks wait here for rank 0
+    team, announcements = join_team(device, placement.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team, seed=options.plan.seed)
     if announcements is not None:
         learner = Lead(learner, announcements)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
-                     served=options.engine == "http" or options.weight_sync == "folder",
-                     used=options.engine == "http" or given_engine, make_player=make_player)
+                     served=choice.kind == "http" or placement.weight_sync == "folder",
+                     used=choice.kind == "http" or given_engine, make_player=make_player)
 
 
 def sampling(options: TrainConfig) -> Sampling:
     """The run's sampling settings; a mask the trainer's π does not reproduce needs the user's opt-in."""
-    chosen = Sampling(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
-                      top_k=options.top_k)
+    chosen = options.sampling.sampling()
     refuse_truncated(chosen.record(), options.plan.allow_truncated_sampling, "--top-p/--top-k")
     return chosen
 
@@ -127,12 +125,12 @@ def check_updates(options: TrainConfig) -> None:
 def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     """Step k's tasks: the env's generator seeded by (seed, k), or the task file's in turn."""
     plan, groups = options.plan, options.plan.groups
-    if options.tasks is None:
+    if options.play.tasks is None:
         factory.tasks(groups, plan.seed)  # a generator that fails does so now, before the engine starts
         return lambda k: list(factory.tasks(groups, plan.task_seed(k)))
-    pool = list(load_tasks(options.tasks))
+    pool = list(load_tasks(options.play.tasks))
     if not pool:
-        raise InputError(f"{options.tasks} holds no tasks")
+        raise InputError(f"{options.play.tasks} holds no tasks")
     return lambda k: [pool[(k * groups + g) % len(pool)] for g in range(groups)]
 
 
@@ -145,7 +143,7 @@ async def execute(loop: TrainLoop, options: TrainConfig, console: Console, *,
         write_config(loop.out, flags_of(type(options)), options.recorded(), "train")  # what a rerun repeats
         undo = _stop_on_signals(loop, console)
         try:
-            return await loop.train(resume=options.resume)
+            return await loop.train(resume=options.output.resume)
         finally:
             undo()
 
@@ -186,23 +184,24 @@ def run_training(config: TrainConfig, console: Console | None = None,
         follow_run(config)
         return []
     console = console or Console(stderr=True)
-    check_procs(config.trainer_procs)
+    check_procs(config.placement.trainer_procs)
     trained = check(config)
-    if config.resume and trained >= config.plan.steps:
+    out = Path(config.output.out)
+    if config.output.resume and trained >= config.plan.steps:
         from verbatim.harness.metrics_log import read_metrics
 
-        console.print(f"{config.out} is complete: all {trained} steps are trained (pass a higher --steps with "
+        console.print(f"{out} is complete: all {trained} steps are trained (pass a higher --steps with "
                       "--resume to train more)", soft_wrap=True)
-        return read_metrics(config.out)
-    trackers = open_trackers(config.log, Path(config.out), config.config()["train"])  # a missing one: exit 2 now
+        return read_metrics(out)
+    trackers = open_trackers(config.output.log, out, config.config()["train"])  # a missing one: exit 2 now
     try:
-        followers = start_followers(config.model_dump_json(), config.trainer_procs, Path(config.out))
+        followers = start_followers(config.model_dump_json(), config.placement.trainer_procs, out)
     except BaseException:  # no team: nothing below runs, so close the trackers here
         trackers.close()
         raise
     released = False
     try:
-        with named_ranks(followers, config.trainer_timeout_s):
+        with named_ranks(followers, config.placement.trainer_timeout_s):
             loop = prepare(config, engine)
             loop.on_step = trackers.after(on_step)
             loop.on_rollout = trackers.rollout

@@ -93,10 +93,10 @@ def follow_run(config: Any) -> int:
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.reference import load_model, trainer_device
 
-    device = rank_device(trainer_device(config.trainer_device))
-    team, announcements = join_team(device, config.trainer_timeout_s)
+    device = rank_device(trainer_device(config.placement.trainer_device))
+    team, announcements = join_team(device, config.placement.trainer_timeout_s)
     try:
-        learner = Learner(load_model(resolve(config.model)).to(device), config.learner, team=team,
+        learner = Learner(load_model(resolve(config.engine.model)).to(device), config.learner, team=team,
                           seed=config.plan.seed)
         return follow(learner, announcements)
     finally:

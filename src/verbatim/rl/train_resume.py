@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,12 @@ _EVERY_KEY = "plan.checkpoint_every"
 """How often a run checkpoints may change on a resume: it changes no step's result."""
 
 
-def check_resumable(out: Path, resume: bool, config: dict[str, Any], recorded: dict[str, Any] | None = None) -> int:
+def check_resumable(out: Path, resume: bool, config: dict[str, Any], recorded: dict[str, Any] | None = None,
+                    upgrade: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> int:
     """Refuse a used --out without --resume, and a resume that could not go on safely; returns the steps
     already trained (0 for a new run). ``config`` is the run's ``train`` config now, compared against
-    ``recorded`` (the run folder's ``config.toml``, read back) or else the manifest's."""
+    ``recorded`` (the run folder's ``config.toml``, read back) or else the manifest's, put in today's shape by
+    ``upgrade`` (a run recorded before the config had sections)."""
     RunLock.check_free(out)
     check_no_leftover_engine(out)
     if not (out / "manifest.json").exists():
@@ -54,7 +57,7 @@ def check_resumable(out: Path, resume: bool, config: dict[str, Any], recorded: d
     previous = read_manifest(out).config
     if "train" not in previous:
         raise InputError(f"{out} holds a 'verbatim run' run, not a training run", hint="pass another --out")
-    saved = recorded if recorded is not None else previous.get("train", {})
+    saved = recorded if recorded is not None else upgrade(previous.get("train", {}))
     check_changes(saved, config.get("train", {}))
     trained = trained_steps(out)
     plan = saved.get("plan", {})

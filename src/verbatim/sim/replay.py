@@ -44,8 +44,9 @@ def replay_check(run_dir: Path, *, kv_blocks: int | None = None, route: str | No
     served = Counter(t.replica or "?" for r in rollouts for t in r.turns)
     replicas = replicas or max(len(engine.get("urls") or ()), len(served), 1)
     spec = route or engine.get("route") or "round_robin"
-    config = RouteConfig.parse(spec, high_water=options.get("high_water", 0.9),
-                               admission=options.get("admission", True))
+    routing = options.get("routing", options)  # a run recorded before its config had sections: flat
+    config = RouteConfig.parse(spec, high_water=routing.get("high_water", 0.9),
+                               admission=routing.get("admission", True))
     workload = workload_from_rollouts(rollouts)
     block = trace.manifest.block_size(run_dir)
     blocks = kv_blocks or (workload.longest // block + 2) * len(rollouts)
