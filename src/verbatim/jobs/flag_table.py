@@ -126,14 +126,18 @@ class FlagTable:
         if twice:
             raise ValueError(f"{self.model.__name__}: two fields would be the flag {sorted(twice)}")
         object.__setattr__(self, "flags", flags)
+        object.__setattr__(self, "_keys", {f.key: f for f in flags})
+        object.__setattr__(self, "_paths", {f.path: f for f in flags})
 
     flags: tuple[Flag, ...] = field(init=False, default=())
+    _keys: Mapping[str, Flag] = field(init=False, default_factory=dict, repr=False)
+    _paths: Mapping[tuple[str, ...], Flag] = field(init=False, default_factory=dict, repr=False)
 
     def by_path(self, path: tuple[str, ...]) -> Flag | None:
-        return next((f for f in self.flags if f.path == path), None)
+        return self._paths.get(path)
 
-    def by_key(self) -> dict[str, Flag]:
-        return {f.key: f for f in self.flags}
+    def by_key(self) -> Mapping[str, Flag]:
+        return self._keys
 
     def config(self, values: Mapping[str, Any]) -> Any:
         """The config that flags ``values`` (by :attr:`Flag.key`; a missing one keeps its default) describe;
