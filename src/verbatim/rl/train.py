@@ -172,7 +172,7 @@ class TrainLoop:
         run's first step with), an engine this run started only when they are not its own."""
         start = await self._restored(resume)
         if self.used:
-            await self._push(CachePolicy.FLUSH, begin=True)
+            await self._begin()
         elif self.learner.version > self.engine.version:
             await self._push(CachePolicy.FLUSH)
         return start
@@ -305,19 +305,21 @@ class TrainLoop:
         self._checkpointed = n
         return round(time.perf_counter() - began, 3)
 
-    async def _push(self, policy: CachePolicy, *, begin: bool = False) -> None:
-        """The learner's weights into the engine as its version (a folder the servers read, if served); with
-        ``begin``, as the weights this run begins from (:meth:`Engine.begin`: the cache emptied)."""
+    async def _begin(self) -> None:
+        """The learner's weights into the engine as those this run begins from (:meth:`Engine.begin`: the cache
+        emptied, whatever the engine held)."""
+        await self.engine.begin(await self._weights_source(), self.learner.version)
+
+    async def _push(self, policy: CachePolicy) -> None:
+        """The learner's weights into the engine as its version, under the cache policy ``policy``."""
+        await self.engine.update_weights(await self._weights_source(), self.learner.version, policy)
+
+    async def _weights_source(self) -> Any:
+        """The learner's weights as the engine takes them: in memory, or a folder the servers read (if served)."""
         weights = self.learner.engine_weights()
-        version = self.learner.version
-        if self.served:
-            source: Any = await asyncio.to_thread(publish_weights, weights, self.model_dir, self.out / WEIGHTS,
-                                                  version)
-            source = str(source.resolve())
-        else:
-            source = weights
-        if begin:
-            await self.engine.begin(source, version)
-        else:
-            await self.engine.update_weights(source, version, policy)
+        if not self.served:
+            return weights
+        folder = await asyncio.to_thread(publish_weights, weights, self.model_dir, self.out / WEIGHTS,
+                                         self.learner.version)
+        return str(folder.resolve())
 
