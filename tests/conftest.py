@@ -220,12 +220,17 @@ def engine_runner(session_engine, default_model_dir: Path):
     return session_engine
 
 
+SERVER_BLOCK_SIZE = 64
+"""The session server's KV block size: not the default (32), so that a client which assumed the default instead of
+learning the server's would be caught (tests/test_engine_http.py) without a server of its own."""
+
+
 def _serve(model_dir: Path, folder: Path):
     """A real ``vllm serve`` of the default model, stopped when the block ends."""
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import ServerProcess
 
-    config = EngineConfig(model=str(model_dir), kv_cache_gib=1, max_model_len=2048)
+    config = EngineConfig(model=str(model_dir), kv_cache_gib=1, max_model_len=2048, block_size=SERVER_BLOCK_SIZE)
     return ServerProcess(config, log_path=folder / "serve.log")
 
 
@@ -256,8 +261,17 @@ SHARED_SERVER = SharedServer()
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    users = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
-    SHARED_SERVER.last_user = users[-1] if users else None
+    """The tests that kill the session's server run after every other test that uses it (one start, not a
+    second after the kill); the last of them stops it."""
+    killers = [item for item in items if item.get_closest_marker("kills_server")]
+    users = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ()) and item not in killers]
+    if killers and users:
+        for item in killers:
+            items.remove(item)
+        at = items.index(users[-1]) + 1
+        items[at:at] = killers
+    everyone = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
+    SHARED_SERVER.last_user = everyone[-1] if everyone else None
 
 
 @pytest.hookimpl(hookwrapper=True)

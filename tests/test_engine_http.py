@@ -34,7 +34,7 @@ def test_multi_turn_reuse_over_http(vllm_server):
 
     turn1, history, turn2, salted, stats = asyncio.run(scenario())
     assert len(turn1.logprobs) == len(turn1.token_ids) == 20
-    block = EngineConfig().block_size  # the server was started with the default
+    block = vllm_server.config.block_size  # what the session's server was started with
     assert turn2.cached_tokens >= len(history) // block * block
     assert salted.cached_tokens == 0
     assert turn2.kv_versions == (0,) and salted.kv_versions == ()  # turn 2 reused turn 1's KV, from version 0
@@ -42,11 +42,9 @@ def test_multi_turn_reuse_over_http(vllm_server):
 
 
 @pytest.mark.engine
-@pytest.mark.slow
-def test_an_http_engine_learns_the_block_size_the_server_was_started_with(default_model_dir, tmp_path):
-    from verbatim.engine.server import ServerProcess
-
-    config = EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=512, block_size=64)
+def test_an_http_engine_learns_the_block_size_the_server_was_started_with(vllm_server):
+    """The session's server runs blocks of 64, not the default 32 (tests/conftest.py): the engine reads them from
+    the server."""
 
     async def learned(url: str) -> tuple[int, int]:
         engine = HttpEngine(url)
@@ -54,8 +52,9 @@ def test_an_http_engine_learns_the_block_size_the_server_was_started_with(defaul
         async with engine:
             return before, engine.block_size
 
-    with ServerProcess(config, log_path=tmp_path / "serve.log") as proc:
-        assert asyncio.run(learned(proc.url)) == (EngineConfig().block_size, 64)
+    served = vllm_server.config.block_size
+    assert served != EngineConfig().block_size
+    assert asyncio.run(learned(vllm_server.url)) == (EngineConfig().block_size, served)
 
 
 def test_unreachable_server_fails_fast_with_one_error():

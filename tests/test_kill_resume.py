@@ -261,6 +261,7 @@ def test_credentials_in_the_url_reach_no_file_and_no_output(vllm_server, tmp_pat
         assert not any(secret in text for text in texts), secret
 
 
+@pytest.mark.kills_server  # run after every other user of the session's server (tests/conftest.py)
 def test_an_engine_killed_mid_run_stops_the_run_with_one_line(vllm_server, tmp_path):
     """It kills the session's server (tests/conftest.py starts another for the next test that needs one)."""
     out = tmp_path / "run"

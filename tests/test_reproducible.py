@@ -79,13 +79,20 @@ def _same_tokens(a: Path, b: Path) -> None:
 def test_two_runs_with_one_seed_give_the_same_trace_and_another_seed_another(tmp_path, default_model_dir,
                                                                             demo_python, engine_runner, monkeypatch):
     """The first run is ``make demo``'s ``verbatim run`` on what the demo installs (tests/test_demo.py), on an
-    engine of its own; the others are the same command's run given the session's engine (begun with the base
-    weights and an empty cache): the rerun repeats it bit for bit there too."""
+    engine of its own, whose start is timed apart and whose notes go to the run's engine.log, not the terminal;
+    the others are the same command's run given the session's engine (begun with the base weights and an empty
+    cache): the rerun repeats it bit for bit there too."""
     from verbatim.jobs.run import run_rollouts
 
     outs = {name: tmp_path / name for name in ("first", "again", "other")}
-    done = cli("run", *RUN, "--seed", "5", "--out", str(outs["first"]), python=demo_python)
+    summary_path = tmp_path / "summary.json"
+    done = cli("run", *RUN, "--seed", "5", "--out", str(outs["first"]), "--summary-json", str(summary_path),
+               python=demo_python)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(summary_path.read_text())["engine_start_s"] > 1  # counted, not folded into the rollouts'
+    assert (outs["first"] / "engine.log").is_file()
+    noise = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(noise) < 10, done.stderr[-3000:]  # the terminal is not flooded with the engine's notes
     for name, seed in (("again", "5"), ("other", "6")):
         run_rollouts(config_of("run", [*RUN, "--seed", seed, "--out", str(outs[name])], monkeypatch),
                      engine=engine_runner.engine)

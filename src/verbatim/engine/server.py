@@ -102,6 +102,7 @@ class ServerProcess:
         self.host = host
         self.port = port or free_port(host if is_loopback(host) else "0.0.0.0")
         self.argv, self.env = server_command(config, host=host, port=self.port)
+        self.config = config
         self.model = config.model
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen[bytes] | None = None
