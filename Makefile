@@ -58,8 +58,10 @@ chromium:
 			|| echo "warning: could not install Debian's chromium; the browser tests of tests/test_view.py will fail"; \
 	fi
 
+# Two workers: the tests on real engines one after another in one (they share its engines), the rest in the
+# other while they run (tests/conftest.py: SERIAL).
 test: $(VENV)/.installed-dev chromium
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # Local convenience only (CI runs `make test`): skips the tests marked slow.
 test-fast: $(VENV)/.installed-dev

@@ -6,11 +6,17 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
+
+# No example has a time limit: the suite shares two cores between its workers and the engines, and a stalled
+# example is not a failure (timings are the benchmarks' business, not the tests').
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 # Tests keep verbatim's files (converted model, vLLM caches) inside the checkout, so
 # a fresh clone converts the bundled model once per test session and reuses it after.
@@ -34,11 +40,12 @@ class EngineStarts:
             self.seen = len(lines)
 
     def report(self, write) -> None:
+        """The count, then who started them (xdist's group suffix left off the test's name)."""
         kinds = [kind for started in self.by_test.values() for kind in started]
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
         write(f"vLLM engines started: {len(kinds)}" + (f" ({counts})" if kinds else ""))
         for nodeid, started in sorted(self.by_test.items(), key=lambda item: -len(item[1])):
-            write(f"  {len(started)}  {nodeid}")
+            write(f"  {len(started)}  {nodeid.partition('@')[0]}")
 
 
 class MemoryPeaks:
@@ -66,10 +73,15 @@ class MemoryPeaks:
             self.by_test[nodeid] = peak - self.peak
             self.peak = peak
 
+    def merge(self, peak: int, by_test: dict[str, int]) -> None:
+        """A worker's record (under xdist): the summary names the largest of the suite's processes' peaks."""
+        self.peak = max(self.peak, peak)
+        self.by_test.update(by_test)
+
     def report(self, write, shown: int = 8) -> None:
         write(f"the suite process's peak resident memory: {self.peak} MiB; the tests that raised it most:")
         for nodeid, grown in sorted(self.by_test.items(), key=lambda item: -item[1])[:shown]:
-            write(f"  +{grown} MiB  {nodeid}")
+            write(f"  +{grown} MiB  {nodeid.partition('@')[0]}")
 
 
 def pytest_configure(config) -> None:
@@ -88,6 +100,24 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     item.config.engine_starts.charge(item.nodeid)
     item.config.memory_peaks.charge(item.nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist sends a worker's output to the controller
+def pytest_sessionfinish(session) -> None:
+    config = session.config
+    if hasattr(config, "workeroutput"):  # an xdist worker: its record goes to the controller's summary
+        config.engine_starts.charge("(after the last test: teardown)")
+        config.workeroutput["engine_starts"] = config.engine_starts.by_test
+        config.workeroutput["memory"] = (config.memory_peaks.peak, config.memory_peaks.by_test)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """An xdist worker's engine starts and memory, into the controller's summary."""
+    output = getattr(node, "workeroutput", {})
+    node.config.engine_starts.by_test.update(output.get("engine_starts", {}))
+    if "memory" in output:
+        node.config.memory_peaks.merge(*output["memory"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -242,7 +272,7 @@ class SharedServer:
 
     def __init__(self) -> None:
         self.server = None
-        self.last_user: str | None = None
+        self.last_user: pytest.Item | None = None
 
     def get(self, model_dir: Path, folder_of) -> object:
         if self.server is not None and self.server.proc.poll() is not None:
@@ -260,9 +290,25 @@ class SharedServer:
 SHARED_SERVER = SharedServer()
 
 
+SERIAL = "serial"
+"""The xdist group (``make test`` runs ``-n 2 --dist loadgroup``) of the tests that run one after another in one
+worker: every test on a real engine (they share the session's engine and server, and each engine takes GBs), and
+the modules below, whose processes take GBs of their own. The other tests, pure logic, run in the other worker."""
+SERIAL_MODULES = frozenset({"test_prefixflow_default_model", "test_trainer_distributed", "test_bench_train_scale",
+                            "test_bench_train_step"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test by its group
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The tests that kill the session's server run after every other test that uses it (one start, not a
-    second after the kill); the last of them stops it."""
+    second after the kill); the last of them stops it. Engine tests and the modules of :data:`SERIAL_MODULES`
+    form one xdist group."""
+    grouping = bool(config.getoption("loadgroup", default=False))  # an xdist worker under --dist loadgroup
+    for item in items:
+        if item.get_closest_marker("engine") or item.path.stem in SERIAL_MODULES:
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
+            if grouping and hasattr(item, "_id"):
+                _name_group(item)
     killers = [item for item in items if item.get_closest_marker("kills_server")]
     users = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ()) and item not in killers]
     if killers and users:
@@ -270,14 +316,22 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             items.remove(item)
         at = items.index(users[-1]) + 1
         items[at:at] = killers
-    everyone = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
+    everyone = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
     SHARED_SERVER.last_user = everyone[-1] if everyone else None
+
+
+def _name_group(item: pytest.Item) -> None:
+    """What xdist 3.8 does for a test of a group, for pytest 9, whose node ids it no longer reaches (it sets
+    ``_nodeid``, which pytest 9 does not read): the scheduler sends every test named ``…@serial`` to one worker."""
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{SERIAL}")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if item.nodeid == SHARED_SERVER.last_user or nextitem is None:
+    if item is SHARED_SERVER.last_user or nextitem is None:
         SHARED_SERVER.stop()
 
 
