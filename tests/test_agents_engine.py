@@ -91,7 +91,8 @@ def test_sampling_fields_an_agent_sets_are_ignored_counted_and_reported_once(age
 
 def test_the_sampled_tokens_are_kept_as_sampled_with_their_logprobs(agent_run):
     manifest = read_manifest(agent_run)
-    assert manifest.status == "completed" and manifest.config["options"]["agent"].endswith("agent_modes.py:play")
+    assert manifest.status == "completed" and manifest.config["options"]["play"]["agent"].endswith(
+        "agent_modes.py:play")
     for rollout in read_run(agent_run).rollouts:
         model = rollout.tokens.source == Source.MODEL
         assert model.any() and (rollout.tokens.logprob[model] <= 0).all()

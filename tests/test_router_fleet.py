@@ -78,7 +78,8 @@ def play(urls: list[str], route: str, renderer, out: Path, *, seed: int, words: 
     manifest = RunManifest(run_id=out.name, model="smollm2-135m-instruct", renderer="smollm2",
                            engine={"kind": "http", "block_size": BLOCK, "cache_policy": "keep", "route": route},
                            config={"plan": plan.model_dump(exclude={"run_id"}),
-                                   "options": {"high_water": high_water, "admission": admission, "concurrency": 16}})
+                                   "options": {"routing": {"high_water": high_water, "admission": admission},
+                                               "concurrency": 16}})
     run = Run(plan, loop, router, renderer, factory, factory.tasks(groups, seed), out, manifest)
 
     async def go() -> RunSummary:
