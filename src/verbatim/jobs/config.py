@@ -21,7 +21,7 @@ from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
-from verbatim.jobs.flag_table import DERIVED, FlagTable, Spec
+from verbatim.jobs.flag_table import DERIVED, FlagTable, Spec, put
 from verbatim.rl.plan import TrainPlan
 from verbatim.trackers.fanout import TrackerNames
 from verbatim.trainer.learner_config import LearnerConfig
@@ -249,11 +249,7 @@ def _exclusion(paths: tuple[str, ...]) -> dict[str, Any]:
     """Dotted field paths as pydantic's nested ``exclude``: ``{"output": {"out": True}}``."""
     tree: dict[str, Any] = {}
     for path in paths:
-        *parents, last = path.split(".")
-        place = tree
-        for part in parents:
-            place = place.setdefault(part, {})
-        place[last] = True
+        put(tree, tuple(path.split(".")), True)
     return tree
 
 

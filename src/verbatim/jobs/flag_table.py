@@ -145,11 +145,7 @@ class FlagTable:
         keys = self.by_key()
         nested: dict[str, Any] = {}
         for key, value in values.items():
-            flag = keys[key]
-            place = nested
-            for part in flag.path[:-1]:
-                place = place.setdefault(part, {})
-            place[flag.path[-1]] = flag.field_value(value)
+            put(nested, keys[key].path, keys[key].field_value(value))
         return self.model.model_validate(nested)
 
     def values(self, config: BaseModel) -> dict[str, Any]:
@@ -173,10 +169,7 @@ class FlagTable:
             info = self.model.model_fields.get(key)
             kept = info is not None and (isinstance(value, Mapping) or _model_of(info.annotation) is None)
             flag = None if kept else next((f for f in self.flags if f.path[-1] == key or f.key == key), None)
-            place, path = nested, (flag.path if flag is not None else (key,))
-            for part in path[:-1]:
-                place = place.setdefault(part, {})
-            place[path[-1]] = value
+            put(nested, flag.path if flag is not None else (key,), value)
         return nested
 
     def refusal(self, exc: ValidationError) -> str | None:
@@ -201,6 +194,14 @@ class FlagTable:
         if flag is not None and isinstance(value, (tuple, list, enum.Enum)):
             value = flag.flag_value(value)
         return flag, format(value, "g") if isinstance(value, float) else str(value), wanted
+
+
+def put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """``value`` at the field path ``path`` of a nested dict (``("learner", "lr")`` → ``tree["learner"]["lr"]``),
+    the sections on the way made where missing."""
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
 
 
 def _number(value: Any) -> str:

@@ -82,11 +82,12 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
                       cache_policy=options.plan.cache_policy,
                       sampling=sampling(options))
     run_id = existing_run_id(out) or uuid.uuid4().hex[:12]
+    config = options.config()  # its URLs without credentials
     manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
                            engine={"kind": choice.kind, "block_size": engine.block_size,
                                    "cache_policy": options.plan.cache_policy.value,
-                                   "urls": list(options.recorded().engine.urls), "route": options.routing.route},
-                           config=options.config())
+                                   "urls": config["train"]["engine"]["urls"], "route": options.routing.route},
+                           config=config)
     make_player = players(play, choice.model)
     first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
                 make_player=make_player)
