@@ -58,8 +58,8 @@ chromium:
 			|| echo "warning: could not install Debian's chromium; the browser tests of tests/test_view.py will fail"; \
 	fi
 
-# Two workers: the tests on real engines one after another in one (they share its engines), the rest in the
-# other while they run (tests/conftest.py: SERIAL).
+# Two workers: the tests on the session's in-process engine one after another in one, those on its `vllm serve`
+# and the other engine tests in the other (tests/conftest.py: SESSION_GROUP, SERVER_GROUP), the rest in either after.
 test: $(VENV)/.installed-dev chromium
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 --dist loadgroup
 

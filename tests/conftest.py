@@ -290,25 +290,43 @@ class SharedServer:
 SHARED_SERVER = SharedServer()
 
 
-SERIAL = "serial"
-"""The xdist group (``make test`` runs ``-n 2 --dist loadgroup``) of the tests that run one after another in one
-worker: every test on a real engine (they share the session's engine and server, and each engine takes GBs), and
-the modules below, whose processes take GBs of their own. The other tests, pure logic, run in the other worker."""
-SERIAL_MODULES = frozenset({"test_prefixflow_default_model", "test_trainer_distributed", "test_bench_train_scale",
-                            "test_bench_train_step"})
+SESSION_GROUP, SERVER_GROUP = "session-engine", "server"
+"""The two xdist groups (``make test`` runs ``-n 2 --dist loadgroup``): each runs its tests one after another in
+one worker, the two beside each other. The first holds the tests on this process's session engine
+(``session_engine``) and the engines they start in-process; the second the tests on the session's ``vllm serve``
+(``vllm_server``), the other engine tests (their engines run in processes they start) and the modules of
+:data:`SERVER_MODULES`, whose processes take GBs. Two engine tests never share a worker's process, and the rest,
+pure logic, run in either worker once its group is done."""
+SESSION_MODULES = frozenset({"test_prefixflow_default_model", "test_train_families", "test_engine_start_failure"})
+"""Engine tests beside the session engine's users, for balance (about 17 minutes of a fresh clone's run in each
+group); test_prefixflow_default_model runs first of its group, before the session engine (~3 GB) and the
+in-process trainers (up to ~8 GB) are there, since its process alone takes ~10 GB."""
+SERVER_MODULES = frozenset({"test_trainer_distributed", "test_bench_train_scale", "test_bench_train_step"})
+FIRST = "test_prefixflow_default_model"
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The group of a test, or None for a test of pure logic."""
+    if "session_engine" in getattr(item, "fixturenames", ()) or item.path.stem in SESSION_MODULES:
+        return SESSION_GROUP
+    if item.get_closest_marker("engine") or item.path.stem in SERVER_MODULES:
+        return SERVER_GROUP
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist names each test by its group
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The tests that kill the session's server run after every other test that uses it (one start, not a
-    second after the kill); the last of them stops it. Engine tests and the modules of :data:`SERIAL_MODULES`
-    form one xdist group."""
+    second after the kill); the last of them stops it. :data:`FIRST` runs first, then the server's users, so that
+    its ~3.5 GB are free before the router's replicas start. Each test of a group is marked with it."""
     grouping = bool(config.getoption("loadgroup", default=False))  # an xdist worker under --dist loadgroup
+    items.sort(key=lambda item: (item.path.stem != FIRST, "vllm_server" not in getattr(item, "fixturenames", ())))
     for item in items:
-        if item.get_closest_marker("engine") or item.path.stem in SERIAL_MODULES:
-            item.add_marker(pytest.mark.xdist_group(SERIAL))
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
             if grouping and hasattr(item, "_id"):
-                _name_group(item)
+                _name_group(item, group)
     killers = [item for item in items if item.get_closest_marker("kills_server")]
     users = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ()) and item not in killers]
     if killers and users:
@@ -320,12 +338,12 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     SHARED_SERVER.last_user = everyone[-1] if everyone else None
 
 
-def _name_group(item: pytest.Item) -> None:
+def _name_group(item: pytest.Item, group: str) -> None:
     """What xdist 3.8 does for a test of a group, for pytest 9, whose node ids it no longer reaches (it sets
-    ``_nodeid``, which pytest 9 does not read): the scheduler sends every test named ``…@serial`` to one worker."""
+    ``_nodeid``, which pytest 9 does not read): the scheduler sends every test named ``…@group`` to one worker."""
     from _pytest.nodeid import coerce_node_id
 
-    item._id = coerce_node_id(f"{item.nodeid}@{SERIAL}")
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.hookimpl(hookwrapper=True)
