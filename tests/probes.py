@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verbatim.envs.sandbox import UID_BASE
+from verbatim.envs.sandbox import uid_band
 
 
 def sandbox_pids() -> list[int]:
-    """Live processes of any sandbox uid, seen from the host."""
+    """Live processes of the sandbox uids this process hands out, seen from the host (another pytest worker's
+    sandboxes run beside them under uids of their own)."""
+    band = uid_band()
     pids = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
@@ -16,6 +18,6 @@ def sandbox_pids() -> list[int]:
         except OSError:
             continue
         uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
-        if UID_BASE <= uid < UID_BASE + 1_000_000 and state != "Z":
+        if uid in band and state != "Z":
             pids.append(int(status.parent.name))
     return pids

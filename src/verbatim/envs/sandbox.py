@@ -163,11 +163,18 @@ def _setpriv(uid: int) -> list[str]:
             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]
 
 
+def uid_band(pid: int | None = None) -> range:
+    """The sandbox uids that process ``pid`` (this one by default) hands out, one per run in turn: processes
+    running sandboxes beside each other use different uids."""
+    first = UID_BASE + ((os.getpid() if pid is None else pid) % 1000) * 1000
+    return range(first, first + 1000)
+
+
 def run_python(code: str, limits: SandboxLimits | None = None, isolation: Isolation | None = None) -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh directory under the sandbox; its output and fate."""
     limits = limits or SandboxLimits()
     isolation = isolation or probe_isolation()
-    uid = UID_BASE + (os.getpid() % 1000) * 1000 + next(_uid_counter) % 1000
+    uid = uid_band()[next(_uid_counter) % 1000]
     with tempfile.TemporaryDirectory(prefix="verbatim-sandbox-") as scratch:
         workdir, outputs = Path(scratch, "work"), Path(scratch, "out")
         workdir.mkdir(mode=0o700)
