@@ -57,6 +57,29 @@ def test_an_http_engine_learns_the_block_size_the_server_was_started_with(vllm_s
     assert asyncio.run(learned(vllm_server.url)) == (EngineConfig().block_size, served)
 
 
+@pytest.mark.engine
+def test_a_run_begins_a_served_tied_model_from_its_kept_untied_copy(vllm_server, default_model_dir, monkeypatch):
+    """The default model ties its output layer, so the server reloads an untied copy (engine/untied.py). The copy
+    a run begins from is the one kept for those weights (``serving_copy``), not another written (650 MB) and
+    deleted by each run and each resume."""
+    import verbatim.engine.http as http
+    from verbatim.engine.untied import serving_copy
+
+    def written_again(folder):
+        raise AssertionError(f"an untied copy of {folder} written again")
+
+    monkeypatch.setattr(http, "untied_folder", written_again)
+
+    async def begin_twice() -> int:
+        async with HttpEngine(vllm_server.url) as engine:
+            for version in (3, 0):
+                await engine.begin(str(default_model_dir), version)
+            return engine.version
+
+    assert asyncio.run(begin_twice()) == 0
+    assert (serving_copy(default_model_dir) / "verbatim-untied.json").is_file()
+
+
 def test_unreachable_server_fails_fast_with_one_error():
     async def call():
         engine = HttpEngine(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.05, connect_timeout_s=1.0)

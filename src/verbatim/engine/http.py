@@ -34,7 +34,7 @@ from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_
 from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.engine.server_url import redact, redact_text, secret_param, split_url
-from verbatim.engine.untied import needs_untying, untied_folder
+from verbatim.engine.untied import needs_untying, serving_copy, untied_folder
 from verbatim.errors import EngineError, InputError
 
 HEALTH_EVERY_S = 5.0
@@ -323,13 +323,19 @@ class HttpEngine:
                              f"of another client (still, after {self.idle_wait_s:g} s); a run loads its own weights "
                              "into its server, so it needs the server to itself",
                              hint="wait for the other run to end, or start a server of its own")
-        await self._load(source, version, CachePolicy.FLUSH)
+        await self._load(source, version, CachePolicy.FLUSH, lasting=True)
 
-    async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
+    async def _load(self, source: WeightSource, version: int, policy: CachePolicy, lasting: bool = False) -> None:
+        """``lasting``: ``source`` is what a run begins from (its base model, or the checkpoint it resumes), served
+        again by the next run: a tied model's untied copy is kept (``serving_copy``, made once per weights), not
+        written anew and deleted as an update's is."""
         if isinstance(source, dict):
             raise InputError("an HTTP engine reloads weights from a checkpoint folder the server can read",
                              hint="save the state dict to a folder first")
         folder = Path(source)
+        if lasting and needs_untying(folder):
+            await self._reload(await asyncio.to_thread(serving_copy, folder), version, policy)
+            return
         untied = await asyncio.to_thread(untied_folder, folder) if needs_untying(folder) else None
         try:
             await self._reload(untied or folder, version, policy)
