@@ -333,14 +333,15 @@ class HttpEngine:
             raise InputError("an HTTP engine reloads weights from a checkpoint folder the server can read",
                              hint="save the state dict to a folder first")
         folder = Path(source)
-        if lasting and needs_untying(folder):
+        if not needs_untying(folder):
+            await self._reload(folder, version, policy)
+        elif lasting:
             await self._reload(await asyncio.to_thread(serving_copy, folder), version, policy)
-            return
-        untied = await asyncio.to_thread(untied_folder, folder) if needs_untying(folder) else None
-        try:
-            await self._reload(untied or folder, version, policy)
-        finally:
-            if untied is not None:
+        else:
+            untied = await asyncio.to_thread(untied_folder, folder)
+            try:
+                await self._reload(untied, version, policy)
+            finally:
                 shutil.rmtree(untied, ignore_errors=True)
 
     async def _reload(self, folder: Path, version: int, policy: CachePolicy) -> None:
