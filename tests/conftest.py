@@ -95,7 +95,7 @@ def _a_core_of_its_own() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if count < 2 or len(cpus) < count or not worker.startswith("gw"):
         return
-    core = {cpus[int(worker[2:]) % len(cpus)]}
+    core = {cpus[int(worker[2:])]}  # gw0, gw1, …: fewer workers than cores (above)
     for task in os.listdir("/proc/self/task"):  # every thread this worker has now; later ones inherit
         os.sched_setaffinity(int(task), core)
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -113,7 +113,7 @@ def touch_the_whole_kv_cache(engine_runner) -> None:
     engine grows the engine's RSS by what it first writes (~180 MB of 1 GiB here), which is no leak."""
     engine = engine_runner.engine
     capacity = engine_runner.run(engine.stats()).capacity_tokens
-    length = 256  # short prompts: the same tokens written at about half the cost of the longest (attention)
+    length = 256  # short prompts: the same KV blocks written at about half the cost of the longest (attention)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1000, 40_000, size=length) for _ in range(capacity // length + 2)]
 

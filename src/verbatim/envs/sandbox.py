@@ -163,10 +163,10 @@ def _setpriv(uid: int) -> list[str]:
             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]
 
 
-def uid_band(pid: int | None = None) -> range:
-    """The sandbox uids that process ``pid`` (this one by default) hands out, one per run in turn: processes
-    running sandboxes beside each other use different uids."""
-    first = UID_BASE + ((os.getpid() if pid is None else pid) % 1000) * 1000
+def uid_band() -> range:
+    """The sandbox uids this process hands out, one per run in turn: processes running sandboxes beside each
+    other use different uids."""
+    first = UID_BASE + (os.getpid() % 1000) * 1000
     return range(first, first + 1000)
 
 
