@@ -126,14 +126,21 @@ def test_options_reach_the_renderer(default_model_dir: Path) -> None:
 
 
 def test_renderers_import_no_engine_harness_torch_or_vllm() -> None:
+    """Also for the default model's own tokenizer and a stand-in built on it: a ``verbatim run --engine http``
+    process loads one of these and nothing else that needs torch, which would add 2.5 s to each start."""
     import subprocess
     import sys
 
+    from verbatim.engine.models import resolve
+
     code = ("import sys\nfrom verbatim.datamodel import Message\nfrom verbatim.renderers import get_renderer\n"
-            "r = get_renderer('qwen3')\nr.bridge(r.render([Message(role='user', content='hi')], "
+            "for name in ('qwen3', 'smollm2', 'phi4'):\n"
+            "    r = get_renderer(name, model_dir=sys.argv[1])\n"
+            "    r.bridge(r.render([Message(role='user', content='hi')], "
             "add_generation_prompt=True).token_ids, [Message(role='user', content='more')])\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm') "
             "or m.startswith(('verbatim.engine', 'verbatim.harness'))]\nprint(bad)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code, str(resolve("default"))], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-500:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

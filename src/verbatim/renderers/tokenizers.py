@@ -234,19 +234,23 @@ def mistral_nemo_tokenizer() -> Any:
 
 @functools.cache
 def smollm2_tokenizer(model_dir: str) -> Any:
-    """The default model's own tokenizer (SmolLM2), from its Hugging Face folder."""
-    from transformers import AutoTokenizer
+    """The default model's own tokenizer (SmolLM2), from its Hugging Face folder.
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    The folder's ``tokenizer_class`` is the fast backend itself, so the class is named rather than looked
+    up: ``AutoTokenizer`` imports torch (about 2.5 s of a ``verbatim run --engine http`` start), this does not.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
 
 
 @functools.cache
 def stand_in_tokenizer(family: str, model_dir: str) -> Any:
     """SmolLM2's vocabulary plus ``family``'s special tokens (for families with no small real file)."""
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     spec = STAND_IN_SPECIALS[family]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     named = {key: spec[key] for key in ("bos_token", "eos_token") if key in spec}
     tokenizer.add_special_tokens({"additional_special_tokens": list(spec["tokens"]), **named},
                                  replace_extra_special_tokens=True)
