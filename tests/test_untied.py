@@ -109,6 +109,20 @@ def test_needs_untying(tied_dir, untied_dir, tmp_path):
     assert not needs_untying(tmp_path)  # no weights: nothing to untie
 
 
+def test_asking_whether_a_bfloat16_folder_needs_untying_loads_no_torch(tied_model, tmp_path):
+    """``verbatim run --engine http`` asks this as it begins the server; nothing else there needs torch."""
+    import copy
+    import subprocess
+    import sys
+
+    copy.deepcopy(tied_model).to(torch.bfloat16).save_pretrained(tmp_path)
+    code = ("import sys\nfrom verbatim.engine.untied import needs_untying\n"
+            "print(needs_untying(sys.argv[1]), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert done.stdout.split() == ["True", "False"]
+
+
 def test_untie_state_dict_adds_a_copy_of_the_embedding_only_where_missing():
     embedding = torch.randn(5, 3)
     state = {EMBEDDING: embedding, "model.norm.weight": torch.ones(3)}
