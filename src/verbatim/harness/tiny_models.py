@@ -10,6 +10,9 @@ The folder is a complete Hugging Face causal LM, so ``verbatim train --model DIR
 * the chat template: the renderer's official template, as ``chat_template.jinja``, so that
   ``renderers/detect.py`` picks the family's renderer for the folder.
 
+SmolLM2, the default model's family, takes its tokenizer from the default model's folder (prepared from the
+bundled GGUF if it is not yet), as its renderer does.
+
 Gemma 2's own 256k vocabulary is not shipped (its renderer is verified on a SmolLM2 stand-in), so
 its tiny folder takes Gemma 3's real 262k SentencePiece vocabulary, which has the same control tokens
 (``<bos>``, ``<start_of_turn>``, ``<end_of_turn>``) at Gemma 3's ids, with Gemma 2's template.
@@ -47,6 +50,7 @@ class TinyFamily:
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
+    TinyFamily("smollm2", "llama", "smollm2"),
     TinyFamily("qwen2.5", "qwen2", "qwen2.5"),
     TinyFamily("qwen3", "qwen3", "qwen3"),
     TinyFamily("qwen3-moe", "qwen3_moe", "qwen3"),
@@ -117,7 +121,12 @@ def _chat_parts(fam: TinyFamily) -> tuple[Any, Any, tuple[str, str]]:
     from verbatim.renderers.registry import family, get_renderer, load_family_tokenizer
     from verbatim.renderers.templates import resolve_template
 
-    tokenizer = load_family_tokenizer(family(fam.tokenizer_family))
+    model_dir = None
+    if fam.tokenizer_family == "smollm2":
+        from verbatim.engine.models import resolve
+
+        model_dir = resolve("default")
+    tokenizer = load_family_tokenizer(family(fam.tokenizer_family), model_dir)
     return tokenizer, get_renderer(fam.renderer, tokenizer=tokenizer), resolve_template(fam.renderer)
 
 
