@@ -275,7 +275,7 @@ learning the server's would be caught (tests/test_engine_http.py) without a serv
 
 
 def _serve(model_dir: Path, folder: Path):
-    """A real ``vllm serve`` of the default model, stopped when the block ends."""
+    """A real ``vllm serve`` of ``model_dir``, stopped when the block ends."""
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import ServerProcess
 
@@ -284,14 +284,18 @@ def _serve(model_dir: Path, folder: Path):
 
 
 class SharedServer:
-    """One ``vllm serve`` for every test that takes ``vllm_server``: started by the first, started again only after
-    a test killed it (that death is the test's subject), and stopped once the last of them has run
-    (:func:`pytest_runtest_teardown`), so that its ~3.5 GB are free for the modules after it (test_train_procs'
-    ranks and engine)."""
+    """One ``vllm serve`` for every test that takes the fixture ``fixture``: started by the first, started again
+    only after a test killed it (that death is the test's subject), and stopped once the last of them has run
+    (:func:`pytest_runtest_teardown`), so that its ~3.5 GB are free for the tests after it (the router's replicas,
+    the trainer teams)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixture: str) -> None:
+        self.fixture = fixture
         self.server = None
         self.last_user: pytest.Item | None = None
+
+    def users(self, items: list[pytest.Item]) -> list[pytest.Item]:
+        return [item for item in items if self.fixture in getattr(item, "fixturenames", ())]
 
     def get(self, model_dir: Path, folder_of) -> object:
         if self.server is not None and self.server.proc.poll() is not None:
@@ -306,7 +310,14 @@ class SharedServer:
             server.__exit__(None, None, None)
 
 
-SHARED_SERVER = SharedServer()
+SHARED_SERVER = SharedServer("vllm_server")
+TINY_SERVER = SharedServer("tiny_server")
+SERVERS = (SHARED_SERVER, TINY_SERVER)
+"""In the order their users run: one server at a time."""
+
+
+def _server_rank(item: pytest.Item) -> int:
+    return next((n for n, shared in enumerate(SERVERS) if shared.users([item])), len(SERVERS))
 
 
 SESSION_GROUP, SERVER_GROUP = "session-engine", "server"
@@ -337,10 +348,11 @@ def xdist_group(item: pytest.Item) -> str | None:
 @pytest.hookimpl(tryfirst=True)  # before xdist names each test by its group
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The tests that kill the session's server run after every other test that uses it (one start, not a
-    second after the kill); the last of them stops it. :data:`FIRST` runs first, then the server's users, so that
-    its ~3.5 GB are free before the router's replicas start. Each test of a group is marked with it."""
+    second after the kill); the last of them stops it. :data:`FIRST` runs first, then each server's users in
+    the order of :data:`SERVERS`, so that one server runs at a time and none is left when the router's replicas
+    start. Each test of a group is marked with it."""
     grouping = bool(config.getoption("loadgroup", default=False))  # an xdist worker under --dist loadgroup
-    items.sort(key=lambda item: (item.path.stem != FIRST, "vllm_server" not in getattr(item, "fixturenames", ())))
+    items.sort(key=lambda item: (item.path.stem != FIRST, _server_rank(item)))
     for item in items:
         group = xdist_group(item)
         if group is not None:
@@ -348,14 +360,15 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             if grouping and hasattr(item, "_id"):
                 _name_group(item, group)
     killers = [item for item in items if item.get_closest_marker("kills_server")]
-    users = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ()) and item not in killers]
+    users = [item for item in SHARED_SERVER.users(items) if item not in killers]
     if killers and users:
         for item in killers:
             items.remove(item)
         at = items.index(users[-1]) + 1
         items[at:at] = killers
-    everyone = [item for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
-    SHARED_SERVER.last_user = everyone[-1] if everyone else None
+    for shared in SERVERS:
+        everyone = shared.users(items)
+        shared.last_user = everyone[-1] if everyone else None
 
 
 def _name_group(item: pytest.Item, group: str) -> None:
@@ -369,25 +382,49 @@ def _name_group(item: pytest.Item, group: str) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if item is SHARED_SERVER.last_user or nextitem is None:
-        SHARED_SERVER.stop()
+    for shared in SERVERS:
+        if item is shared.last_user or nextitem is None:
+            shared.stop()
 
 
-@pytest.fixture
-def vllm_server(default_model_dir, tmp_path_factory):
-    """The session's ``vllm serve`` of the default model, as a test finds it: the base weights as version 0 and
-    an empty prefix cache (``HttpEngine.begin``), whatever the tests before it left there."""
+def _begun(shared: SharedServer, model_dir: Path, folder_of) -> object:
+    """``shared``'s server serving ``model_dir``, begun as a test finds it: those weights as version 0 and an empty
+    prefix cache (``HttpEngine.begin``), whatever the tests before it left there."""
     import asyncio
 
     from verbatim.engine.http import HttpEngine
 
-    server = SHARED_SERVER.get(default_model_dir, lambda: tmp_path_factory.mktemp("serve"))
+    server = shared.get(model_dir, folder_of)
 
     async def reset() -> None:
         async with HttpEngine(server.url) as engine:
-            await engine.begin(str(default_model_dir), 0)
+            await engine.begin(str(model_dir), 0)
 
     asyncio.run(reset())
     return server
+
+
+@pytest.fixture
+def vllm_server(default_model_dir, tmp_path_factory):
+    """The session's ``vllm serve`` of the default model (:func:`_begun`)."""
+    return _begun(SHARED_SERVER, default_model_dir, lambda: tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_dir(tmp_path_factory) -> Path:
+    """``verbatim models tiny smollm2``: the default model's architecture, tied output layer, tokenizer and
+    template, with 2 layers of width 64 (13 MB of weights instead of 540 MB)."""
+    from verbatim.harness.tiny_models import write_tiny_model
+
+    return write_tiny_model("smollm2", tmp_path_factory.mktemp("tiny") / "smollm2", seed=0)
+
+
+@pytest.fixture
+def tiny_server(tiny_smollm2_dir, tmp_path_factory):
+    """The session's ``vllm serve`` of the tiny SmolLM2 (:func:`_begun`), for the tests whose subject is the trainer's
+    processes (kills, resumes, ranks), not the model: each of their steps trains, checkpoints and pushes 13 MB, not
+    the default model's 540 MB (a 3-step run of two ranks: 22 s instead of 96 s on one core). Its folder is
+    ``tiny_server.config.model``."""
+    return _begun(TINY_SERVER, tiny_smollm2_dir, lambda: tmp_path_factory.mktemp("serve-tiny"))
 
 

@@ -13,6 +13,11 @@ from pathlib import Path
 from subprocess_cli import cli_env
 
 
+def served(server) -> list[str]:
+    """The flags of a run on ``server`` (a ``tiny_server`` or ``vllm_server``: tests/conftest.py) and its model."""
+    return ["--engine", "http", "--url", server.url, "--model", str(server.config.model)]
+
+
 class Trainer:
     """``verbatim train …`` in its own session, output to files."""
 

@@ -1,8 +1,9 @@
 """`verbatim train` as a real process, killed with SIGKILL in each phase of a step, then resumed.
 
-The session's one real `vllm serve` (tests/conftest.py); the trainer process talks to it with ``--engine http``
-(weights reach it through a folder published under RUN_DIR/weights and /collective_rpc), so each
-process starts in seconds and can be killed:
+The session's real `vllm serve` of the tiny SmolLM2 (tests/conftest.py: ``tiny_server``, the default model's
+architecture and tokenizer at 13 MB, since the processes, not the model, are the subject); the trainer process
+talks to it with ``--engine http`` (weights reach it through a folder published under RUN_DIR/weights and
+/collective_rpc), so each process starts in seconds and can be killed:
 
 1. during step 2's rollouts (right after step 1's checkpoint, step-000001, appears);
 2. during step 3's optimizer step (its rollouts all written, no step-000003 yet);
@@ -24,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from killable_train import Trainer
+from killable_train import Trainer, served
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
@@ -33,8 +34,10 @@ from verbatim.harness.store import read_run
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 STEPS, GROUPS, SIZE = 4, 2, 2
-ARGS = ["--env", "guess", "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size", str(SIZE),
-        "--max-turns", "2", "--max-tokens", "6", "--lr", "1e-5", "--max-model-len", "1024", "--seed", "4"]
+ARGS = ["--env", "graded_env:GradedFactory", "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size",
+        str(SIZE), "--max-tokens", "6", "--lr", "1e-5", "--max-model-len", "1024", "--seed", "4"]
+"""Graded rewards (tests/graded_env.py): every step updates the weights and the optimizer's moments, so a
+checkpoint holds both and takes long enough (~0.2 s for the tiny model) for a kill to land while it is written."""
 
 
 def checkpoints(out: Path) -> list[str]:
@@ -48,9 +51,9 @@ def step_rollouts(out: Path, step: int) -> int:
     return sum(1 for r in read_run(out).rollouts if r.info.get("step") == step)
 
 
-def test_sigkill_in_every_phase_then_resume_continues_exactly(vllm_server, tmp_path):
+def test_sigkill_in_every_phase_then_resume_continues_exactly(tiny_server, tmp_path):
     out = tmp_path / "run"
-    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3",
+    args = [*ARGS, *served(tiny_server), "--out", str(out), "--keep-checkpoints", "3",
             "--checkpoint-every", "1"]
 
     first = Trainer(tmp_path, "1", args)  # killed during step 2's rollouts
@@ -98,9 +101,9 @@ def metric_steps(out: Path) -> list[int]:
 
 
 def test_checkpoints_every_k_steps_a_kill_loses_the_steps_since_and_a_stop_checkpoints_where_it_ends(
-        vllm_server, tmp_path):
+        tiny_server, tmp_path):
     out = tmp_path / "run"
-    args = [*ARGS, "--engine", "http", "--url", vllm_server.url, "--out", str(out), "--keep-checkpoints", "3",
+    args = [*ARGS, *served(tiny_server), "--out", str(out), "--keep-checkpoints", "3",
             "--checkpoint-every", "3"]
 
     first = Trainer(tmp_path, "1", args)  # killed after two trained steps, neither checkpointed
@@ -151,13 +154,13 @@ class Rewardless:
         return StepResult(messages=(), reward=None, done=True)
 
 
-def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(vllm_server, tmp_path):
+def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(tiny_server, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "a"}\n{"id": "b"}\n')
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--env", "test_train_resume:Rewardless", "--task-file", str(tasks),
-                                      "--steps", "2", "--group-size", "2", "--max-tokens", "4", "--engine", "http",
-                                      "--url", vllm_server.url, "--out", str(out)])
+                                      "--steps", "2", "--group-size", "2", "--max-tokens", "4", *served(tiny_server),
+                                      "--out", str(out)])
     assert result.exit_code == 2, result.output
     assert "no group of this step has two rollouts that ended with a reward" in result.output
     assert len(result.output.strip().splitlines()) == 1
@@ -165,10 +168,10 @@ def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(vllm_server
     assert json.loads((out / "manifest.json").read_text())["status"] == "failed"  # not "completed"
 
 
-def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_checkpoints(vllm_server, tmp_path):
+def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_checkpoints(tiny_server, tmp_path):
     out = tmp_path / "run"
     common = ["--env", "guess", "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens", "8",
-              "--max-model-len", "1024", "--engine", "http", "--url", vllm_server.url, "--out", str(out)]
+              "--max-model-len", "1024", *served(tiny_server), "--out", str(out)]
     args = [*common, "--steps", "2"]
     first = Trainer(tmp_path, "1", args)
     deadline = time.monotonic() + 300
@@ -206,21 +209,21 @@ def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_c
 
 
 def test_a_run_on_a_server_another_run_trained_samples_its_first_step_with_its_own_weights(
-        vllm_server, tmp_path, default_model_dir):
+        tiny_server, tmp_path):
     """The first run leaves its trained weights (its version 1) in the server; a ``verbatim run`` and then a second
     training run begin on the same server, and their tokens must be sampled by the base model they record: μ equal
     to the base model's log-probabilities recomputed with transformers, far from the first run's weights."""
     from trained_run import assert_sampled_with_base_not
 
     common = ["train", "--env", "graded_env:GradedFactory", "--steps", "1", "--groups", "2", "--group-size", "4",
-              "--max-tokens", "8", "--max-model-len", "1024", "--engine", "http", "--url", vllm_server.url]
+              "--max-tokens", "8", "--max-model-len", "1024", *served(tiny_server)]
     first, played, second = tmp_path / "first", tmp_path / "played", tmp_path / "second"
     done = CliRunner().invoke(app, [*common, "--lr", "1e-3", "--out", str(first)])
     assert done.exit_code == 0, done.output
     done = CliRunner().invoke(app, ["run", "--env", "graded_env:GradedFactory", "--groups", "1", "--group-size", "2",
-                                    "--max-tokens", "8", "--engine", "http", "--url", vllm_server.url,
+                                    "--max-tokens", "8", *served(tiny_server),
                                     "--out", str(played)])
     assert done.exit_code == 0, done.output
     done = CliRunner().invoke(app, [*common, "--lr", "1e-5", "--out", str(second)])
     assert done.exit_code == 0, done.output
-    assert_sampled_with_base_not(first, [played, second], default_model_dir)
+    assert_sampled_with_base_not(first, [played, second], Path(tiny_server.config.model))
