@@ -348,11 +348,13 @@ def xdist_group(item: pytest.Item) -> str | None:
 @pytest.hookimpl(tryfirst=True)  # before xdist names each test by its group
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The tests that kill the session's server run after every other test that uses it (one start, not a
-    second after the kill); the last of them stops it. :data:`FIRST` runs first, then each server's users in
-    the order of :data:`SERVERS`, so that one server runs at a time and none is left when the router's replicas
-    start. Each test of a group is marked with it."""
+    second after the kill); the last of them stops it. :data:`FIRST` runs first in its group, and
+    :data:`SERVER_MODULES` (tiny models of their own) first in theirs: the bundled model is converted once, by
+    whichever worker asks first (~25 s), and the other worker would wait for it with nothing to do. Then each
+    server's users in the order of :data:`SERVERS`, so that one server runs at a time and none is left when the
+    router's replicas start. Each test of a group is marked with it."""
     grouping = bool(config.getoption("loadgroup", default=False))  # an xdist worker under --dist loadgroup
-    items.sort(key=lambda item: (item.path.stem != FIRST, _server_rank(item)))
+    items.sort(key=lambda item: (item.path.stem != FIRST, item.path.stem not in SERVER_MODULES, _server_rank(item)))
     for item in items:
         group = xdist_group(item)
         if group is not None:
