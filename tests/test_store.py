@@ -106,6 +106,21 @@ def test_truncated_last_file_is_reported_and_the_rest_returned(tmp_path, fmt):
     assert ids == expected  # JSONL keeps the intact first line of the damaged file
 
 
+def test_reading_a_run_loads_no_pandas(tmp_path):
+    """pyarrow's ``read_table`` goes through its dataset layer, which imports pandas (0.3-0.6 s of every
+    ``verbatim run --resume``, ``lint`` or ``show`` process); a run's files are read without it."""
+    from fakes import tiny_rollout
+
+    writer = TraceWriter(tmp_path / "run", RunManifest(run_id="r", format="parquet"))
+    writer.write_batch([tiny_rollout(0), tiny_rollout(1)])
+    code = ("import sys\nfrom verbatim.harness.store import read_run\nrun = read_run(sys.argv[1])\n"
+            "print(len(run.rollouts), sorted(m for m in ('pandas', 'pyarrow.dataset') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert done.stdout.split("\n")[0] == "2 []"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_corrupt_middle_file_is_skipped(tmp_path, fmt):
     _run_with_batches(tmp_path, fmt)

@@ -88,18 +88,29 @@ def from_table(table: pa.Table) -> list[Rollout]:
         raise TraceFormatError(f"not a verbatim rollout table: {type(exc).__name__}: {brief(exc)}") from exc
 
 
+def _rows(column: pa.ChunkedArray, dtype: np.dtype) -> list[np.ndarray]:
+    """A list column's rows as read-only ``dtype`` arrays, views of the column's buffers. Read from the buffers
+    because every pyarrow conversion to numpy imports pandas (0.5 s of each process that reads a run); a column
+    of another type, or with nulls, which verbatim never writes, goes through that conversion."""
+    lists = column.combine_chunks()
+    if not (pa.types.is_list(lists.type) and lists.type.value_type == pa.from_numpy_dtype(dtype)
+            and lists.null_count == 0 and lists.values.null_count == 0) or len(lists) == 0:
+        return [lists[i].values.to_numpy(zero_copy_only=False).astype(dtype, copy=False) for i in range(len(lists))]
+    offsets = np.frombuffer(lists.buffers()[1], np.int32, count=len(lists) + 1, offset=4 * lists.offset)
+    values = lists.values
+    flat = np.frombuffer(values.buffers()[1], dtype, count=values.offset + len(values))[values.offset:]
+    return [flat[start:end] for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
 def _rollouts_of(table: pa.Table) -> list[Rollout]:
     meta = {name: table.column(name).to_pylist() for name in _META_FIELDS}
     tasks = table.column("task").to_pylist()
     infos = table.column("info").to_pylist()
     turns = table.column("turns").to_pylist()
-    token_columns = {name: table.column(name).combine_chunks() for name in COLUMN_DTYPES}
+    token_columns = {name: _rows(table.column(name), dtype) for name, dtype in COLUMN_DTYPES.items()}
     rollouts = []
     for i in range(table.num_rows):
-        tokens = TokenColumns(**{
-            name: token_columns[name][i].values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-            for name, dtype in COLUMN_DTYPES.items()
-        })
+        tokens = TokenColumns(**{name: rows[i] for name, rows in token_columns.items()})
         rollouts.append(Rollout(
             **{name: meta[name][i] for name in _META_FIELDS},
             task=json.loads(tasks[i]),

@@ -101,15 +101,17 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 def read_ids(path: str | os.PathLike[str]) -> list[str]:
     """The rollout ids a file holds (one column read)."""
     try:
-        return pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist()
-    except (pa.ArrowException, OSError, KeyError) as exc:
+        with pq.ParquetFile(path) as parquet:
+            return parquet.read(columns=["rollout_id"]).column("rollout_id").to_pylist()
+    except (pa.ArrowException, OSError, KeyError, ValueError) as exc:
         raise TraceFormatError(f"{Path(path).name}: not a trainer logprob file ({exc})") from exc
 
 
 def read_logprobs(path: str | os.PathLike[str], rollout_ids: Sequence[str] | None = None) -> dict[str, RolloutLogprobs]:
     """The rows of a file by rollout id (only ``rollout_ids``, when given)."""
     try:
-        table = pq.read_table(path)
+        with pq.ParquetFile(path) as parquet:
+            table = parquet.read()
         if rollout_ids is not None:
             table = table.filter(pc.is_in(table.column("rollout_id"), pa.array(list(rollout_ids))))
         ids = table.column("rollout_id").to_pylist()

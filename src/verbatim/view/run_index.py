@@ -123,8 +123,9 @@ def read_batch(batch: BatchIndex, positions: list[int] | None = None) -> list[Ro
     if batch.rollouts is not None:
         return batch.rollouts if positions is None else [batch.rollouts[k] for k in positions]
     try:
-        table = pq.read_table(batch.path)
-    except (pa.ArrowException, OSError) as exc:
+        with pq.ParquetFile(batch.path) as parquet:
+            table = parquet.read()
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: a column path that is not UTF-8
         raise TraceFormatError(f"{batch.path.name} changed or is damaged: {brief(exc)}",
                                hint="reload the page") from exc
     if positions is not None:
