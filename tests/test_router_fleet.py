@@ -112,9 +112,17 @@ def floor_block(n: int) -> int:
     return n // BLOCK * BLOCK
 
 
-def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_prompt_once(fleet, renderer, tmp_path):
-    summary, router = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "sticky", seed=3)
-    trace = read_run(tmp_path / "sticky")
+@pytest.fixture(scope="module")
+def sticky(fleet, renderer, tmp_path_factory) -> tuple[RunSummary, Path]:
+    """The workload under ``sticky_least_loaded+group``, played once for the tests that read it."""
+    out = tmp_path_factory.mktemp("sticky") / "sticky"
+    summary, _ = play(fleet.urls, "sticky_least_loaded+group", renderer, out, seed=3)
+    return summary, out
+
+
+def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_prompt_once(sticky):
+    summary, out = sticky
+    trace = read_run(out)
     assert len(trace.rollouts) == 8 and all(r.status != "error" for r in trace.rollouts), trace.rollouts
     for rollout in trace.rollouts:
         assert len({t.replica for t in rollout.turns}) == 1  # pinned
@@ -127,15 +135,15 @@ def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_promp
         first_turn_prefill = sum(m.turns[0].prompt_end - m.turns[0].cached_tokens for m in members)
         assert first_turn_prefill <= prompt + (len(members) - 1) * BLOCK, first_turn_prefill  # prefilled once
     assert summary.migrations == 0 and set(summary.turns_per_replica) == {"r0", "r1"}
-    assert lint_run(tmp_path / "sticky").ok
-    check_simulator(tmp_path / "sticky")
+    assert lint_run(out).ok
+    check_simulator(out)
     print(f"\nsticky_least_loaded+group: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens} "
           f"(minimum {summary.min_prefill_tokens}), turns per replica {summary.turns_per_replica}")
 
 
-def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, renderer, tmp_path):
+def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, renderer, tmp_path, sticky):
     summary, _ = play(fleet.urls, "round_robin", renderer, tmp_path / "rr", seed=3)
-    sticky, _ = play(fleet.urls, "sticky_least_loaded+group", renderer, tmp_path / "sticky", seed=3)
+    sticky, _ = sticky  # the same workload, routed sticky
     assert summary.migrations > 0 and summary.migration_lost_tokens > 0
     assert summary.prefill_tokens > sticky.prefill_tokens
     check_simulator(tmp_path / "rr")
