@@ -245,3 +245,23 @@ def test_a_jsonl_line_has_the_parquet_rows_columns_and_an_older_nested_line_stil
         assert back.model_dump(exclude={"tokens"}) == rollout.model_dump(exclude={"tokens"})
         assert np.array_equal(back.tokens.logprob, rollout.tokens.logprob, equal_nan=True)
         assert np.array_equal(back.tokens.token_id, rollout.tokens.token_id)
+
+
+def test_a_table_whose_token_columns_have_another_type_or_several_chunks_reads_the_same():
+    """Files verbatim writes are read from their Arrow buffers; a column of another type (a writer of its own, a
+    float64 logprob) goes through pyarrow's conversion, and a table of several chunks reads the same."""
+    import pyarrow as pa
+
+    from verbatim.harness.tracefile import from_table, to_table
+
+    rollouts = [_sample(3), _sample(4)]
+    table = to_table(rollouts)
+    at = table.schema.get_field_index("logprob")
+    wider = table.set_column(at, "logprob", table.column("logprob").cast(pa.list_(pa.float64())))
+    chunked = pa.concat_tables([to_table(rollouts[:1]), to_table(rollouts[1:])])
+    for other in (wider, chunked):
+        for back, rollout in zip(from_table(other), rollouts, strict=True):
+            for name in ("token_id", "source", "policy_version", "turn"):
+                assert np.array_equal(getattr(back.tokens, name), getattr(rollout.tokens, name)), name
+            assert back.tokens.logprob.dtype == np.float32
+            assert np.array_equal(back.tokens.logprob, rollout.tokens.logprob, equal_nan=True)
