@@ -328,8 +328,8 @@ one worker, the two beside each other. The first holds the tests on this process
 :data:`SERVER_MODULES`, whose processes take GBs. Within a group one test runs at a time; the rest, pure logic,
 run in either worker once its group is done."""
 SESSION_MODULES = frozenset({"test_prefixflow_default_model", "test_train_families", "test_engine_start_failure"})
-"""Engine tests beside the session engine's users, for balance (the groups' tests took 1136 s and 1299 s, the
-rest 438 s, in a fresh-clone run of 09e8558); test_prefixflow_default_model runs first of its group, before the
+"""Engine tests beside the session engine's users, for balance (the groups' tests took 1031 s and 892 s, the
+rest 420 s, in a fresh-clone run of 976ddc5); test_prefixflow_default_model runs first of its group, before the
 session engine (~3 GB) and the in-process trainers (up to ~8 GB) are there, since its process alone takes
 ~10 GB."""
 SERVER_MODULES = frozenset({"test_trainer_distributed", "test_bench_train_scale", "test_bench_train_step"})
