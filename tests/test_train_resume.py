@@ -37,7 +37,8 @@ STEPS, GROUPS, SIZE = 4, 2, 2
 ARGS = ["--env", "graded_env:GradedFactory", "--steps", str(STEPS), "--groups", str(GROUPS), "--group-size",
         str(SIZE), "--max-tokens", "6", "--lr", "1e-5", "--max-model-len", "1024", "--seed", "4"]
 """Graded rewards (tests/graded_env.py): every step updates the weights and the optimizer's moments, so a
-checkpoint holds both and takes long enough (~0.2 s for the tiny model) for a kill to land while it is written."""
+checkpoint holds both and takes long enough (a few tenths of a second for the tiny model) for a kill to land
+while it is written."""
 
 
 def checkpoints(out: Path) -> list[str]:
