@@ -324,9 +324,9 @@ SESSION_GROUP, SERVER_GROUP = "session-engine", "server"
 """The two xdist groups (``make test`` runs ``-n 2 --dist loadgroup``): each runs its tests one after another in
 one worker, the two beside each other. The first holds the tests on this process's session engine
 (``session_engine``) and the engines they start in-process; the second the tests on the session's ``vllm serve``
-(``vllm_server``), the other engine tests (their engines run in processes they start) and the modules of
-:data:`SERVER_MODULES`, whose processes take GBs. Within a group one test runs at a time; the rest, pure logic,
-run in either worker once its group is done."""
+servers (``vllm_server``, ``tiny_server``), the other engine tests (their engines run in processes they start)
+and the modules of :data:`SERVER_MODULES`, whose processes take GBs. Within a group one test runs at a time;
+the rest, pure logic, run in either worker once its group is done."""
 SESSION_MODULES = frozenset({"test_prefixflow_default_model", "test_train_families", "test_engine_start_failure"})
 """Engine tests beside the session engine's users, for balance (the groups' tests took 1031 s and 892 s, the
 rest 420 s, in a fresh-clone run of 976ddc5); test_prefixflow_default_model runs first of its group, before the

@@ -143,16 +143,16 @@ def test_sticky_group_routing_reuses_every_context_and_prefills_each_group_promp
 
 def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, renderer, tmp_path, sticky):
     summary, _ = play(fleet.urls, "round_robin", renderer, tmp_path / "rr", seed=3)
-    sticky, _ = sticky  # the same workload, routed sticky
+    routed, _ = sticky  # the same workload, routed sticky
     assert summary.migrations > 0 and summary.migration_lost_tokens > 0
-    assert summary.prefill_tokens > sticky.prefill_tokens
+    assert summary.prefill_tokens > routed.prefill_tokens
     check_simulator(tmp_path / "rr")
     report = lint_run(tmp_path / "rr")
     causes = [p.cause for v in report.verdicts for p in v.problems if getattr(p, "cause", None)]
     assert "replica" in causes, causes
     print(f"\nround_robin: cached {summary.cache_hit_rate:.1%}, prefill {summary.prefill_tokens}, "
           f"{summary.migrations} migrations losing {summary.migration_lost_tokens} cached tokens; "
-          f"sticky+group on the same workload: cached {sticky.cache_hit_rate:.1%}, prefill {sticky.prefill_tokens}")
+          f"sticky+group on the same workload: cached {routed.cache_hit_rate:.1%}, prefill {routed.prefill_tokens}")
 
 
 def test_verbatim_run_routes_over_several_urls(fleet, tmp_path):
