@@ -83,7 +83,8 @@ def test_an_unknown_or_missing_tracker_is_one_line_naming_the_fix(monkeypatch, t
     monkeypatch.setattr(importlib, "import_module", without_wandb)
     with pytest.raises(InputError) as refused:
         open_trackers(["wandb"], tmp_path, {})
-    assert "needs the wandb package" in str(refused.value) and "verbatim[wandb]" in refused.value.one_line()
+    assert "needs the wandb package" in str(refused.value)
+    assert "pip install 'verbatim-rl[wandb]'" in refused.value.one_line()
 
 
 class _Failing:

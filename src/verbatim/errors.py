@@ -66,7 +66,33 @@ class UnknownModelError(ModelError, InputError):
 
 
 class DependencyError(VerbatimError):
-    """An optional dependency is missing; the message names the install command."""
+    """An optional dependency is missing; the message names the install command (:func:`install_hint`)."""
+
+
+DISTRIBUTION = "verbatim-rl"
+"""This project's name on PyPI. ``verbatim`` there is an unrelated package (a speech-to-text tool with its own
+``verbatim`` module and command): an install hint never names it."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra`` of this project (``pip install 'verbatim-rl[wandb]'``), and the plain
+    packages it brings, as the installed project's metadata lists them (``or pip install 'wandb>=0.19'``)."""
+    hint = f"pip install '{DISTRIBUTION}[{extra}]'"
+    packages = extra_requirements(extra)
+    return hint if not packages else f"{hint} (or pip install {' '.join(repr(p) for p in packages)})"
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements ``extra`` adds (``['wandb>=0.19']``), read from this project's installed metadata;
+    empty where it is not installed as a distribution."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+    marker = f'extra == "{extra}"'
+    return [r.split(";")[0].strip().replace(" ", "") for r in requires if marker in r]
 
 
 class EngineError(VerbatimError):

@@ -17,7 +17,7 @@ from typing import Any
 from verbatim.bench.learn import WINDOW
 from verbatim.bench.learn_repeats import ON_POLICY, setting_of
 from verbatim.datamodel import Frozen
-from verbatim.errors import InputError
+from verbatim.errors import InputError, install_hint
 from verbatim.harness.step_metrics import steps_of
 
 
@@ -75,7 +75,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise InputError("bench learn's plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
+        raise InputError("bench learn's plot needs matplotlib", hint=install_hint("report")) from exc
     groups = panels(curves(results))
     cols = 1 if len(groups) == 1 else 2
     rows = -(-len(groups) // cols)

@@ -22,7 +22,7 @@ from verbatim.bench import docsection
 from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.routing import RouteConfig, RoutePolicy
-from verbatim.errors import InputError
+from verbatim.errors import InputError, install_hint
 from verbatim.harness.store import read_run
 from verbatim.sim.simulator import CostModel, SimConfig, SimResult, simulate
 from verbatim.sim.workload import TraceWorkload, fit_costs, sample_workload, shapes_from_rollouts
@@ -172,7 +172,7 @@ def plot(rows: Sequence[Row], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise InputError("the router plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
+        raise InputError("the router plot needs matplotlib", hint=install_hint("report")) from exc
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     markers = "osD^v<>ph*"
     for i, policy in enumerate(dict.fromkeys(r.policy for r in rows)):

@@ -9,7 +9,7 @@ and ``done`` through unchanged, with its metadata in the turn's info and ``get_m
 Refused, with the reason: an env that calls a language model or needs the network
 (:mod:`verbatim.envs.library_rules`), and at run time an env that rewrites the model's reply
 (``postprocessed_action``): the trace keeps replies as sampled, so the env would judge text the policy
-never wrote. Install with ``pip install 'verbatim[skyrl]'``.
+never wrote. Install with ``pip install 'verbatim-rl[skyrl]'``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from verbatim.datamodel import Message
 from verbatim.envs.base import Reset, StepResult
 from verbatim.envs.library_rules import entry_name, refuse_unfit, reply_text
-from verbatim.errors import DependencyError, EnvError, InputError
+from verbatim.errors import DependencyError, EnvError, InputError, install_hint
 
 PREFIX = "skyrl:"
 
@@ -35,7 +35,7 @@ class SkyRLFactory:
             from skyrl_gym.envs.registration import registry
         except ImportError:
             raise DependencyError("skyrl-gym is not installed",
-                                  hint="pip install 'verbatim[skyrl]' (or pip install skyrl-gym)") from None
+                                  hint=install_hint("skyrl")) from None
         if env_id not in registry:
             raise InputError(f"skyrl-gym has no env {env_id!r}", hint=f"known: {', '.join(sorted(registry))}")
         refuse_unfit(Path(skyrl_gym.__file__).parent.parent, entry_name(registry[env_id].entry_point), "skyrl-gym",

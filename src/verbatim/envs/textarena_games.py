@@ -9,7 +9,7 @@ TextArena seeds Python's global ``random`` in ``reset`` and draws from it while 
 concurrently, so every call into a game runs under one lock with that game's own random state swapped in
 and out: a rollout's game depends on its seed alone. ``--env-arg KEY=VALUE`` goes to ``textarena.make``
 (e.g. ``max_turns=3``). A game for more than one player, one that calls a language model or one that needs
-the network is refused with the reason. Install with ``pip install 'verbatim[textarena]'``.
+the network is refused with the reason. Install with ``pip install 'verbatim-rl[textarena]'``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from verbatim.datamodel import Message
 from verbatim.envs.base import Reset, StepResult
 from verbatim.envs.library_rules import entry_name, refuse_unfit, reply_text
-from verbatim.errors import DependencyError, InputError
+from verbatim.errors import DependencyError, InputError, install_hint
 
 PREFIX = "textarena:"
 RAW = "-raw"
@@ -41,7 +41,7 @@ class TextArenaFactory:
             from textarena.envs.registration import ENV_REGISTRY
         except ImportError:
             raise DependencyError("textarena is not installed",
-                                  hint="pip install 'verbatim[textarena]' (or pip install textarena)") from None
+                                  hint=install_hint("textarena")) from None
         raw = game_id if game_id.endswith(RAW) else game_id + RAW
         if raw not in ENV_REGISTRY:
             raise InputError(f"TextArena has no game {game_id!r}", hint="use a registered id such as "

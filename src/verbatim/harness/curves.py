@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verbatim.errors import InputError
+from verbatim.errors import InputError, install_hint
 
-REPORT_HINT = "pip install 'verbatim-rl[report]'"
+REPORT_HINT = install_hint("report")
 
 
 def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title: str) -> Path:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verbatim.errors import DependencyError, InputError
+from verbatim.errors import DependencyError, InputError, install_hint
 from verbatim.renderers import tokenizers
 from verbatim.renderers.base import ChatFormat
 
@@ -90,7 +90,7 @@ def load_family_tokenizer(fam: Family, model_dir: str | Path | None = None) -> A
         return getattr(tokenizers, f"{loader}_tokenizer")()
     except ImportError as exc:  # tiktoken, sentencepiece/protobuf, gguf, mistral-common
         raise DependencyError(f"the {fam.name} tokenizer needs the package {exc.name!r}",
-                              hint="pip install 'verbatim-rl[renderers]'") from None
+                              hint=install_hint("renderers")) from None
 
 
 def get_renderer(name: str, tokenizer: Any = None, *, model_dir: str | Path | None = None,

@@ -5,7 +5,7 @@
 (nested values as ``name/key``; numbers only), and a small table of the step's sampled rollouts (the
 conversation as text, reward, status, turns, token counts); at the start the run's config. Each tracker
 writes through its library's own API, imported only when asked for (an optional extra:
-``pip install 'verbatim[wandb]'``), and works offline: W&B's ``WANDB_MODE=offline`` run folder under the
+``pip install 'verbatim-rl[wandb]'``), and works offline: W&B's ``WANDB_MODE=offline`` run folder under the
 run directory, TensorBoard event files in ``RUN_DIR/tensorboard``, an MLflow store (``MLFLOW_TRACKING_URI``,
 else a local one in ``RUN_DIR/mlruns``), trackio's local database (``TRACKIO_DIR``).
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Protocol
 from pydantic import AfterValidator
 
 from verbatim.datamodel import Rollout
-from verbatim.errors import InputError
+from verbatim.errors import InputError, install_hint
 from verbatim.trackers.records import rollout_row, scalars, table_rows
 
 TRACKERS = {"wandb": ("wandb_run", "wandb"), "tensorboard": ("tensorboard_events", "tensorboard"),
@@ -60,7 +60,7 @@ def open_trackers(names: Iterable[str], run_dir: Path, config: Mapping[str, Any]
                 importlib.import_module(package)
             except ImportError as exc:
                 raise InputError(f"--log {name} needs the {package} package, which is not installed ({exc})",
-                                 hint=f"pip install 'verbatim[{name}]'") from None
+                                 hint=install_hint(name)) from None
             module = importlib.import_module(f"verbatim.trackers.{module_name}")
             opened.append(module.open_run(Path(run_dir), dict(config)))
     except BaseException:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from verbatim.datamodel import Rollout, Source
-from verbatim.errors import InputError, TraceError
+from verbatim.errors import InputError, TraceError, install_hint
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.correction import correct
 from verbatim.trainer.learner import row_logprobs
@@ -117,7 +117,7 @@ def plot_histogram(report: MismatchReport, path: Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise InputError("--plot needs matplotlib", hint="pip install 'verbatim-rl[report]'") from exc
+        raise InputError("--plot needs matplotlib", hint=install_hint("report")) from exc
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.hist(report.log_ratios, bins=60, color="#3b6ea8")
     axis.axvline(0.0, color="black", linewidth=0.8)
