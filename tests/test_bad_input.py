@@ -292,6 +292,38 @@ def test_an_output_among_a_runs_files_is_refused(tmp_path, args):
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+@pytest.mark.parametrize("args", [
+    ["run", "--env", "guess", "--out", "{tmp}/new", "--summary-json", "{file}"],
+    ["train", "--env", "guess", "--out", "{tmp}/new", "--summary-json", "{file}"],
+    ["view", "{run}", "--static", "{file}"],
+    ["mismatch", "{run}", "--plot", "{file}"],
+    ["plot", "{run}", "--out", "{file}"],
+    ["export", "{run}", "--format", "verl", "--out", "{file}"],
+])
+def test_an_existing_output_file_is_refused_unless_forced(tmp_path, args):
+    """Every flag that writes a file outside a run folder keeps a file already there: one line naming --force."""
+    from verbatim.harness.store import TraceWriter
+
+    run, notes = tmp_path / "run", tmp_path / "notes.txt"
+    TraceWriter(run, RunManifest(run_id="r", engine={"block_size": 16}))
+    notes.write_text("mine")
+    line = one_error_line(runner.invoke(app, [a.format(tmp=tmp_path, run=run, file=notes) for a in args]),
+                          f"{notes} already exists")
+    assert "--force" in line
+    assert notes.read_text() == "mine" and not (tmp_path / "new").exists()
+
+
+def test_view_static_with_force_replaces_the_file(tmp_path):
+    from verbatim.harness.store import TraceWriter
+
+    run, page = tmp_path / "run", tmp_path / "page.html"
+    TraceWriter(run, RunManifest(run_id="r", engine={"block_size": 16}))
+    page.write_text("old")
+    result = runner.invoke(app, ["view", str(run), "--static", str(page), "--force"])
+    assert result.exit_code == 0, result.output
+    assert page.read_text().lstrip().lower().startswith("<!doctype html")
+
+
 def test_a_summary_beside_the_run_directory_the_command_creates_is_accepted(tmp_path):
     """`make demo`: --out runs/demo --summary-json runs/demo.summary.json on a clone with no runs/ yet."""
     from verbatim.paths import check_output_file

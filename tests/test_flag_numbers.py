@@ -108,7 +108,7 @@ def test_a_seed_vllm_would_refuse_in_a_config_file_is_refused(tmp_path, monkeypa
                                            ("train", "verbatim.cli.train.train_command")])
 def test_the_largest_seed_and_finite_floats_pass(monkeypatch, command, where):
     seen = []
-    monkeypatch.setattr(where, lambda options, *rest: seen.append(options))
+    monkeypatch.setattr(where, lambda options, *rest, **given: seen.append(options))
     result = runner.invoke(app, [command, "--env", "guess", "--seed", str(MAX_SEED), "--temperature", "0.5"])
     assert result.exit_code == 0 and len(seen) == 1, (result.output, result.exception)
 

@@ -213,7 +213,8 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
     with pytest.raises(InputError) as caught:
         plot_training(read_metrics(tmp_path), tmp_path / "x.png", title="t")
-    assert caught.value.one_line() == "verbatim plot needs matplotlib (pip install 'verbatim-rl[report]')"
+    assert caught.value.one_line() == ("verbatim plot needs matplotlib (pip install 'verbatim-rl[report]', "
+                                       "or pip install 'matplotlib>=3.7')")
     assert not os.path.exists(tmp_path / "x.png")
 
 

@@ -96,7 +96,7 @@ def test_a_field_added_to_the_config_is_a_flag_recorded_and_checked_without_anot
     table = flags_of(WithAKnob)
     seen = []
     knob_app = typer.Typer(cls=app.info.cls, rich_markup_mode=None)  # the CLI's one-line errors
-    knob_app.command("train")(job_command(table, lambda config, summary: seen.append(config), "Train."))
+    knob_app.command("train")(job_command(table, lambda config, summary, force: seen.append(config), "Train."))
     knob_app.command("other")(lambda: None)  # a group, so the command is called by name
 
     help_text = " ".join(runner.invoke(knob_app, ["train", "--help"]).output.split())

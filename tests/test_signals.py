@@ -137,6 +137,28 @@ def test_rollouts_still_playing_after_the_grace_are_cut_and_kept_as_interrupted(
     assert engine.calls == 8, "a rollout started after the stop"
 
 
+def test_resume_plays_interrupted_rollouts_again_and_keeps_their_first_record_aside(tmp_path):
+    """An interrupted rollout is not a finished one: a resume plays it again, so the run it calls completed holds
+    every planned rollout once, finished; the batch files that held the cut ones are kept byte for byte."""
+    out = tmp_path / "run"
+    engine = GatedEngine(hold_from=1)
+    run = make_run(out, engine)
+    assert isinstance(play(run, stop_when_held(run, engine, 4, SIGINT_STOP, grace_s=0.3)), RunInterrupted)
+    before = {p.name: p.read_bytes() for p in out.glob("rollouts-*")}
+    assert before and all(r.status == "interrupted" for r in read_run(out).rollouts)
+
+    resumed = make_run(out, GatedEngine())
+    assert resumed.completed_ids() == set()
+    assert play(resumed, resume=True) is None
+    after = read_run(out)
+    counts = Counter(r.rollout_id for r in after.rollouts)
+    assert len(counts) == 8 and set(counts.values()) == {1}
+    assert {r.status for r in after.rollouts} == {"ok"} and after.manifest.status == "completed"
+    aside = out / "discarded" / "interrupted"
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert lint_run(out).ok
+
+
 def test_rollouts_that_finish_within_the_grace_are_kept_whole_and_resume_plays_the_rest(tmp_path):
     engine = GatedEngine(hold_from=2)
 

@@ -76,10 +76,10 @@ DISTRIBUTION = "verbatim-rl"
 
 def install_hint(extra: str) -> str:
     """The command that installs ``extra`` of this project (``pip install 'verbatim-rl[wandb]'``), and the plain
-    packages it brings, as the installed project's metadata lists them (``or pip install 'wandb>=0.19'``)."""
+    packages it brings, as the installed project's metadata lists them (``, or pip install 'wandb>=0.19'``)."""
     hint = f"pip install '{DISTRIBUTION}[{extra}]'"
     packages = extra_requirements(extra)
-    return hint if not packages else f"{hint} (or pip install {' '.join(repr(p) for p in packages)})"
+    return hint if not packages else f"{hint}, or pip install {' '.join(repr(p) for p in packages)}"
 
 
 def extra_requirements(extra: str) -> list[str]:

@@ -50,13 +50,17 @@ def tokenizer_file(*parts: str) -> Path:
     return path
 
 
-def check_output_file(value: str | os.PathLike[str], flag: str, created: Path | None = None) -> Path:
+def check_output_file(value: str | os.PathLike[str], flag: str, created: Path | None = None, *,
+                      existing_ok: bool = False) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only
-    parent folder, or a name the file system refuses. Creates nothing. ``created`` is a folder the
+    parent folder, or a name the file system refuses; and an existing file unless ``existing_ok`` (the
+    command's ``--force``: nothing is replaced unasked). Creates nothing. ``created`` is a folder the
     command itself will create (a run directory): a parent among its ancestors may be missing now."""
     path = Path(value).expanduser()
     if path.is_dir():
         raise InputError(f"{flag} {path} is a folder", hint="give a file name")
+    if (path.exists() or path.is_symlink()) and not existing_ok:
+        raise InputError(f"{flag} {path} already exists", hint="pass --force to replace it, or another name")
     parent = path.parent if str(path.parent) else Path(".")
     if any(len(part.encode()) > 255 for part in path.parts):
         raise InputError(f"{flag} {path}: a name in it is longer than the file system allows (255 bytes)")

@@ -208,16 +208,16 @@ def generate(
 # ---------------------------------------------------------------------------
 
 
-def _run(options: Any, summary_json: str | None) -> None:
+def _run(options: Any, summary_json: str | None, force: bool) -> None:
     from verbatim.cli.run import run_command
 
-    run_command(options, console, summary_json)
+    run_command(options, console, summary_json, replace=force)
 
 
-def _train(options: Any, summary_json: str | None) -> None:
+def _train(options: Any, summary_json: str | None, force: bool) -> None:
     from verbatim.cli.train import train_command
 
-    train_command(options, console, summary_json)
+    train_command(options, console, summary_json, replace=force)
 
 
 app.command("run")(job_command(

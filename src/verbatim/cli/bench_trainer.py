@@ -254,7 +254,7 @@ def bench_learn(
     if record is not None:
         from verbatim.paths import check_output_file
 
-        check_output_file(record, "--record")
+        check_output_file(record, "--record", existing_ok=True)  # runs already in it are kept, new ones added
     with err_console.status("bench learn…") as status:
         def on_step(run: LearnRun, steps: int, index: int) -> None:
             status.update(f"{run.label}: step {steps} of {settings.steps} (run {index + 1} of {len(runs)})")

@@ -2,9 +2,9 @@
 (:data:`~verbatim.jobs.config.RUN_FLAGS`, :data:`~verbatim.jobs.config.TRAIN_FLAGS`): each flag's name,
 default and help are its field's, so a field added to a config is a flag without an edit here.
 
-A command gets the table's flags plus ``--summary-json`` and ``--config`` (which are not settings of the
-run); its body receives the config, built and checked by the same table, and a value the config refuses is
-one line naming its flag (exit 2), before anything starts.
+A command gets the table's flags plus ``--summary-json``, ``--force`` (replace an existing summary file)
+and ``--config`` (which are not settings of the run); its body receives the config, built and checked by the
+same table, and a value the config refuses is one line naming its flag (exit 2), before anything starts.
 """
 
 from __future__ import annotations
@@ -22,25 +22,28 @@ from verbatim.errors import InputError
 from verbatim.jobs.flag_table import Flag, FlagTable
 
 SUMMARY_JSON = "summary_json"
+FORCE = "force"
 CONFIG = "config"
 
 
-def job_command(table: FlagTable, body: Callable[[Any, str | None], None], doc: str) -> Callable[..., None]:
+def job_command(table: FlagTable, body: Callable[[Any, str | None, bool], None], doc: str) -> Callable[..., None]:
     """A Typer command whose options are ``table``'s flags (in the config's order) and which calls
-    ``body(config, summary_json)``."""
+    ``body(config, summary_json, force)``."""
     params = [_parameter(flag) for flag in table.flags]
     params += [
         inspect.Parameter(SUMMARY_JSON, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],  # noqa: UP045
                           default=typer.Option(None, "--summary-json", help="Also write the summary as JSON here.")),
+        inspect.Parameter(FORCE, inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                          default=typer.Option(False, "--force", help="Replace an existing --summary-json file.")),
         inspect.Parameter(CONFIG, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],  # noqa: UP045
                           default=typer.Option(None, "--config", is_eager=True, callback=config_loader(table),
                                                help=CONFIG_HELP)),
     ]
 
     def command(**values: Any) -> None:
-        summary_json = values.pop(SUMMARY_JSON)
+        summary_json, force = values.pop(SUMMARY_JSON), values.pop(FORCE)
         values.pop(CONFIG)
-        body(config_of(table, values), summary_json)
+        body(config_of(table, values), summary_json, force)
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}

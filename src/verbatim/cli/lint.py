@@ -176,6 +176,7 @@ def mismatch_report(
                                         "minus each token's version). Default: the newest version in the trace."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(None, "--plot", help="Write a histogram of log π − log μ to this PNG."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --plot file."),
     save: bool = typer.Option(False, "--save", help="Also write each rollout's log π and the correction's keep mask "
                               "to RUN_DIR/trainer_logprobs.parquet (verbatim view colours tokens by them)."),
 ) -> None:
@@ -191,7 +192,7 @@ def mismatch_report(
 
     if plot:
         check_outside_run(plot, "--plot")  # before the minutes of computing, not after
-        check_output_file(plot, "--plot")
+        check_output_file(plot, "--plot", existing_ok=force)
     trace = read_run(run_dir)
     for problem in trace.problems:
         err_console.print(f"warning: {problem}")

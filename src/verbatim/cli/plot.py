@@ -15,7 +15,8 @@ from verbatim.cli.console import console
 
 def plot_command(
     run_dir: Path = typer.Argument(..., help="A training run directory written by 'verbatim train --out'."),
-    out: Path = typer.Option(None, "--out", help="The PNG to write (default: RUN_DIR/curve.png)."),
+    out: Path = typer.Option(None, "--out", help="The PNG to write (default: RUN_DIR/curve.png, redrawn each time)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
 ) -> None:
     """Plot a training run's metrics.jsonl: mean reward, mismatch |log π − log μ| and cache hit rate per step."""
     from verbatim.harness.curves import plot_training
@@ -23,7 +24,7 @@ def plot_command(
     from verbatim.paths import check_output_file
 
     if out is not None:
-        check_output_file(out, "--out")
+        check_output_file(out, "--out", existing_ok=force)
     records = read_metrics(run_dir)
     written = plot_training(records, out or run_dir / "curve.png", title=f"{run_dir.resolve().name}: "
                             f"{len(records)} steps")

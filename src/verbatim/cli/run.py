@@ -18,11 +18,13 @@ from verbatim.paths import check_output_file
 
 
 def run_command(options: RunOptions, console: Console, summary_json: str | None = None, *,
-                engine: Any | None = None) -> RunSummary:
-    """``verbatim run``: the run, its summary table and ``--summary-json``; ``engine``: one the caller started
+                engine: Any | None = None, replace: bool = False) -> RunSummary:
+    """``verbatim run``: the run, its summary table and ``--summary-json`` (an existing file replaced only with
+    ``replace``, the CLI's ``--force``); ``engine``: one the caller started
     (:func:`~verbatim.jobs.run.run_rollouts`)."""
     if summary_json:
-        check_output_file(summary_json, "--summary-json", created=Path(options.output.out))  # before the run
+        check_output_file(summary_json, "--summary-json", created=Path(options.output.out),
+                          existing_ok=replace)  # before the run
     ended: list[Run] = []
     try:
         summary = run_rollouts(options, console, on_end=ended.append, engine=engine)

@@ -57,9 +57,10 @@ def summary(history: list[StepMetrics], options: TrainConfig, wall_s: float,
 
 
 def train_command(options: TrainConfig, console: Console, summary_json: str | None = None, *,
-                  engine: Any | None = None) -> list[dict]:
-    """``verbatim train``: a line a step, the reward table and ``--summary-json``; ``engine``: one the caller
-    started (:func:`~verbatim.jobs.train.run_training`)."""
+                  engine: Any | None = None, replace: bool = False) -> list[dict]:
+    """``verbatim train``: a line a step, the reward table and ``--summary-json`` (an existing file replaced only
+    with ``replace``, the CLI's ``--force``); ``engine``: one the caller started
+    (:func:`~verbatim.jobs.train.run_training`)."""
     from verbatim.cli.run import warn_ignored_fields, write_summary_json
     from verbatim.harness.summary import summed
     from verbatim.jobs.trainer_team import following
@@ -69,7 +70,8 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
     started = time.perf_counter()
     check_run_dir(options.output.out)
     if summary_json:
-        check_output_file(summary_json, "--summary-json", created=Path(options.output.out))  # before training
+        check_output_file(summary_json, "--summary-json", created=Path(options.output.out),
+                          existing_ok=replace)  # before training
     ended: list[TrainLoop] = []
 
     def on_end(loop: TrainLoop) -> None:

@@ -12,6 +12,7 @@ def view_command(
     port: int = typer.Option(8765, "--port", min=0, max=65535, help="Port on 127.0.0.1 (0: any free port)."),
     open_browser: bool = typer.Option(False, "--open", help="Open the page in the default browser."),
     static: str = typer.Option(None, "--static", help="Write one self-contained HTML file here instead of serving."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --static file."),
 ) -> None:
     """Look at a run: summary and training curves, rollouts, tokens coloured by source, logprob, version and
     cache, groups side by side. Serves on loopback only, reads nothing but the run; Ctrl-C stops it."""
@@ -23,7 +24,7 @@ def view_command(
 
     if static:  # the rule of every output file, as export's --out: refused before the run is read
         check_outside_run(static, "--static")
-        check_output_file(static, "--static")
+        check_output_file(static, "--static", existing_ok=force)
     check_run_dir(run_dir)
     if static:
         Path(static).write_text(static_page(run_dir), encoding="utf-8")

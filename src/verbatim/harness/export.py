@@ -94,9 +94,8 @@ def export_path(fmt: str, out: str | os.PathLike[str], *, force: bool = False) -
     if path.is_dir():
         path = path / default_out(path, fmt).name
     check_outside_run(path, "--out", hint="pass a path outside the run, or leave --out out (RUN_DIR/exports/)")
-    check_output_file(path, "--out", created=path.parent if path.parent.name == RUN_OUTPUTS else None)
-    if path.exists() and not force:
-        raise InputError(f"{path} already exists", hint="pass --force to replace it, or another --out")
+    check_output_file(path, "--out", created=path.parent if path.parent.name == RUN_OUTPUTS else None,
+                      existing_ok=force)
     return path
 
 
@@ -294,7 +293,7 @@ def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """Write to a temporary name beside ``path`` and rename it into place; the one folder it may create
     is a run's ``exports/`` (any other missing folder is the one-line error of :func:`check_output_file`)."""
     run = enclosing_run(path)
-    check_output_file(path, "--out", created=None if run is None else run / RUN_OUTPUTS)
+    check_output_file(path, "--out", created=None if run is None else run / RUN_OUTPUTS, existing_ok=True)
     try:
         path.parent.mkdir(exist_ok=True)
     except OSError as exc:

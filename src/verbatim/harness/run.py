@@ -12,7 +12,10 @@ calls are cut (:class:`~.gate.EngineGate`) and they are written as
 later still is written as ``interrupted``, without tokens. The manifest says
 ``interrupted`` (signal) or ``failed`` (engine), and ``play`` raises the matching
 error after everything is written. ``--resume`` plays the rollouts that never
-started; a written rollout, interrupted or not, is never played twice.
+started and those written ``interrupted`` (their batch files are moved whole into
+``discarded/interrupted/``, the finished rollouts beside them written back), so a
+resumed run holds each planned rollout once, finished; a finished one is never
+played twice.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from verbatim.errors import EngineError, InputError, RunInterrupted, VerbatimErr
 from verbatim.harness.engine_gate import FAILURES_TO_STOP, EngineGate
 from verbatim.harness.env_output import describe_failure, jsonable
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer, RolloutSpec
-from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest, read_run
+from verbatim.harness.store import (
+    RunLock,
+    RunManifest,
+    TraceWriter,
+    clear_unfinished_writes,
+    read_manifest,
+    read_run,
+    set_aside_interrupted,
+)
 from verbatim.harness.summary import RunSummary, summarize
 
 
@@ -138,7 +149,8 @@ class Run:
         is complete when the last step is trained, not when a step is played)."""
 
     def completed_ids(self) -> set[str]:
-        return {r.rollout_id for r in self._on_disk()}
+        """The rollouts on disk a resume keeps (an interrupted one is played again)."""
+        return {r.rollout_id for r in self._on_disk() if r.status != "interrupted"}
 
     def _on_disk(self) -> list[Rollout]:
         return read_run(self.out).rollouts if (self.out / "manifest.json").exists() else []
@@ -201,9 +213,11 @@ class Run:
         clear_unfinished_writes(self.out)
         self._record_block_size()
         mine = self.rollout_ids
+        writer = TraceWriter(self.out, self.manifest)
+        if resume and look_on_disk:
+            set_aside_interrupted(writer)
         earlier = [r for r in self._on_disk() if r.rollout_id in mine] if resume and look_on_disk else []
         done = {r.rollout_id for r in earlier}
-        writer = TraceWriter(self.out, self.manifest)
         batcher = _Batcher(writer, self.plan.batch_size)
         limit = asyncio.Semaphore(self.plan.concurrency)
         started = time.perf_counter()

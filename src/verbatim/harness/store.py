@@ -164,6 +164,39 @@ def clear_unfinished_writes(run_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+DISCARDED = "discarded"
+"""A run folder's records that a resume replaced, moved here whole (nothing is deleted or rewritten)."""
+
+
+def new_folder(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``… where an earlier resume already used that name."""
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
+def set_aside_interrupted(writer: TraceWriter) -> list[str]:
+    """Move each batch file holding an ``interrupted`` rollout, as it is, into ``discarded/interrupted/`` and
+    write its other rollouts back as a new batch; returns the interrupted rollouts' ids (a resume plays them
+    again, so the trace holds each rollout once, finished). The file is moved before its rollouts are written
+    back: a kill in between leaves them out of the trace (and in the moved file), to be played again, never
+    twice. Call it holding the :class:`RunLock`."""
+    again: list[str] = []
+    for _, path in batch_files(writer.run_dir):
+        rollouts, _ = read_batch(path)
+        cut = [r for r in rollouts if r.status == "interrupted"]
+        if not cut:
+            continue
+        folder = writer.run_dir / DISCARDED / "interrupted"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(path, new_folder(folder / path.name))
+        writer.write_batch(r for r in rollouts if r.status != "interrupted")
+        again += [r.rollout_id for r in cut]
+    return again
+
+
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for path in run_dir.iterdir():

@@ -31,7 +31,15 @@ from verbatim.engine.reaper import check_no_leftover_engine
 from verbatim.errors import InputError
 from verbatim.harness.config_changes import config_differences
 from verbatim.harness.metrics_log import METRICS_FILE, metrics_path, read_metrics, rewrite_metrics
-from verbatim.harness.store import RunLock, batch_files, read_batch, read_manifest, read_run
+from verbatim.harness.store import (
+    DISCARDED,
+    RunLock,
+    batch_files,
+    new_folder,
+    read_batch,
+    read_manifest,
+    read_run,
+)
 
 CHECKPOINTS = "checkpoints"
 _STEPS_KEY = "plan.steps"
@@ -135,9 +143,6 @@ def check_recorded(out: Path, trained: int, max_lag: int, every: int = 1) -> Non
                          hint="put the missing checkpoints back, or start a new run with another --out")
 
 
-DISCARDED = "discarded"
-
-
 def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
     """Move what steps past the newest checkpoint (``trained``) recorded into ``out/discarded/after-step-N/``
     (nothing is deleted); returns that folder, or None when there was nothing.
@@ -159,7 +164,7 @@ def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
     files = sorted(p for p in (out / STEP_DIR).glob("step-*.parquet") if _step_of(p) > trained)
     if not (moved or later or files):
         return None
-    folder = _new_folder(out / DISCARDED / f"after-step-{trained:06d}")
+    folder = new_folder(out / DISCARDED / f"after-step-{trained:06d}")
     (folder / STEP_DIR).mkdir(parents=True)
     if later:
         (folder / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in later))
@@ -168,15 +173,6 @@ def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
         os.replace(path, folder / STEP_DIR / path.name)
     for path in moved:
         os.replace(path, folder / path.name)
-    return folder
-
-
-def _new_folder(base: Path) -> Path:
-    """``base``, or ``base-2``, ``base-3``… where an earlier resume set aside steps after the same checkpoint."""
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
     return folder
 
 
