@@ -167,7 +167,8 @@ def _break_after_one(edit, tools=None):
 
 @pytest.mark.parametrize("edit,where", [
     (lambda h: [h[0], {**h[1], "content": "HI"}, *h[2:]], (1, "user", "content", "message 1 (user): content differs")),
-    (lambda h: h[1:], (0, "system", "role", "message 0 (system): role differs")),
+    (lambda h: h[1:], (0, "system", "dropped", "message 0 (system) was dropped")),
+    (lambda h: [h[0], h[2], h[3]], (1, "user", "dropped", "message 1 (user) was dropped")),
     (lambda h: [h[0], h[1], {**h[2], "content": "summary"}, h[3]],
      (2, "assistant", "content", "message 2 (assistant): content differs")),
     (lambda h: [h[1], h[0], *h[2:]], (0, "system", "role", "message 0 (system): role differs")),
@@ -419,11 +420,19 @@ def test_only_an_extension_passes_and_any_edit_names_its_message(recorded, added
     assert chat.first_difference(recorded, incoming) is None
     index = data.draw(st.integers(0, len(recorded) - 1))
     edited = [dict(m) for m in incoming]
-    edited[index]["content"] += "!"
+    edited[index]["content"] += "<<edited>>"  # longer than any recorded content: an edit, not a drop
     role = recorded[index]["role"]
     assert chat.first_difference(recorded, edited) == {"message": index, "role": role, "field": "content",
                                                        "what": f"message {index} ({role}): content differs"}
     assert chat.first_difference(recorded, incoming[:index])["field"] == "dropped"
+
+
+def test_messages_left_out_before_kept_ones_are_dropped_not_edited():
+    recorded = chat.canonical_all([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                   {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+    found = chat.first_difference(recorded, [*recorded[2:], {"role": "user", "content": "e"}])
+    assert (found["message"], found["field"], found["what"]) == (0, "dropped",
+                                                                "messages 0-1 (user, assistant) were dropped")
 
 
 def test_canonical_forms_of_what_clients_send():

@@ -102,20 +102,22 @@ def test_the_sampled_tokens_are_kept_as_sampled_with_their_logprobs(agent_run):
 def test_a_rewritten_history_is_a_second_segment_that_every_reader_sees(agent_run, tmp_path):
     for rollout in by_mode(agent_run)["rewrite"]:
         (brk,) = rollout.info["segments"]
-        assert (brk["message"], brk["role"], brk["field"]) == (0, "user", "content") and brk["turn"] == 2
+        assert (brk["message"], brk["role"], brk["field"]) == (0, "user", "dropped") and brk["turn"] == 2
         first, second = rollout.segments()
         assert len(first.turns) == 2 and len(second.turns) == 1
         assert rollout.info["env"]["last_prompt"] == second.turns[0].prompt_tokens
         shown = cli("show", str(agent_run), rollout.rollout_id)
-        assert shown.returncode == 0 and "══ history break before turn 2: the agent rewrote its history (message 0 " \
-            "(user): content differs); a new segment starts here" in " ".join(shown.stdout.split()), shown.stdout
+        assert shown.returncode == 0, shown.stderr
+        assert "══ history break before turn 2: the agent rewrote its history (messages 0-1 (user, assistant) were " \
+            "dropped); a new segment starts here" in " ".join(shown.stdout.split()), shown.stdout
     summary = json.loads((agent_run.parent / "summary.json").read_text())
     assert summary["history_breaks"] == 2 and summary["broken_rollouts"] == 2
     lint = cli("lint", "trace", str(agent_run), "--json")
     verdicts = [json.loads(line) for line in lint.stdout.splitlines() if line.strip()]
     problems = [p for v in verdicts for p in v.get("problems", ())]
     assert lint.returncode == 1 and {p["kind"] for p in problems} == {"history_break"}, problems
-    assert all("message 0 (user): content differs" in p["detail"] and "prefilled" in p["detail"] for p in problems)
+    assert all("messages 0-1 (user, assistant) were dropped" in p["detail"] and "prefilled" in p["detail"]
+               for p in problems)
     export = cli("export", str(agent_run), "--format", "verl", "--out", str(tmp_path / "verl.parquet"))
     assert export.returncode == 0, export.stdout + export.stderr
     import pyarrow.parquet as pq
@@ -141,3 +143,81 @@ def test_train_runs_the_example_agent_for_real_steps(tmp_path, engine_runner):
         assert set(rollout.tokens.policy_version[model].tolist()) == {rollout.info["step"] - 1}
     lint = cli("lint", "trace", str(out))
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+FAILING_AGENTS = '''
+def raising(task, client):
+    client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}])
+    return {}["missing"]
+
+
+def greedy(task, client):
+    history = [{"role": "user", "content": "Count."}]
+    for _ in range(3):
+        reply = client.chat.completions.create(model="smol", messages=history)
+        history += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    return 1.0
+
+
+def silent(task, client):
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def failing_runs(tmp_path_factory, session_engine) -> dict[str, tuple[Path, str]]:
+    """An agent that raises, one that asks for a third turn under --max-turns 2 (and raises on the refusal),
+    one that returns 1.0 without calling the model: each played by ``verbatim run``'s own function."""
+    folder = tmp_path_factory.mktemp("failing")
+    (folder / "agents.py").write_text(FAILING_AGENTS)
+    (folder / "tasks.jsonl").write_text('{"n": 1}\n')
+    runs = {}
+    for name in ("raising", "greedy", "silent"):
+        printed = io.StringIO()
+        options = RunOptions(play={"agent": f"{folder / 'agents.py'}:{name}", "tasks": str(folder / "tasks.jsonl"),
+                                   "max_turns": 2}, sampling={"max_tokens": 8}, engine={"max_model_len": 2048},
+                             output={"out": str(folder / name)}, group_size=2)
+        run_command(options, Console(file=printed, width=400), str(folder / f"{name}.json"),
+                    engine=session_engine.engine)
+        runs[name] = (folder / name, " ".join(printed.getvalue().split()))
+    return runs
+
+
+def test_a_failed_rollout_keeps_the_agents_traceback_has_no_reward_and_is_said_in_one_line(failing_runs):
+    out, printed = failing_runs["raising"]
+    rollouts = read_run(out).rollouts
+    assert [r.status for r in rollouts] == ["error", "error"] and {r.reward for r in rollouts} == {None}
+    for rollout in rollouts:
+        assert rollout.error.startswith("the agent raised KeyError")
+        trace = rollout.info["agent"]["traceback"]
+        assert trace.startswith("Traceback (most recent call last)") and 'return {}["missing"]' in trace
+    assert "warning: 2 of 2 rollouts failed (2 error: no reward), first: the agent raised KeyError" in printed
+    summary = json.loads((out.parent / "raising.json").read_text())
+    assert summary["mean_reward"] is None and summary["rewards_left_out"] == 2
+    lint = cli("lint", "trace", str(out))
+    assert lint.returncode == 1 and "2 ended in error" in " ".join(lint.stdout.split())
+
+
+def test_rollouts_cut_at_max_turns_are_counted_and_listed_by_lint(failing_runs):
+    out, printed = failing_runs["greedy"]
+    rollouts = read_run(out).rollouts
+    assert [r.status for r in rollouts] == ["truncated", "truncated"] and {r.reward for r in rollouts} == {None}
+    assert all(r.error.startswith("max turns (2) reached: the agent asked for more; then the agent raised")
+               for r in rollouts)
+    assert "2 of 2 were cut at --max-turns" in printed
+    summary = json.loads((out.parent / "greedy.json").read_text())
+    assert summary["cut_at_max_turns"] == 2 and summary["rewards_left_out"] == 2
+    lint = cli("lint", "trace", str(out), "--json")
+    lines = [json.loads(line) for line in lint.stdout.splitlines()]
+    assert lint.returncode == 0 and [f["kind"] for v in lines[:-1] for f in v["findings"]] == ["truncated"] * 2
+    assert lines[-1]["truncated"] == 2 and lines[-1]["truncated_without_reward"] == 2
+
+
+def test_an_agent_that_never_asks_the_model_fails_and_its_reward_is_counted_nowhere(failing_runs):
+    out, printed = failing_runs["silent"]
+    rollouts = read_run(out).rollouts
+    assert [r.status for r in rollouts] == ["error", "error"] and {r.reward for r in rollouts} == {None}
+    assert {r.info["agent"]["returned_reward"] for r in rollouts} == {1.0}
+    summary = json.loads((out.parent / "silent.json").read_text())
+    assert summary["mean_reward"] is None and summary["statuses"] == {"error": 2}
+    assert "2 of 2 rollouts failed" in printed

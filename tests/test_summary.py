@@ -60,3 +60,31 @@ def test_summary_table_and_json_count_solved_rollouts():
     assert "success_rate" in text and "50.0%" in text and "ok: the env ended the episode" in text
     unsaid = summarize(rollouts[2:], block_size=16)
     assert (unsaid.solved, unsaid.success_rate) == (None, None)
+
+
+def test_a_failed_rollouts_reward_is_null_and_no_mean_counts_it():
+    """One rule (``Rollout``): an error or interrupted rollout holds no reward, whatever its player summed; the
+    summary's mean leaves it out and says how many it left out."""
+    from verbatim.datamodel import Rollout
+
+    ok = tiny_rollout(0)
+    errored = Rollout.model_validate({**ok.model_dump(), "rollout_id": "e", "status": "error", "error": "boom",
+                                      "reward": 1.0})
+    stopped = Rollout(run_id="r", group_id="g0", rollout_id="i", status="interrupted", error="SIGINT", reward=0.0)
+    cut = ok.model_copy(update={"rollout_id": "t", "status": "truncated", "error": "max turns (2) reached before "
+                                "the env was done", "reward": None})
+    assert errored.reward is None and stopped.reward is None
+    summary = summarize([ok, errored, stopped, cut], block_size=16)
+    assert summary.mean_reward == 1.0 and summary.rewards_left_out == 3
+    assert summary.cut_at_max_turns == 1 and summary.first_error == "boom"
+
+
+def test_the_outcome_line_says_what_failed_was_cut_or_broke():
+    from verbatim.harness.summary import outcome_line
+
+    assert outcome_line({"ok": 4}) is None
+    assert outcome_line({"error": 2}, first="the agent raised KeyError: 'x'") == (
+        "2 of 2 rollouts failed (2 error: no reward), first: the agent raised KeyError: 'x'")
+    assert outcome_line({"ok": 1, "truncated": 2, "interrupted": 1}, cut=2, breaks=1) == (
+        "1 of 4 rollouts failed (1 interrupted: no reward); 2 of 4 were cut at --max-turns; 1 history breaks "
+        "(agents rewrote their history; 'verbatim lint trace' says where)")

@@ -94,7 +94,7 @@ def test_clean_trace_passes(tmp_path: Path):
     assert [line["rollout_id"] for line in lines] == [f"r{i}" for i in range(6)]
     assert all(line["ok"] is True and line["problems"] == [] and line["group_id"] for line in lines)
     table = runner.invoke(app, ["lint", "trace", str(run)])
-    assert table.exit_code == 0 and "6/6 rollouts clean" in table.stdout
+    assert table.exit_code == 0 and "6/6 rollouts' tokens clean" in table.stdout
 
 
 def test_first_turn_without_cache_hits_is_not_a_problem():
@@ -240,7 +240,7 @@ def test_cause_comes_from_the_manifest(tmp_path: Path):
                                  "detail": line["problems"][0]["detail"]}]
     table = runner.invoke(app, ["lint", "trace", str(run)])
     text = " ".join(table.stdout.split())
-    assert table.exit_code == 1 and "[cause: flush]" in text and "0/1 rollouts clean" in text
+    assert table.exit_code == 1 and "[cause: flush]" in text and "0/1 rollouts' tokens clean" in text
 
 
 def test_block_size_comes_from_the_manifest(tmp_path: Path):
@@ -289,7 +289,8 @@ def test_a_clean_but_incomplete_run_is_not_called_clean(tmp_path: Path, status, 
     table = runner.invoke(app, ["lint", "trace", str(run)])
     text = " ".join(table.stdout.split())
     assert table.exit_code == 1, text
-    assert f"{written}/{written} rollouts clean" in text and f"run {status}, {written}/4 planned rollouts" in text
+    assert f"{written}/{written} rollouts' tokens clean" in text
+    assert f"run {status}, {written}/4 planned rollouts" in text
     assert why in text
     result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
     _, whole = json_lines(result.stdout)
@@ -332,7 +333,8 @@ def test_damaged_file_is_a_problem(tmp_path: Path):
     result = runner.invoke(app, ["lint", "trace", str(run), "--json"])
     assert result.exit_code == 1
     lines, _ = json_lines(result.stdout)
-    assert lines[0] == {"rollout_id": "a", "group_id": "g0", "ok": True, "problems": []}
+    assert lines[0] == {"rollout_id": "a", "group_id": "g0", "ok": True, "status": "ok", "problems": [],
+                        "findings": []}
     assert lines[1]["rollout_id"] is None and lines[1]["ok"] is False
     assert lines[1]["problems"][0]["kind"] == "damaged_file" and damaged.name in lines[1]["problems"][0]["detail"]
 
@@ -343,13 +345,19 @@ def test_duplicate_rollout_is_a_problem():
     assert kinds(report.verdicts[2].problems) == [("duplicate", None)]
 
 
-def test_errored_and_truncated_rollouts_are_linted_not_failed():
+def test_errored_and_truncated_rollouts_are_findings_with_sound_tokens():
+    """Their tokens are checked like any others'; the failed one makes lint exit 1, the cut one is listed."""
     ledger = Ledger()
     ledger.append_prompt([1, 2, 3])
     errored = ledger.to_rollout(run_id="run", group_id="g", rollout_id="e", status="error", error="env raised")
-    report = lint_rollouts([errored, make_rollout("t").model_copy(update={"status": "truncated", "error": "budget"})],
-                           KEEP)
-    assert report.ok
+    cut = make_rollout("t").model_copy(update={"status": "truncated", "error": "max turns (2) reached",
+                                               "reward": None})
+    report = lint_rollouts([errored, cut], KEEP)
+    assert report.ok and report.failed == 1 and report.exit_code() == 1 and report.exit_code(tokens_only=True) == 0
+    assert [f.as_json() for f in report.verdicts[0].findings] == [
+        {"kind": "failed", "turn": None, "detail": "error: env raised; no reward"}]
+    assert [f.detail for f in report.verdicts[1].findings] == ["max turns (2) reached; no reward"]
+    assert lint_rollouts([cut], KEEP).exit_code() == 0  # a cut episode is an ordinary outcome
     nan_model = with_columns(make_rollout("x"), logprob={45: np.nan}).model_copy(update={"status": "error",
                                                                                           "error": "boom"})
     assert not lint_rollouts([nan_model], KEEP).ok
@@ -421,3 +429,19 @@ def test_group_check_is_opt_in(tmp_path: Path):
     assert strict.exit_code == 1
     last = json_lines(strict.stdout)[0][-1]
     assert last["rollout_id"] is None and last["group_id"] == "g" and last["problems"][0]["kind"] == "group_prefill"
+
+
+def test_a_run_called_completed_that_holds_interrupted_rollouts_is_incomplete(tmp_path: Path):
+    """A run folder written before a resume played interrupted rollouts again: its manifest's word is not taken."""
+    rollouts = [make_rollout(f"r{i}", f"g{i // 2}", seed=i) for i in range(4)]
+    rollouts[1] = rollouts[1].model_copy(update={"status": "interrupted", "error": "interrupted by SIGINT",
+                                                 "reward": None})
+    run = write_run(tmp_path / "run", [rollouts], status="completed", config=PLAN)
+    table = runner.invoke(app, ["lint", "trace", str(run)])
+    text = " ".join(table.stdout.split())
+    assert table.exit_code == 1, text
+    assert "1 interrupted" in text and "1 rollouts were interrupted (a resume plays them again)" in text
+    lines, whole = json_lines(runner.invoke(app, ["lint", "trace", str(run), "--json"]).stdout)
+    assert lines[1]["findings"] == [{"kind": "failed", "turn": None, "detail": "interrupted: interrupted by SIGINT; "
+                                                                               "no reward"}]
+    assert whole["interrupted"] == 1 and whole["complete"] is False

@@ -131,13 +131,26 @@ def test_no_trainable_group_is_one_line_naming_the_first_error():
     line = caught.value.one_line()
     assert "\n" not in line
     assert "no group of this step has two rollouts" in line
-    assert "(4 rollouts, 2 failed; first error: env crashed: KeyError 'x')" in line
+    assert "2 of 4 rollouts failed (env crashed: KeyError 'x')" in line
     assert "verbatim lint trace" in line
 
 
-def test_no_trainable_group_without_errors_says_none_failed():
-    with pytest.raises(InputError, match=r"\(2 rollouts, 0 failed\)"):
+def test_no_trainable_group_without_errors_says_why():
+    with pytest.raises(InputError, match="all 2 rollouts did, but no group holds two of them"):
         step_input([rollout(0, 0, 1.0), rollout(1, 0, 1.0)], "rloo")
+    with pytest.raises(InputError, match="2 of 3 rollouts ended without a reward from the env"):
+        step_input([rollout(0, 0, 1.0), rollout(0, 1, None), rollout(1, 0, None)], "rloo")
+
+
+def test_rollouts_cut_at_max_turns_are_named_as_the_cause_not_the_env():
+    """An agent that asks for a third turn under --max-turns 2 and raises on the refusal: truncated, no reward."""
+    cut = "max turns (2) reached: the agent asked for more; then the agent raised APIStatusError: refused"
+    played = [rollout(0, 0, None, "truncated", error=cut), rollout(0, 1, None, "truncated", error=cut)]
+    with pytest.raises(InputError) as caught:
+        step_input(played, "grpo")
+    line = caught.value.one_line()
+    assert "2 of 2 rollouts were cut at --max-turns before they ended with a reward" in line
+    assert "raise --max-turns" in line and "env's rewards" not in line
 
 
 MEMBER = st.tuples(st.sampled_from(["ok", "truncated", "error", "interrupted"]),
@@ -267,4 +280,4 @@ def test_a_step_that_ran_out_of_context_names_the_context_as_the_cause():
     failing = [rollout(0, i, None, "error", error="env raised") for i in range(2)]
     with pytest.raises(InputError) as other:
         step_input(failing, "grpo")
-    assert "check the env's rewards" in other.value.hint
+    assert "2 of 2 rollouts failed (env raised)" in str(other.value) and "verbatim lint trace" in other.value.hint

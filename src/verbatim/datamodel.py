@@ -265,6 +265,9 @@ RolloutStatus = Literal["ok", "truncated", "error", "interrupted"]
 TRAINED_STATUSES: tuple[RolloutStatus, ...] = ("ok", "truncated")
 """The statuses of rollouts that ended with a reward a trainer may learn from (``verbatim train``, the exports):
 an error or an interrupted rollout is data, recorded, never trained."""
+FAILED_STATUSES: tuple[RolloutStatus, ...] = ("error", "interrupted")
+"""The statuses of failed rollouts: their reward is null (whatever the env summed or the agent returned before it
+failed), so no mean counts them; summaries say how many they left out."""
 
 
 class Rollout(Frozen):
@@ -283,6 +286,15 @@ class Rollout(Frozen):
     status: RolloutStatus = "ok"
     error: str | None = None
     info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _failed_has_no_reward(cls, data: Any) -> Any:
+        """The one rule for a failed rollout's reward (:data:`FAILED_STATUSES`): null, also when read from a
+        trace written before the rule (which held the env's sum so far, or 0.0)."""
+        if isinstance(data, dict) and data.get("status") in FAILED_STATUSES and data.get("reward") is not None:
+            return {**data, "reward": None}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Rollout:

@@ -125,16 +125,37 @@ def openai_message(message: dict[str, Any]) -> dict[str, Any]:
 
 def first_difference(recorded: Sequence[dict[str, Any]], incoming: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """Where ``incoming`` stops extending ``recorded`` (None where it does): the message's index and role, the
-    first field that differs (``dropped`` for a message left out) and a line saying so."""
+    first field that differs (``dropped`` for messages left out: at the end, or before ones kept as they were)
+    and a line saying so."""
     for index, (mine, theirs) in enumerate(zip(recorded, incoming)):
         field = _differing_field(mine, theirs)
         if field is not None:
+            gap = _dropped_run(recorded, incoming, index)
+            if gap:
+                return where_broken(index, mine["role"], "dropped", _dropped_text(recorded, index, gap))
             return where_broken(index, mine["role"], field, f"message {index} ({mine['role']}): {field} differs")
     if len(incoming) < len(recorded):
         index = len(incoming)
         role = recorded[index]["role"]
         return where_broken(index, role, "dropped", f"message {index} ({role}) and after were dropped")
     return None
+
+
+def _dropped_run(recorded: Sequence[dict[str, Any]], incoming: Sequence[dict[str, Any]], index: int) -> int:
+    """How many recorded messages from ``index`` on the agent left out, when what it sent from ``index`` on is
+    recorded messages after them, unchanged (0: it changed a message, it did not only drop some)."""
+    for gap in range(1, len(recorded) - index):
+        kept = list(zip(recorded[index + gap:], incoming[index:]))
+        if kept and all(_differing_field(mine, theirs) is None for mine, theirs in kept):
+            return gap
+    return 0
+
+
+def _dropped_text(recorded: Sequence[dict[str, Any]], index: int, gap: int) -> str:
+    roles = ", ".join(m["role"] for m in recorded[index: index + gap])
+    if gap == 1:
+        return f"message {index} ({roles}) was dropped"
+    return f"messages {index}-{index + gap - 1} ({roles}) were dropped"
 
 
 def where_broken(index: int | None, role: str | None, field: str, text: str) -> dict[str, Any]:

@@ -4,14 +4,16 @@ The rollout is what the endpoint recorded (:class:`~verbatim.agents.session.Agen
 prompt, each completion as sampled and the bridged messages between them. Its reward is what the function
 returned. An agent that raises, runs past ``--agent-timeout`` or returns something that is not a result is
 a rollout with status ``error`` and that reason; so is one whose engine failure ended it, and one that never
-called the model. A history break is no error: the rollout goes on in a new segment (``info["segments"]``).
-A request refused for the context or ``--max-turns`` makes the rollout ``truncated``, with the reward the
-agent still returned (none if it raised on the refusal).
+called the model. A failed rollout's reward is null (``Rollout``'s rule; what the agent returned is kept in
+``info["agent"]["returned_reward"]``). A history break is no error: the rollout goes on in a new segment
+(``info["segments"]``). A request refused for the context or ``--max-turns`` makes the rollout ``truncated``,
+with the reward the agent still returned (none if it raised on the refusal).
 """
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from functools import partial
 from typing import Any
 
@@ -53,10 +55,12 @@ class AgentPlayer(RolloutPlayer):
         session = AgentSession(spec, self)
         self.endpoint.sessions[spec.rollout_id] = session
         result: AgentResult | None = None
+        trace = None
         try:
             result = read_result(await self._call(env, spec))
         except Ended as ended:
             error = ended.reason
+            trace = traceback_text(ended.__cause__)
         except ValueError as exc:
             error = str(exc)
         else:
@@ -64,7 +68,11 @@ class AgentPlayer(RolloutPlayer):
         finally:
             self.endpoint.sessions.pop(spec.rollout_id, None)
             await self._end_session(spec.rollout_id)
-        return self._rollout(spec, session, result, error)
+        rollout = self._rollout(spec, session, result, error)
+        if trace is None:
+            return rollout
+        agent = {**rollout.info.get("agent", {}), "traceback": trace}  # the one-line error's whole story
+        return rollout.model_copy(update={"info": {**rollout.info, "agent": agent}})
 
     async def _call(self, agent: AgentCall | CommandAgent, spec: RolloutSpec) -> Any:
         import openai
@@ -89,12 +97,11 @@ class AgentPlayer(RolloutPlayer):
 
     def _rollout(self, spec: RolloutSpec, session: AgentSession, result: AgentResult | None,
                  error: str | None) -> Rollout:
-        status, reason, reward = "ok", None, result.reward if result else 0.0
+        status, reason, reward = "ok", None, result.reward if result else None
         if session.failure is not None:  # what broke it on our side says more than the agent's exception
             status, reason = "error", session.failure
         elif session.truncated is not None:  # a refusal the agent may have raised on: still a cut episode
             status, reason = "truncated", session.truncated + (f"; then {error}" if error else "")
-            reward = result.reward if result else None  # no reward made up for an agent that never gave one
         elif error is not None:
             status, reason = "error", error
         elif not session.ledger.turns:
@@ -109,6 +116,8 @@ class AgentPlayer(RolloutPlayer):
                 "stop_reason": reason or "done", "env": env_info,
                 "messages": [_message(m) for m in conversations[0]], "tools": session.first_tools,
                 "agent": {"requests": session.requests, "ignored_fields": dict(sorted(session.ignored.items()))}}
+        if result is not None and status == "error":  # what it returned; the rollout's reward is null (failed)
+            info["agent"]["returned_reward"] = result.reward
         if spec.step is not None:
             info["step"] = spec.step
         if session.routes:
@@ -119,6 +128,18 @@ class AgentPlayer(RolloutPlayer):
         return session.ledger.to_rollout(run_id=spec.run_id, group_id=spec.group_id, rollout_id=spec.rollout_id,
                                          task=jsonable(spec.task), reward=reward,
                                          status=status, error=reason, info=jsonable(info))
+
+
+TRACEBACK_CHARS = 8000
+"""The end of an agent's traceback a rollout keeps (the frames nearest the raise)."""
+
+
+def traceback_text(exc: BaseException | None) -> str | None:
+    """The traceback of the agent's exception, as Python prints it (its last TRACEBACK_CHARS characters)."""
+    if exc is None:
+        return None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text[-TRACEBACK_CHARS:]
 
 
 def _message(message: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from verbatim.datamodel import Completion
 from verbatim.engine.protocol import cache_salt
 from verbatim.errors import VerbatimError
 from verbatim.harness.ledger import Ledger
-from verbatim.harness.rollout import CONTEXT_BUDGET, RolloutSpec
+from verbatim.harness.rollout import CONTEXT_BUDGET, MAX_TURNS, RolloutSpec
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "logit_bias", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "max_completion_tokens",
@@ -129,7 +129,7 @@ class AgentSession:
                 raise Refusal(400, f"this rollout cannot go on: {self.failure}", "invalid_request_error",
                               "rollout_failed")
             if len(self.ledger.turns) >= self.player.config.max_turns:
-                self._truncate(f"max turns ({self.player.config.max_turns}) reached: the agent asked for more")
+                self._truncate(f"{MAX_TURNS} ({self.player.config.max_turns}) reached: the agent asked for more")
             new = await self._prompt(request)
             return await self._generate(new)
 

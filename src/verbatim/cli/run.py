@@ -12,7 +12,7 @@ from rich.table import Table
 from verbatim.durable import strict_json
 from verbatim.errors import VerbatimError
 from verbatim.harness.run import Run
-from verbatim.harness.summary import RunSummary
+from verbatim.harness.summary import RunSummary, outcome_line
 from verbatim.jobs.run import RunOptions, run_rollouts
 from verbatim.paths import check_output_file
 
@@ -34,9 +34,19 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
             _write_summary(ended[0].summary, summary_json)
         raise
     console.print(summary_table(summary, ended[0].out))
+    warn_outcome(summary, ended[0].out, console)
     warn_ignored_fields(summary.ignored_request_fields, console)
     _write_summary(summary, summary_json)
     return summary
+
+
+def warn_outcome(summary: RunSummary, out: Path, console: Console) -> None:
+    """One line when rollouts failed, were cut at --max-turns or broke their history."""
+    line = outcome_line(summary.statuses, cut=summary.cut_at_max_turns, breaks=summary.history_breaks,
+                        first=summary.first_error)
+    if line:
+        console.print(f"warning: {line} ('verbatim show {out}' shows each rollout)", markup=False,
+                      highlight=False, soft_wrap=True)
 
 
 def warn_ignored_fields(fields: dict[str, int], console: Console) -> None:

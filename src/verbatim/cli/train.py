@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.harness.step_metrics import StepMetrics, steps_of
+from verbatim.harness.summary import outcome_line
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
 from verbatim.rl.train import TrainLoop
@@ -86,6 +87,11 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
 
     def on_step(record: dict[str, Any]) -> None:
         console.print(step_line(StepMetrics.model_validate(record), options.plan.steps))
+        line = outcome_line(record.get("statuses") or {}, cut=record.get("cut_at_max_turns") or 0,
+                            breaks=record.get("history_breaks") or 0, first=record.get("first_error"))
+        if line:
+            console.print(f"  step {record['step']}: {line} ('verbatim show {options.output.out}' shows each "
+                          "rollout)", markup=False, highlight=False, soft_wrap=True)
 
     history = run_training(options, console, on_step=on_step, on_end=on_end, engine=engine)
     if not ended:  # a resumed run with nothing left to train: its table, and the engine never started

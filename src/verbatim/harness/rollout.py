@@ -79,6 +79,9 @@ def request_seed(rollout_seed: int, rollout_id: str, call: int) -> int:
 
 CONTEXT_BUDGET = "context budget"
 """How the reason of a rollout that ran out of context begins (a step that cannot train names it)."""
+MAX_TURNS = "max turns"
+"""How the reason of a rollout cut by --max-turns begins (the summary counts them, a step that cannot train
+names them)."""
 
 
 class Ended(Exception):
@@ -227,7 +230,7 @@ class RolloutPlayer:
             if result.done:
                 return
             if turn == self.config.max_turns - 1:
-                raise Ended("truncated", f"max turns ({self.config.max_turns}) reached before the env was done")
+                raise Ended("truncated", f"{MAX_TURNS} ({self.config.max_turns}) reached before the env was done")
             what = f"the prompt of turn {turn + 1}"
             chars = self._check_text(result.messages, len(ledger), what)
             bridge = await self.render_text(lambda r=result: self.renderer.bridge(ledger.view(), list(r.messages),

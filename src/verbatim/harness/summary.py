@@ -18,8 +18,9 @@ from typing import Any
 
 from pydantic import Field
 
-from verbatim.datamodel import Frozen, Message, Rollout
+from verbatim.datamodel import FAILED_STATUSES, Frozen, Message, Rollout
 from verbatim.errors import VerbatimError
+from verbatim.harness.rollout import MAX_TURNS
 from verbatim.harness.transcript import solved
 from verbatim.prefix_cache import min_prefill
 
@@ -43,6 +44,13 @@ class RunSummary(Frozen):
     """Rollouts per status: ``ok`` the env ended the episode (solved or not), ``truncated`` --max-turns
     ended it first, ``error`` a failure (its reason in the rollout's ``error``)."""
     mean_reward: float | None = None
+    """The mean reward of the rollouts that ended with one; a failed rollout's (error, interrupted) is null."""
+    rewards_left_out: int = 0
+    """Rollouts the mean leaves out: failed ones, and those that ended without a reward."""
+    cut_at_max_turns: int = 0
+    """Truncated rollouts that --max-turns cut (an env's episode not done, or an agent that asked for more)."""
+    first_error: str | None = None
+    """The recorded reason of the first failed rollout (error or interrupted)."""
     solved: int | None = None
     """Rollouts whose env said ``solved`` (its last ``info["solved"]``); None when the env never says."""
     success_rate: float | None = None
@@ -137,6 +145,31 @@ def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
             "turns_per_replica": dict(sorted(per_replica.items()))}
 
 
+def cut_at_max_turns(rollouts: Sequence[Rollout]) -> int:
+    return sum(r.status == "truncated" and (r.error or "").startswith(MAX_TURNS) for r in rollouts)
+
+
+def first_error(rollouts: Sequence[Rollout]) -> str | None:
+    return next((r.error for r in rollouts if r.status in FAILED_STATUSES), None)
+
+
+def outcome_line(statuses: dict[str, int], *, cut: int = 0, breaks: int = 0, first: str | None = None) -> str | None:
+    """One line for what went wrong with a run's or a step's rollouts: how many failed (and the first reason),
+    how many --max-turns cut, how many history breaks agents made; None when none of it happened."""
+    total = sum(statuses.values())
+    failed = {status: statuses[status] for status in FAILED_STATUSES if statuses.get(status)}
+    parts = []
+    if failed:
+        kinds = ", ".join(f"{count} {status}" for status, count in failed.items())
+        parts.append(f"{sum(failed.values())} of {total} rollouts failed ({kinds}: no reward)"
+                     + (f", first: {' '.join(first.split())[:200]}" if first else ""))
+    if cut:
+        parts.append(f"{cut} of {total} were cut at --max-turns")
+    if breaks:
+        parts.append(f"{breaks} history breaks (agents rewrote their history; 'verbatim lint trace' says where)")
+    return "; ".join(parts) or None
+
+
 def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0.0,
               renderer: Any = None) -> RunSummary:
     turns = [t for r in rollouts for t in r.turns]
@@ -159,6 +192,8 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         rerender_prefill_tokens=rerender,
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
+        rewards_left_out=len(rollouts) - len(rewards),
+        cut_at_max_turns=cut_at_max_turns(rollouts), first_error=first_error(rollouts),
         solved=sum(flags) if flags else None, success_rate=sum(flags) / len(flags) if flags else None,
         history_breaks=sum(breaks), broken_rollouts=sum(1 for b in breaks if b),
         ignored_request_fields=ignored_fields(rollouts),

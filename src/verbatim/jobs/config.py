@@ -12,7 +12,7 @@ import copy
 import functools
 import json
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -141,10 +141,19 @@ class PlayConfig(Frozen):
     output: Output = Field(default_factory=Output)
     """The run folder and trackers."""
 
+    may_change: ClassVar[tuple[str, ...]] = ("output.resume", "output.out", "output.log", "engine.gpu_memory",
+                                             "engine.tensor_parallel")
+    """Fields a resume may change (dotted paths): where the run is written, where its engine runs, its
+    trackers."""
+
     def recorded(self) -> Any:
         """This config as a run folder records it: no credentials in its server URLs."""
         engine = self.engine.model_copy(update={"urls": tuple(redact(u) for u in self.engine.urls)})
         return self.model_copy(update={"engine": engine})
+
+    def settings(self) -> dict[str, Any]:
+        """What a ``--resume`` must match: the recorded config without :attr:`may_change`."""
+        return self.recorded().model_dump(mode="json", exclude=_exclusion(self.may_change))
 
 
 class RunOptions(PlayConfig):
@@ -163,6 +172,8 @@ class RunOptions(PlayConfig):
     """Live rollouts at most."""
     stop_grace_s: float = Field(default=30.0, ge=0)
     """On SIGINT/SIGTERM, seconds the playing rollouts get to finish."""
+
+    may_change: ClassVar[tuple[str, ...]] = (*PlayConfig.may_change, "stop_grace_s")
 
 
 class TrainSampling(SamplingConfig):
@@ -232,17 +243,13 @@ class TrainConfig(PlayConfig):
             object.__setattr__(self, "learner", self.learner.model_copy(update={"correction": correction}))
         return self
 
+    may_change: ClassVar[tuple[str, ...]] = (*PlayConfig.may_change, "placement.trainer_device",
+                                             "placement.trainer_procs", "placement.trainer_timeout_s")
+
     def config(self) -> dict[str, Any]:
         """What a --resume must match (the output path, where the engine and the trainer run, and --resume
         itself excluded: a resumed run may move)."""
-        dumped = self.recorded().model_dump(mode="json", exclude=_exclusion(MAY_CHANGE))
-        return {"train": {k: v for k, v in dumped.items() if v != {}}}  # a section left empty: not a setting
-
-
-MAY_CHANGE = ("output.resume", "output.out", "output.log", "engine.gpu_memory", "engine.tensor_parallel",
-              "placement.trainer_device", "placement.trainer_procs", "placement.trainer_timeout_s")
-"""A training run's fields a resume may change: where it is written, where its engine and trainer run, its
-trackers."""
+        return {"train": {k: v for k, v in self.settings().items() if v != {}}}  # an emptied section: no setting
 
 
 def _exclusion(paths: tuple[str, ...]) -> dict[str, Any]:

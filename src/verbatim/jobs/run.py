@@ -25,15 +25,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from verbatim.datamodel import Rollout
 from verbatim.engine.models import resolve
 from verbatim.engine.router import Router
+from verbatim.errors import InputError
+from verbatim.harness.config_changes import config_differences
 from verbatim.harness.preflight import model_vocab_size, preflight
 from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
-from verbatim.harness.store import RunManifest
+from verbatim.harness.store import MANIFEST, RunManifest, read_manifest
 from verbatim.harness.summary import RunSummary
 from verbatim.jobs.compose import default_renderer, episode_source, existing_run_id, players
 from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import given, on_engine_loop, started
-from verbatim.jobs.run_record import write_config
+from verbatim.jobs.run_record import CONFIG_FILE, recorded_config, write_config
 from verbatim.jobs.stop_signals import on_stop_signals
 from verbatim.paths import check_run_dir
 from verbatim.trackers.fanout import open_trackers
@@ -77,6 +79,8 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     factory = episode_source(options.play)
     options, tasks = with_tasks(options, factory)
     play, choice, out = options.play, options.engine, Path(options.output.out)
+    if options.output.resume:
+        check_same_settings(options, out)
     model_dir = resolve(choice.model)  # the tokenizer is local even when the engine is a server
     renderer_name = play.renderer or default_renderer(choice.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
@@ -102,6 +106,26 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
         preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
                   max_tokens=options.sampling.max_tokens)
     return run, engine
+
+
+def check_same_settings(options: RunOptions, out: Path) -> None:
+    """A resume goes on with the settings that played the recorded rollouts (``config.toml``, or the manifest's
+    config for a run written before it): another agent, env, model or sampling is refused before anything
+    starts, so the record keeps saying what produced every rollout."""
+    if not (out / MANIFEST).exists():
+        return  # refused as "holds no run to resume" by Run.check_out_dir
+    previous = read_manifest(out).config
+    if "options" not in previous:
+        raise InputError(f"--resume: {out} holds a 'verbatim train' run, not a 'verbatim run' run",
+                         hint="resume it with 'verbatim train --resume', or pass another --out")
+    saved = recorded_config(out, flags_of(type(options)))
+    if saved is None:
+        saved = type(options).model_validate(previous["options"])
+    changed = config_differences(saved.settings(), options.settings())
+    if changed:
+        raise InputError(f"--resume with a changed config: {'; '.join(changed)}",
+                         hint=f"resume with the first run's settings (--config {out / CONFIG_FILE} --resume "
+                              "repeats them), or pass another --out")
 
 
 def stop_on_signals(run: Run, console: Console, grace_s: float) -> Callable[[], None]:

@@ -27,6 +27,9 @@ class RunState:
     written: int
     errors: int
     first_error: str | None = None
+    interrupted: int = 0
+    truncated: int = 0
+    truncated_without_reward: int = 0
     missing: tuple[str, ...] = ()
     """Fields of :data:`RECORDED` that the manifest file lacks."""
 
@@ -42,28 +45,38 @@ class RunState:
             return "the manifest still says running: the run was killed, or is being written now"
         if self.status != FINISHED:
             return f"the run ended {self.status}"
+        if self.interrupted:
+            return f"{self.interrupted} rollouts were interrupted (a resume plays them again)"
         if self.planned is not None and self.written < self.planned:
             return f"{self.planned - self.written} of {self.planned} planned rollouts were never written"
         return None
 
     def line(self) -> str:
         planned = "?" if self.planned is None else str(self.planned)
-        text = f"run {self.status}, {self.written}/{planned} planned rollouts written, {self.errors} ended in error"
+        text = (f"run {self.status}, {self.written}/{planned} planned rollouts written, {self.errors} ended in error"
+                + (f", {self.interrupted} interrupted" if self.interrupted else "")
+                + (f", {self.truncated} truncated ({self.truncated_without_reward} without a reward)"
+                   if self.truncated else ""))
         why = self.why_incomplete()
         return text + (f" — incomplete: {why}" if why else "")
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": "run", "status": self.status, "planned": self.planned, "written": self.written,
-                "errors": self.errors, "first_error": self.first_error, "complete": self.complete,
+                "errors": self.errors, "first_error": self.first_error, "interrupted": self.interrupted,
+                "truncated": self.truncated, "truncated_without_reward": self.truncated_without_reward,
+                "complete": self.complete,
                 "missing": list(self.missing), "why_incomplete": self.why_incomplete()}
 
 
 def run_state(manifest: Any, rollouts: list[Rollout]) -> RunState:
     errored = [r for r in rollouts if r.status == "error"]
     first = errored[0].error if errored else None
+    truncated = [r for r in rollouts if r.status == "truncated"]
     return RunState(status=str(manifest.status), planned=planned_rollouts(manifest.config or {}),
                     written=len({r.rollout_id for r in rollouts}), errors=len(errored),
                     first_error=None if first is None else str(first)[:200],
+                    interrupted=sum(r.status == "interrupted" for r in rollouts), truncated=len(truncated),
+                    truncated_without_reward=sum(r.reward is None for r in truncated),
                     missing=tuple(name for name in RECORDED if name not in manifest.model_fields_set))
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verbatim.datamodel import Rollout, Turn
+from verbatim.datamodel import FAILED_STATUSES, Rollout, Turn
 
 CAUSES = ("replica", "salt", "flush", "eviction")
 
@@ -42,16 +42,37 @@ class RolloutVerdict:
     rollout_id: str | None
     group_id: str | None
     problems: tuple[Problem, ...] = ()
+    """What is wrong with its tokens: a trainer cannot trust them."""
     status: str | None = None
     turns: int = 0
+    findings: tuple[Problem, ...] = ()
+    """How its episode ended short, its tokens sound: ``failed`` (an error or an interruption: no reward) or
+    ``truncated`` (--max-turns or the context came first), with the recorded reason."""
 
     @property
     def ok(self) -> bool:
+        """Its tokens passed every check (a failed or truncated episode's tokens can)."""
         return not self.problems
 
+    @property
+    def failed(self) -> bool:
+        return any(f.kind == "failed" for f in self.findings)
+
     def as_json(self) -> dict[str, Any]:
-        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "ok": self.ok,
-                "problems": [p.as_json() for p in self.problems]}
+        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "ok": self.ok, "status": self.status,
+                "problems": [p.as_json() for p in self.problems],
+                "findings": [f.as_json() for f in self.findings]}
+
+
+def episode_findings(rollout: Rollout) -> tuple[Problem, ...]:
+    """``failed`` for an error or interrupted rollout, ``truncated`` for a cut one, with the reason it records
+    and whether it still ended with a reward."""
+    if rollout.status in FAILED_STATUSES:
+        return (Problem("failed", None, f"{rollout.status}: {rollout.error}; no reward"),)
+    if rollout.status == "truncated":
+        reward = "no reward" if rollout.reward is None else f"reward {rollout.reward:g}"
+        return (Problem("truncated", None, f"{rollout.error}; {reward}"),)
+    return ()
 
 
 @dataclass
@@ -64,13 +85,22 @@ class TraceReport:
 
     @property
     def ok(self) -> bool:
-        """Every written rollout (and file) passed; says nothing of rollouts never written (see ``run``)."""
+        """Every written rollout's tokens (and file) passed; says nothing of rollouts never written (see ``run``)
+        nor of episodes that failed (see ``failed``)."""
         return all(v.ok for v in self.verdicts)
 
+    @property
+    def failed(self) -> int:
+        """Rollouts that failed (error or interrupted)."""
+        return sum(v.failed for v in self.verdicts)
+
     def exit_code(self, tokens_only: bool = False) -> int:
-        """1 if a check failed, or the run is incomplete (unless only the tokens are asked about)."""
-        incomplete = self.run is not None and not self.run.complete and not tokens_only
-        return 0 if self.ok and not incomplete else 1
+        """1 if a check failed, a rollout failed or the run is incomplete (unless only the tokens are asked
+        about); truncated rollouts are findings, not failures."""
+        if tokens_only:
+            return 0 if self.ok else 1
+        incomplete = self.run is not None and not self.run.complete
+        return 0 if self.ok and not incomplete and not self.failed else 1
 
 
 @dataclass(frozen=True)

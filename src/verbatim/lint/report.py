@@ -16,19 +16,19 @@ def report_table(run_dir: str | os.PathLike[str], report: TraceReport) -> Table:
     rollouts = [v for v in report.verdicts if v.rollout_id is not None]
     clean = sum(v.ok for v in rollouts)
     others = len(report.verdicts) - len(rollouts)
-    title = f"{clean}/{len(rollouts)} rollouts clean"
+    title = f"{clean}/{len(rollouts)} rollouts' tokens clean"
     if others:
         title += f", {others} damaged file(s) or group(s)"
     if report.run is not None:
         title += f"; {report.run.line()}"
     table = Table(title=title, caption=str(run_dir))
-    for column in ("rollout", "group", "status", "turns", "ok", "problems"):
+    for column in ("rollout", "group", "status", "turns", "tokens ok", "findings and problems"):
         table.add_column(column, overflow="fold")
     for verdict in report.verdicts:
         label = verdict.rollout_id or ("(group)" if verdict.group_id else "(file)")
         cells = (label, verdict.group_id or "", verdict.status or "",
                  str(verdict.turns) if verdict.rollout_id is not None else "",
-                 "yes" if verdict.ok else "no", _problems_text(verdict.problems))
+                 "yes" if verdict.ok else "no", _problems_text(verdict.findings + verdict.problems))
         table.add_row(*(Text(cell) for cell in cells))  # plain text: ids and details may hold brackets
     return table
 

@@ -17,6 +17,9 @@ rollout:
   size the manifest records); a shortfall names its likely cause
   (:func:`verbatim.lint.findings.miss_cause`).
 * **duplicates** — a rollout id appears once in the run.
+* **episodes** (findings, not token problems) — a rollout that failed (``error``, ``interrupted``: no reward)
+  or was cut (``truncated``, by ``--max-turns`` or the context) is listed with its recorded reason; a failed
+  one makes ``lint trace`` exit 1 (``--tokens-only`` judges the tokens alone).
 * **history breaks** — an agent that rewrote its history left a rollout of several segments
   (:meth:`~verbatim.datamodel.Rollout.segments`): each break is a ``history_break`` naming the message,
   its role and the first field that changed, and what it cost (the new segment's first request prefilled
@@ -41,6 +44,7 @@ from verbatim.lint.findings import (
     Problem,
     RolloutVerdict,
     TraceReport,
+    episode_findings,
     miss_cause,
     sampled_version,
     turn_replicas,
@@ -85,7 +89,7 @@ def lint_rollouts(rollouts: list[Rollout], settings: CacheSettings) -> TraceRepo
                                     "once in the run (a resumed run redid it?)"))
         seen.add(rollout.rollout_id)
         report.verdicts.append(RolloutVerdict(rollout.rollout_id, rollout.group_id, tuple(problems),
-                                              rollout.status, len(rollout.turns)))
+                                              rollout.status, len(rollout.turns), episode_findings(rollout)))
     return report
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from verbatim.datamodel import TRAINED_STATUSES, Rollout, TurnSampling
 from verbatim.errors import InputError
-from verbatim.harness.rollout import CONTEXT_BUDGET
+from verbatim.harness.rollout import CONTEXT_BUDGET, MAX_TURNS
 from verbatim.harness.summary import RunSummary, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.logprob_files import RolloutLogprobs
@@ -113,18 +113,33 @@ def step_logprobs(step: int, version: int, rows: StepInput, learned: dict[str, A
                    "correction": correction}
 
 
+NO_GROUP = "no group of this step has two rollouts that ended with a reward"
+
+
 def _nothing_to_train(rollouts: Sequence[Rollout]) -> InputError:
-    """Why no group of a step can train: the context budget when rollouts ran out of it, else the env's rewards."""
-    out_of_context = [r.error for r in rollouts if (r.error or "").startswith(CONTEXT_BUDGET)]
-    if out_of_context:
-        return InputError(f"no group of this step has two rollouts that ended with a reward: {len(out_of_context)} "
-                          f"of {len(rollouts)} rollouts ran out of context ({out_of_context[0]})",
-                          hint="raise --max-model-len or lower --max-tokens")
-    errors = [r.error for r in rollouts if r.status not in TRAINED_STATUSES and r.error]
-    first = f"; first error: {errors[0]}" if errors else ""
-    return InputError(f"no group of this step has two rollouts that ended with a reward "
-                      f"({len(rollouts)} rollouts, {len(errors)} failed{first})",
-                      hint="check the env's rewards: see the trace's errors with 'verbatim lint trace RUN_DIR'")
+    """Why no group of a step can train, by the cause most rollouts without a reward share: the context budget,
+    --max-turns (an agent that asked for more turns, then raised on the refusal), failures, or the env's rewards."""
+    unrewarded = [r for r in rollouts if r.reward is None or r.status not in TRAINED_STATUSES]
+    out_of_context = [r.error for r in unrewarded if (r.error or "").startswith(CONTEXT_BUDGET)]
+    cut = [r.error for r in unrewarded if r.status == "truncated" and (r.error or "").startswith(MAX_TURNS)]
+    failed = [r.error for r in unrewarded if r.status not in TRAINED_STATUSES]
+    of = f"of {len(rollouts)} rollouts"
+    causes = [
+        (out_of_context, f"{len(out_of_context)} {of} ran out of context", "raise --max-model-len or lower "
+                                                                           "--max-tokens"),
+        (cut, f"{len(cut)} {of} were cut at --max-turns before they ended with a reward", "raise --max-turns, or "
+         "have the agent return a reward when a request is refused ('verbatim show RUN_DIR' shows its turns)"),
+        (failed, f"{len(failed)} {of} failed", "see each failure with 'verbatim lint trace RUN_DIR' or "
+                                               "'verbatim show RUN_DIR'"),
+    ]
+    found, what, hint = max(causes, key=lambda cause: len(cause[0]))
+    if found:
+        return InputError(f"{NO_GROUP}: {what} ({found[0]})", hint=hint)
+    if not unrewarded:
+        return InputError(f"{NO_GROUP}: all {len(rollouts)} rollouts did, but no group holds two of them",
+                          hint="play groups of at least 2 (--group-size)")
+    return InputError(f"{NO_GROUP}: {len(unrewarded)} {of} ended without a reward from the env",
+                      hint="check the env's rewards: 'verbatim show RUN_DIR' shows each rollout's")
 
 
 def success_rate(rollouts: Sequence[Rollout]) -> float | None:
@@ -164,7 +179,8 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
         record |= {"prompt_tokens": summary.prompt_tokens, "cached_tokens": summary.cached_tokens,
                    "prefill_tokens": summary.prefill_tokens, "min_prefill_tokens": summary.min_prefill_tokens,
                    "generated_tokens": summary.generated_tokens, "cache_hit_rate": summary.cache_hit_rate,
-                   "history_breaks": summary.history_breaks}
+                   "history_breaks": summary.history_breaks, "cut_at_max_turns": summary.cut_at_max_turns,
+                   "rewards_left_out": summary.rewards_left_out, "first_error": summary.first_error}
         if summary.ignored_request_fields:
             record["ignored_request_fields"] = summary.ignored_request_fields
     record |= {f"{name}_s": round(value, 3) for name, value in times.items()}
