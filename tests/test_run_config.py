@@ -164,3 +164,44 @@ def test_a_run_recorded_before_the_config_had_sections_resumes_and_its_changes_a
         check(with_flags(config, resume=True, max_tokens=13))
     with pytest.raises(InputError, match=r"engine.kind: 'inproc' -> 'http'"):
         check(with_flags(config, resume=True, engine="http", url=["http://127.0.0.1:9"]))
+
+
+# -- run and train: the same rollout flags, grouped help ------------------------------------------------------
+
+ROLLOUT_SECTIONS = ("play", "sampling", "engine", "routing", "output")
+PLAYED_BY_THE_LOOP = ("groups", "group_size", "seed", "cache_policy", "concurrency")
+"""Train's ``plan`` fields that say how rollouts are played: ``run`` has them at its top level."""
+
+
+def test_run_takes_every_rollout_flag_train_takes_with_its_default_or_says_why_not():
+    from verbatim.jobs.config import RUN_FLAGS, TRAIN_FLAGS
+
+    run = {flag.name: flag for flag in RUN_FLAGS.flags}
+    rollout_flags = [f for f in TRAIN_FLAGS.flags
+                     if f.path[0] in ROLLOUT_SECTIONS or (f.path[0] == "plan" and f.path[1] in PLAYED_BY_THE_LOOP)]
+    assert len(rollout_flags) > 25
+    for flag in rollout_flags:
+        assert flag.name in run, f"verbatim run has no {flag.name}"
+        theirs = run[flag.name]
+        if theirs.default != flag.default and flag.name not in ("--out", "--groups"):  # a folder; per step
+            for help_text, other in ((flag.help, "run"), (theirs.help, "train")):
+                assert other in help_text, f"{flag.name}: defaults {theirs.default} (run) and {flag.default} " \
+                                           f"(train) differ and its help does not say why: {help_text}"
+
+
+@pytest.mark.parametrize("command,sections,example", [
+    ("train", ["What to play:", "Sampling:", "The loop:", "The learner:", "The team: where the trainer runs:",
+               "The engine:", "Routing over replicas:", "Output:"], "A first training run: verbatim train --env"),
+    ("run", ["What to play:", "The run:", "Sampling:", "The engine:", "Routing over replicas:", "Output:"],
+     "A first run: verbatim run --env guess"),
+])
+def test_help_lists_the_flags_by_section_and_ends_with_a_first_run(command, sections, example):
+    from verbatim.cli.app import app
+
+    text = CliRunner().invoke(app, [command, "--help"], terminal_width=120).output
+    found = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert found == sections, found
+    output = text.split("Output:")[1]
+    assert "--summary-json" in output and "--force" in output and "--config" in output
+    epilog = " ".join(output.split("--help")[1].split())  # after the last option: the example
+    assert example in epilog, epilog

@@ -24,7 +24,7 @@ from verbatim import __version__
 from verbatim.cli.bench import bench_app
 from verbatim.cli.console import console, err_console
 from verbatim.cli.diff import diff_command
-from verbatim.cli.job_flags import job_command
+from verbatim.cli.job_flags import SectionedHelp, job_command
 from verbatim.cli.lint import lint_app, mismatch_report
 from verbatim.cli.models import models_app
 from verbatim.cli.plot import plot_command
@@ -220,10 +220,15 @@ def _train(options: Any, summary_json: str | None, force: bool) -> None:
     train_command(options, console, summary_json, replace=force)
 
 
-app.command("run")(job_command(
+RUN_EXAMPLE = ("A first run: verbatim run --env guess --groups 2 --group-size 4 --out runs/first; then verbatim show "
+               "runs/first, verbatim lint trace runs/first, verbatim view runs/first.")
+TRAIN_EXAMPLE = ("A first training run: verbatim train --env guess --env-arg high=5 --steps 6 --groups 4 "
+                 "--group-size 8 --out runs/first-train; then verbatim plot runs/first-train. docs/trainer.md says "
+                 "more.")
+app.command("run", epilog=RUN_EXAMPLE, cls=SectionedHelp)(job_command(
     RUN_FLAGS, _run, "Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a "
                      "summary."))
-app.command("train")(job_command(
+app.command("train", epilog=TRAIN_EXAMPLE, cls=SectionedHelp)(job_command(
     TRAIN_FLAGS, _train, "Train the model with RL on its own token-exact rollouts: play, learn, push weights, "
                          "repeat."))
 

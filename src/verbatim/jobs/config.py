@@ -67,7 +67,8 @@ class SamplingConfig(Frozen):
     """How each turn samples."""
 
     max_tokens: int = Field(default=64, ge=1)
-    """Sampled tokens per turn at most."""
+    """Sampled tokens per turn at most (default: 64 for run, 48 for train, whose every step plays and then
+    learns on every token)."""
     temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature; 0 is greedy (not for training: the trainer's π is log_softmax(logits / T))."""
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -167,7 +168,8 @@ class RunOptions(PlayConfig):
     """Seed of the env's tasks and of every request's sampling seed (same seed, same tasks and draws;
     docs/engine.md)."""
     cache_policy: CachePolicy = CachePolicy.KEEP
-    """flush | keep | salt | keep+salt (docs/engine.md)."""
+    """flush | keep | salt | keep+salt (docs/engine.md). A run pushes no weights, so the four keep the same KV;
+    keep, its default, sends no salt (train's default is keep+salt: its updates are where they differ)."""
     concurrency: int = Field(default=16, ge=1)
     """Live rollouts at most."""
     stop_grace_s: float = Field(default=30.0, ge=0)

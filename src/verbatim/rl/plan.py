@@ -31,7 +31,7 @@ class TrainPlan(Frozen):
     (Dr. GRPO: no division by the std)."""
     cache_policy: CachePolicy = CachePolicy.KEEP_SALT
     """flush | keep | salt | keep+salt. keep+salt (docs/engine.md): a rollout keeps its own cache across an
-    update, a new rollout never reads KV of older weights."""
+    update, a new rollout never reads KV of older weights (run's default is keep: it pushes no weights)."""
     max_lag: int = Field(default=0, ge=0)
     """0: synchronous on-policy. L >= 1: the next step plays while this one trains; tokens more than L versions
     behind are masked."""
