@@ -57,6 +57,13 @@ def test_unknown_names_and_folders_are_input_errors(tmp_path: Path):
     assert info.value.exit_code == 2
     with pytest.raises(UnknownModelError, match="no config.json"):
         models.resolve(str(tmp_path))
+    for missing in (tmp_path / "gone", "./gone", "~/gone"):  # a path, not a name: not "unknown model"
+        with pytest.raises(UnknownModelError, match="gone does not exist") as info:
+            models.resolve(str(missing))
+        assert "unknown model" not in info.value.one_line()
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(UnknownModelError, match="weights.bin is a file, not a Hugging Face model folder"):
+        models.resolve(str(tmp_path / "weights.bin"))
 
 
 def test_missing_model_package_names_the_install_command(monkeypatch):

@@ -85,7 +85,7 @@ runner = CliRunner()
     (["run", "--env", "nosuchenv"], "unknown env"),
     (["run", "--env", "guess", "--cache-policy", "sometimes"],
      "--cache-policy sometimes must be 'flush', 'keep', 'salt' or"),
-    (["run", "--env", "guess", "--model", "/nonexistent/model"], "unknown model"),
+    (["run", "--env", "guess", "--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
     (["run", "--env", "guess", "--engine", "http"], "needs --url"),
     (["run", "--env", "guess", "--route", "round_robin"], "go with --engine http"),
     (["run", "--env", "guess", "--engine", "http", "--url", "http://127.0.0.1:9", "--route", "sticky"],

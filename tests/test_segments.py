@@ -130,6 +130,9 @@ def test_exports_for_trainers_hold_a_row_per_segment_in_one_group(tmp_path):
     table = pq.read_table(result.path).to_pylist()
     assert [row["rollout_id"] for row in table] == ["g0-r00", "g0-r00#1", "g0-r01", "g0-r01#1"]
     assert {row["group_size"] for row in table} == {2}
+    assert result.line() == f"wrote 4 rows (2 rollouts) (verl) to {result.path}"  # rows and rollouts, each named
+    plain = export_rollouts([segmented(1.0, "g0-r00")], "jsonl", tmp_path / "one.jsonl")
+    assert plain.line() == f"wrote 1 row (jsonl) to {plain.path}"
 
 
 def test_the_viewer_marks_where_a_segment_opens():

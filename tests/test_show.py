@@ -16,12 +16,13 @@ runner = CliRunner()
 
 
 def write_run(path: Path, tokenizer, model: str) -> Path:
-    """Two guess rollouts: the first solved in two turns, the second cut by --max-turns."""
+    """Two guess rollouts, written in the order they finished: g0-r01 cut by --max-turns, then g0-r00 solved in
+    two turns."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     rollouts = []
-    for rid, replies, status in (("r-solved", ["Is it 20?", "It is 7."], "ok"), ("r-cut", ["Twelve."], "truncated")):
+    for rid, replies, status in (("g0-r01", ["Twelve."], "truncated"), ("g0-r00", ["Is it 20?", "It is 7."], "ok")):
         ledger = Ledger()
         ledger.append_prompt(encode("Guess my number from 1 to 50."))
         for k, reply in enumerate(replies):
@@ -52,20 +53,21 @@ def test_show_lists_the_rollouts_and_reads_the_first_turn_by_turn(tmp_path, defa
     result = runner.invoke(app, ["show", str(run)])
     assert result.exit_code == 0, result.output
     out = flat(result.stdout)
-    assert "r-solved g0 ok 1 yes 2" in out and "r-cut g0 truncated 0 no 1" in out
+    assert "g0-r00 g0 ok 1 yes 2" in out and "g0-r01 g0 truncated 0 no 1" in out
+    assert out.index("g0-r00 g0 ok") < out.index("g0-r01 g0 truncated")  # by id, not by when they finished
     assert "── prompt · tokens 0–" in out and "Guess my number from 1 to 50." in out
     assert "── turn 0 · model" in out and "Is it 20?" in out and "── env" in out and "Lower." in out
     assert "── turn 1 · model" in out and "It is 7." in out
     assert "logprob sum -" in out and "mean -0.50 · min -0.50 · version 3 · finish stop" in out
     assert "ended: ok · reward 1 · solved · 2 turns" in out and "policy versions 3" in out
-    cut = flat(runner.invoke(app, ["show", str(run), "r-cut"]).stdout)
+    cut = flat(runner.invoke(app, ["show", str(run), "g0-r01"]).stdout)
     assert "rollouts of" not in cut and "Twelve." in cut and "Is it 20?" not in cut
     assert "ended: truncated · reward 0 · not solved" in cut and "max turns (1) reached" in cut
 
 
 def test_show_falls_back_to_token_ids_when_the_tokenizer_cannot_be_loaded(tmp_path, default_tokenizer):
     run = write_run(tmp_path / "run", default_tokenizer, "/nonexistent/model")
-    result = runner.invoke(app, ["show", str(run), "r-cut"])
+    result = runner.invoke(app, ["show", str(run), "g0-r01"])
     assert result.exit_code == 0, result.output
     out = flat(result.stdout)
     reply = " ".join(map(str, default_tokenizer.encode("Twelve.", add_special_tokens=False)))

@@ -88,3 +88,13 @@ def test_the_outcome_line_says_what_failed_was_cut_or_broke():
     assert outcome_line({"ok": 1, "truncated": 2, "interrupted": 1}, cut=2, breaks=1) == (
         "1 of 4 rollouts failed (1 interrupted: no reward); 2 of 4 were cut at --max-turns; 1 history breaks "
         "(agents rewrote their history; 'verbatim lint trace' says where)")
+
+
+def test_every_field_of_the_summary_is_documented():
+    """docs/traces.md's table of the summary names every field ``--summary-json`` writes."""
+    from verbatim.harness.summary import RunSummary
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
+    table = docs.split("## The run's summary")[1].split("\n## ")[0]
+    missing = [name for name in RunSummary.model_fields if f"`{name}`" not in table]
+    assert not missing, f"docs/traces.md's summary table lacks {missing}"

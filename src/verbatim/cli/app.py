@@ -256,9 +256,7 @@ def export(
     for problem in trace.problems:
         err_console.print(f"warning: {problem}")
     result = export_rollouts(trace.rollouts, fmt, out or default_out(run_dir, fmt), force=force)
-    left_out = ", ".join(f"{count} with {why}" for why, count in sorted(result.left_out.items()))
-    console.print(f"wrote {result.rows} rollouts ({fmt}) to {result.path}"
-                  + (f"; left out {left_out}" if left_out else ""), soft_wrap=True)
+    console.print(result.line(), soft_wrap=True, markup=False, highlight=False)
 
 
 # mismatch lives in cli/lint.py beside 'lint trace': both check what a run recorded.

@@ -38,11 +38,12 @@ def show_command(
         err_console.print(f"warning: {problem}", markup=False, highlight=False)
     if not trace.rollouts:
         raise InputError(f"{run_dir} holds no rollouts yet")
+    rollouts = sorted(trace.rollouts, key=lambda r: r.rollout_id)  # by id, not in the order they finished
     if rollout is None:
-        console.print(rollout_list(trace.rollouts, run_dir))
-        chosen = trace.rollouts[0]
+        console.print(rollout_list(rollouts, run_dir))
+        chosen = rollouts[0]
     else:
-        chosen = find_rollout(trace.rollouts, rollout, run_dir)
+        chosen = find_rollout(rollouts, rollout, run_dir)
     decode, why = (None, "--ids") if ids else load_decoder(trace.manifest)
     if decode is None and not ids:
         console.print(Text(f"token ids shown: the tokenizer could not be loaded ({why})", style="yellow"))

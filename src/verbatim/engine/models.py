@@ -97,6 +97,12 @@ def resolve(model: str | os.PathLike[str] | None = None) -> Path:
         if not (path / "config.json").is_file():
             raise UnknownModelError(f"{path} is a folder but not a Hugging Face model (no config.json)")
         return path
+    if path.exists():
+        raise UnknownModelError(f"{path} is a file, not a Hugging Face model folder", hint="give the folder that "
+                                "holds its config.json, or a bundled model's name")
+    if os.sep in name or name.startswith(("~", ".")):  # a path, not a name: say it is not there
+        raise UnknownModelError(f"{path} does not exist", hint="give an existing Hugging Face model folder, or a "
+                                "bundled model's name")
     known = ", ".join(sorted(BUNDLED))
     close = difflib.get_close_matches(name, ["default", *BUNDLED], n=1, cutoff=0.5)
     guess = f"did you mean {close[0]!r}? " if close else ""

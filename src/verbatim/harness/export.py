@@ -56,12 +56,21 @@ TRAINERS = {
 
 @dataclass(frozen=True)
 class ExportResult:
-    """Where an export went, how many rows it holds, and what it left out (reason → count)."""
+    """Where an export went, how many rows it holds (one per rollout, or per segment of a rollout in the trainer
+    formats) for how many rollouts, and what it left out (reason → count)."""
 
     path: Path
     format: str
     rows: int
+    rollouts: int
     left_out: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """``wrote 4 rows (2 rollouts) (verl) to PATH; left out 1 with status error``."""
+        rollouts = "" if self.rows == self.rollouts else f" ({self.rollouts} rollouts)"
+        left_out = ", ".join(f"{count} with {why}" for why, count in sorted(self.left_out.items()))
+        return (f"wrote {self.rows} {'row' if self.rows == 1 else 'rows'}{rollouts} ({self.format}) to {self.path}"
+                + (f"; left out {left_out}" if left_out else ""))
 
 
 def parse_format(fmt: str) -> str:
@@ -108,7 +117,7 @@ def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLik
     if fmt == "jsonl":
         text = "".join(to_json_line(r) + "\n" for r in ordered)
         _write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
-        return ExportResult(path, fmt, len(ordered))
+        return ExportResult(path, fmt, len(ordered), len(ordered))
     if fmt == "parquet":
         table = to_table(ordered)
         left_out: dict[str, int] = {}
@@ -116,7 +125,7 @@ def export_rollouts(rollouts: Sequence[Rollout], fmt: str, out: str | os.PathLik
         kept, left_out = trainable(ordered)
         table = with_export_metadata(TABLE_BUILDERS[fmt](kept), fmt)
     _write_atomic(path, lambda p: pq.write_table(table, p, compression="zstd"))
-    return ExportResult(path, fmt, table.num_rows, left_out)
+    return ExportResult(path, fmt, table.num_rows, len(ordered) - sum(left_out.values()), left_out)
 
 
 # ---------------------------------------------------------------------------
