@@ -265,3 +265,24 @@ def test_a_table_whose_token_columns_have_another_type_or_several_chunks_reads_t
                 assert np.array_equal(getattr(back.tokens, name), getattr(rollout.tokens, name)), name
             assert back.tokens.logprob.dtype == np.float32
             assert np.array_equal(back.tokens.logprob, rollout.tokens.logprob, equal_nan=True)
+
+
+def test_setting_interrupted_rollouts_aside_touches_only_the_play_being_resumed(tmp_path):
+    """A training run resumes one step: an interrupted rollout of an earlier step (trained on as it was) stays;
+    the step's own go aside in their whole file, and its finished neighbours come back, each once."""
+    from fakes import tiny_rollout
+
+    from verbatim.harness.store import set_aside_interrupted
+
+    def cut(r: Rollout) -> Rollout:
+        return r.model_copy(update={"status": "interrupted", "error": "interrupted by SIGINT", "reward": None})
+
+    writer = TraceWriter(tmp_path / "run", RunManifest(run_id="r", engine={"block_size": 16}))
+    earlier = writer.write_batch([cut(tiny_rollout(0)), tiny_rollout(1)])
+    now = writer.write_batch([cut(tiny_rollout(2)), tiny_rollout(3)])
+    kept, moved = earlier.read_bytes(), now.read_bytes()
+    assert set_aside_interrupted(writer, {"r2", "r3"}) == ["r2"]
+    assert earlier.read_bytes() == kept and not now.exists()
+    assert (tmp_path / "run" / "discarded" / "interrupted" / now.name).read_bytes() == moved
+    after = read_run(tmp_path / "run").rollouts
+    assert sorted((r.rollout_id, r.status) for r in after) == [("r0", "interrupted"), ("r1", "ok"), ("r3", "ok")]

@@ -215,7 +215,7 @@ class Run:
         mine = self.rollout_ids
         writer = TraceWriter(self.out, self.manifest)
         if resume and look_on_disk:
-            set_aside_interrupted(writer)
+            set_aside_interrupted(writer, mine)
         earlier = [r for r in self._on_disk() if r.rollout_id in mine] if resume and look_on_disk else []
         done = {r.rollout_id for r in earlier}
         batcher = _Batcher(writer, self.plan.batch_size)

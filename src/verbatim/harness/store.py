@@ -177,23 +177,24 @@ def new_folder(base: Path) -> Path:
     return folder
 
 
-def set_aside_interrupted(writer: TraceWriter) -> list[str]:
-    """Move each batch file holding an ``interrupted`` rollout, as it is, into ``discarded/interrupted/`` and
-    write its other rollouts back as a new batch; returns the interrupted rollouts' ids (a resume plays them
-    again, so the trace holds each rollout once, finished). The file is moved before its rollouts are written
+def set_aside_interrupted(writer: TraceWriter, planned: set[str]) -> list[str]:
+    """Move each batch file holding an ``interrupted`` rollout of ``planned`` (the play about to resume; a training
+    run's earlier steps are left as they are), as it is, into ``discarded/interrupted/`` and write its other
+    rollouts back as a new batch; returns the interrupted rollouts' ids (a resume plays them again, so the trace
+    holds each rollout once, finished). The file is moved before its rollouts are written
     back: a kill in between leaves them out of the trace (and in the moved file), to be played again, never
     twice. Call it holding the :class:`RunLock`."""
     again: list[str] = []
     for _, path in batch_files(writer.run_dir):
         rollouts, _ = read_batch(path)
-        cut = [r for r in rollouts if r.status == "interrupted"]
+        cut = [r.rollout_id for r in rollouts if r.status == "interrupted" and r.rollout_id in planned]
         if not cut:
             continue
         folder = writer.run_dir / DISCARDED / "interrupted"
         folder.mkdir(parents=True, exist_ok=True)
         os.replace(path, new_folder(folder / path.name))
-        writer.write_batch(r for r in rollouts if r.status != "interrupted")
-        again += [r.rollout_id for r in cut]
+        writer.write_batch(r for r in rollouts if not (r.status == "interrupted" and r.rollout_id in planned))
+        again += cut
     return again
 
 
