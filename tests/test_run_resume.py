@@ -75,11 +75,13 @@ def test_the_same_settings_or_the_recorded_config_file_pass(recorded, monkeypatc
     check_same_settings(with_tasks(*_resolved(from_file, monkeypatch))[0], out)
 
 
-def test_a_training_run_is_not_resumed_by_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("config,needle", [({"train": {}}, "holds a 'verbatim train' run"),
+                                           ({"plan": {}}, "records no settings of 'verbatim run'")])
+def test_a_run_whose_settings_are_not_a_runs_is_not_resumed(tmp_path, monkeypatch, config, needle):
     out = tmp_path / "T"
-    TraceWriter(out, RunManifest(run_id="t", engine={"block_size": 16}, config={"train": {}}))
+    TraceWriter(out, RunManifest(run_id="t", engine={"block_size": 16}, config=config))
     options = config_of("run", ["--env", "guess", "--out", str(out), "--resume"], monkeypatch)
-    with pytest.raises(InputError, match="holds a 'verbatim train' run"):
+    with pytest.raises(InputError, match=needle):
         check_same_settings(options, out)
 
 

@@ -115,9 +115,12 @@ def check_same_settings(options: RunOptions, out: Path) -> None:
     if not (out / MANIFEST).exists():
         return  # refused as "holds no run to resume" by Run.check_out_dir
     previous = read_manifest(out).config
-    if "options" not in previous:
+    if "train" in previous:
         raise InputError(f"--resume: {out} holds a 'verbatim train' run, not a 'verbatim run' run",
                          hint="resume it with 'verbatim train --resume', or pass another --out")
+    if "options" not in previous:
+        raise InputError(f"--resume: {out}'s manifest records no settings of 'verbatim run', so going on with "
+                         "them cannot be checked", hint="pass another --out")
     saved = recorded_config(out, flags_of(type(options)))
     if saved is None:
         saved = type(options).model_validate(previous["options"])
