@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from subprocess_cli import cli
+from typer.testing import CliRunner
 
+from verbatim.cli.app import app
 from verbatim.cli.run import run_command
 from verbatim.datamodel import Source
 from verbatim.harness.store import read_manifest, read_run
@@ -194,8 +196,8 @@ def test_a_failed_rollout_keeps_the_agents_traceback_has_no_reward_and_is_said_i
     assert "warning: 2 of 2 rollouts failed (2 error: no reward), first: the agent raised KeyError" in printed
     summary = json.loads((out.parent / "raising.json").read_text())
     assert summary["mean_reward"] is None and summary["rewards_left_out"] == 2
-    lint = cli("lint", "trace", str(out))
-    assert lint.returncode == 1 and "2 ended in error" in " ".join(lint.stdout.split())
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out)], terminal_width=200)
+    assert lint.exit_code == 1 and "2 ended in error" in " ".join(lint.stdout.split())
 
 
 def test_rollouts_cut_at_max_turns_are_counted_and_listed_by_lint(failing_runs):
@@ -207,9 +209,9 @@ def test_rollouts_cut_at_max_turns_are_counted_and_listed_by_lint(failing_runs):
     assert "2 of 2 were cut at --max-turns" in printed
     summary = json.loads((out.parent / "greedy.json").read_text())
     assert summary["cut_at_max_turns"] == 2 and summary["rewards_left_out"] == 2
-    lint = cli("lint", "trace", str(out), "--json")
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out), "--json"])
     lines = [json.loads(line) for line in lint.stdout.splitlines()]
-    assert lint.returncode == 0 and [f["kind"] for v in lines[:-1] for f in v["findings"]] == ["truncated"] * 2
+    assert lint.exit_code == 0 and [f["kind"] for v in lines[:-1] for f in v["findings"]] == ["truncated"] * 2
     assert lines[-1]["truncated"] == 2 and lines[-1]["truncated_without_reward"] == 2
 
 
