@@ -334,14 +334,20 @@ session engine (~3 GB) and the in-process trainers (up to ~8 GB) are there, sinc
 ~10 GB."""
 SERVER_MODULES = frozenset({"test_trainer_distributed", "test_bench_train_scale", "test_bench_train_step"})
 FIRST = "test_prefixflow_default_model"
+ONE_WORKER_MODULES = frozenset({"test_models_tiny"})
+"""Modules of pure logic whose module fixture is costly (every tiny family's folder, Gemma's 262k vocabulary
+among them: 28 s): a group of their own keeps their tests in one worker, so it is built once (spread over both
+workers, each built it: a fresh-clone run of 9105b93)."""
 
 
 def xdist_group(item: pytest.Item) -> str | None:
-    """The group of a test, or None for a test of pure logic."""
+    """The group of a test, or None for a test of pure logic that either worker may run."""
     if "session_engine" in getattr(item, "fixturenames", ()) or item.path.stem in SESSION_MODULES:
         return SESSION_GROUP
     if item.get_closest_marker("engine") or item.path.stem in SERVER_MODULES:
         return SERVER_GROUP
+    if item.path.stem in ONE_WORKER_MODULES:
+        return item.path.stem
     return None
 
 

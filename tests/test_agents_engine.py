@@ -163,63 +163,71 @@ def greedy(task, client):
 
 def silent(task, client):
     return 1.0
+
+
+def play(task, client):
+    return {"raising": raising, "greedy": greedy, "silent": silent}[task["mode"]](task, client)
 '''
 
 
 @pytest.fixture(scope="module")
-def failing_runs(tmp_path_factory, session_engine) -> dict[str, tuple[Path, str]]:
-    """An agent that raises, one that asks for a third turn under --max-turns 2 (and raises on the refusal),
-    one that returns 1.0 without calling the model: each played by ``verbatim run``'s own function."""
+def failing_run(tmp_path_factory, session_engine) -> tuple[Path, str, dict]:
+    """One ``verbatim run`` (its own function, its printing included) of three agents, two rollouts each: one
+    that raises, one that asks for a third turn under --max-turns 2 (and raises on the refusal), one that returns
+    1.0 without calling the model."""
     folder = tmp_path_factory.mktemp("failing")
     (folder / "agents.py").write_text(FAILING_AGENTS)
-    (folder / "tasks.jsonl").write_text('{"n": 1}\n')
-    runs = {}
-    for name in ("raising", "greedy", "silent"):
-        printed = io.StringIO()
-        options = RunOptions(play={"agent": f"{folder / 'agents.py'}:{name}", "tasks": str(folder / "tasks.jsonl"),
-                                   "max_turns": 2}, sampling={"max_tokens": 8}, engine={"max_model_len": 2048},
-                             output={"out": str(folder / name)}, group_size=2)
-        run_command(options, Console(file=printed, width=400), str(folder / f"{name}.json"),
-                    engine=session_engine.engine)
-        runs[name] = (folder / name, " ".join(printed.getvalue().split()))
-    return runs
+    (folder / "tasks.jsonl").write_text("".join(json.dumps({"mode": m}) + "\n" for m in ("raising", "greedy",
+                                                                                        "silent")))
+    printed = io.StringIO()
+    options = RunOptions(play={"agent": f"{folder / 'agents.py'}:play", "tasks": str(folder / "tasks.jsonl"),
+                               "max_turns": 2}, sampling={"max_tokens": 8}, engine={"max_model_len": 2048},
+                         output={"out": str(folder / "run")}, group_size=2)
+    run_command(options, Console(file=printed, width=400), str(folder / "summary.json"), engine=session_engine.engine)
+    lint = CliRunner().invoke(app, ["lint", "trace", str(folder / "run"), "--json"])
+    findings = {}
+    for line in lint.stdout.splitlines()[:-1]:
+        verdict = json.loads(line)
+        findings[verdict["rollout_id"]] = [f["kind"] for f in verdict["findings"]]
+    return folder / "run", " ".join(printed.getvalue().split()), {"exit": lint.exit_code, "findings": findings,
+                                                                  "run": json.loads(lint.stdout.splitlines()[-1])}
 
 
-def test_a_failed_rollout_keeps_the_agents_traceback_has_no_reward_and_is_said_in_one_line(failing_runs):
-    out, printed = failing_runs["raising"]
-    rollouts = read_run(out).rollouts
+def _of(out: Path, mode: str) -> list:
+    return [r for r in read_run(out).rollouts if r.task["mode"] == mode]
+
+
+def test_a_failed_rollout_keeps_the_agents_traceback_has_no_reward_and_is_said_in_one_line(failing_run):
+    out, printed, lint = failing_run
+    rollouts = _of(out, "raising")
     assert [r.status for r in rollouts] == ["error", "error"] and {r.reward for r in rollouts} == {None}
     for rollout in rollouts:
         assert rollout.error.startswith("the agent raised KeyError")
         trace = rollout.info["agent"]["traceback"]
         assert trace.startswith("Traceback (most recent call last)") and 'return {}["missing"]' in trace
-    assert "warning: 2 of 2 rollouts failed (2 error: no reward), first: the agent raised KeyError" in printed
-    summary = json.loads((out.parent / "raising.json").read_text())
-    assert summary["mean_reward"] is None and summary["rewards_left_out"] == 2
-    lint = CliRunner().invoke(app, ["lint", "trace", str(out)], terminal_width=200)
-    assert lint.exit_code == 1 and "2 ended in error" in " ".join(lint.stdout.split())
+        assert lint["findings"][rollout.rollout_id] == ["failed"]
+    assert "warning: 4 of 6 rollouts failed (4 error: no reward), first: the agent" in printed
+    summary = json.loads((out.parent / "summary.json").read_text())
+    assert summary["mean_reward"] is None and summary["rewards_left_out"] == 6
+    assert lint["exit"] == 1 and lint["run"]["errors"] == 4
 
 
-def test_rollouts_cut_at_max_turns_are_counted_and_listed_by_lint(failing_runs):
-    out, printed = failing_runs["greedy"]
-    rollouts = read_run(out).rollouts
+def test_rollouts_cut_at_max_turns_are_counted_and_listed_by_lint(failing_run):
+    out, printed, lint = failing_run
+    rollouts = _of(out, "greedy")
     assert [r.status for r in rollouts] == ["truncated", "truncated"] and {r.reward for r in rollouts} == {None}
     assert all(r.error.startswith("max turns (2) reached: the agent asked for more; then the agent raised")
                for r in rollouts)
-    assert "2 of 2 were cut at --max-turns" in printed
-    summary = json.loads((out.parent / "greedy.json").read_text())
-    assert summary["cut_at_max_turns"] == 2 and summary["rewards_left_out"] == 2
-    lint = CliRunner().invoke(app, ["lint", "trace", str(out), "--json"])
-    lines = [json.loads(line) for line in lint.stdout.splitlines()]
-    assert lint.exit_code == 0 and [f["kind"] for v in lines[:-1] for f in v["findings"]] == ["truncated"] * 2
-    assert lines[-1]["truncated"] == 2 and lines[-1]["truncated_without_reward"] == 2
+    assert "2 of 6 were cut at --max-turns" in printed
+    assert json.loads((out.parent / "summary.json").read_text())["cut_at_max_turns"] == 2
+    assert all(lint["findings"][r.rollout_id] == ["truncated"] for r in rollouts)
+    assert lint["run"]["truncated"] == 2 and lint["run"]["truncated_without_reward"] == 2
 
 
-def test_an_agent_that_never_asks_the_model_fails_and_its_reward_is_counted_nowhere(failing_runs):
-    out, printed = failing_runs["silent"]
-    rollouts = read_run(out).rollouts
+def test_an_agent_that_never_asks_the_model_fails_and_its_reward_is_counted_nowhere(failing_run):
+    out, _, lint = failing_run
+    rollouts = _of(out, "silent")
     assert [r.status for r in rollouts] == ["error", "error"] and {r.reward for r in rollouts} == {None}
     assert {r.info["agent"]["returned_reward"] for r in rollouts} == {1.0}
-    summary = json.loads((out.parent / "silent.json").read_text())
-    assert summary["mean_reward"] is None and summary["statuses"] == {"error": 2}
-    assert "2 of 2 rollouts failed" in printed
+    assert all(lint["findings"][r.rollout_id] == ["failed"] for r in rollouts)
+    assert json.loads((out.parent / "summary.json").read_text())["statuses"] == {"error": 4, "truncated": 2}
