@@ -68,11 +68,7 @@ class AgentPlayer(RolloutPlayer):
         finally:
             self.endpoint.sessions.pop(spec.rollout_id, None)
             await self._end_session(spec.rollout_id)
-        rollout = self._rollout(spec, session, result, error)
-        if trace is None:
-            return rollout
-        agent = {**rollout.info.get("agent", {}), "traceback": trace}  # the one-line error's whole story
-        return rollout.model_copy(update={"info": {**rollout.info, "agent": agent}})
+        return self._rollout(spec, session, result, error, trace)
 
     async def _call(self, agent: AgentCall | CommandAgent, spec: RolloutSpec) -> Any:
         import openai
@@ -96,7 +92,7 @@ class AgentPlayer(RolloutPlayer):
             await client.close()
 
     def _rollout(self, spec: RolloutSpec, session: AgentSession, result: AgentResult | None,
-                 error: str | None) -> Rollout:
+                 error: str | None, trace: str | None = None) -> Rollout:
         status, reason, reward = "ok", None, result.reward if result else None
         if session.failure is not None:  # what broke it on our side says more than the agent's exception
             status, reason = "error", session.failure
@@ -118,6 +114,8 @@ class AgentPlayer(RolloutPlayer):
                 "agent": {"requests": session.requests, "ignored_fields": dict(sorted(session.ignored.items()))}}
         if result is not None and status == "error":  # what it returned; the rollout's reward is null (failed)
             info["agent"]["returned_reward"] = result.reward
+        if trace is not None:  # the one-line error's whole story
+            info["agent"]["traceback"] = trace
         if spec.step is not None:
             info["step"] = spec.step
         if session.routes:

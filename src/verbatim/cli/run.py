@@ -34,18 +34,20 @@ def run_command(options: RunOptions, console: Console, summary_json: str | None 
             _write_summary(ended[0].summary, summary_json)
         raise
     console.print(summary_table(summary, ended[0].out))
-    warn_outcome(summary, ended[0].out, console)
+    warn_outcome(console, ended[0].out, summary.statuses, cut=summary.cut_at_max_turns,
+                 breaks=summary.history_breaks, first=summary.first_error)
     warn_ignored_fields(summary.ignored_request_fields, console)
     _write_summary(summary, summary_json)
     return summary
 
 
-def warn_outcome(summary: RunSummary, out: Path, console: Console) -> None:
-    """One line when rollouts failed, were cut at --max-turns or broke their history."""
-    line = outcome_line(summary.statuses, cut=summary.cut_at_max_turns, breaks=summary.history_breaks,
-                        first=summary.first_error)
+def warn_outcome(console: Console, out: str | Path, statuses: dict[str, int], *, cut: int = 0, breaks: int = 0,
+                 first: str | None = None, prefix: str = "warning: ") -> None:
+    """One line (:func:`~verbatim.harness.summary.outcome_line`) when a run's or a step's rollouts failed, were
+    cut at --max-turns or broke their history."""
+    line = outcome_line(statuses, cut=cut, breaks=breaks, first=first)
     if line:
-        console.print(f"warning: {line} ('verbatim show {out}' shows each rollout)", markup=False,
+        console.print(f"{prefix}{line} ('verbatim show {out}' shows each rollout)", markup=False,
                       highlight=False, soft_wrap=True)
 
 

@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 from verbatim.harness.step_metrics import StepMetrics, steps_of
-from verbatim.harness.summary import outcome_line
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
 from verbatim.rl.train import TrainLoop
@@ -62,7 +61,7 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
     """``verbatim train``: a line a step, the reward table and ``--summary-json`` (an existing file replaced only
     with ``replace``, the CLI's ``--force``); ``engine``: one the caller started
     (:func:`~verbatim.jobs.train.run_training`)."""
-    from verbatim.cli.run import warn_ignored_fields, write_summary_json
+    from verbatim.cli.run import warn_ignored_fields, warn_outcome, write_summary_json
     from verbatim.harness.summary import summed
     from verbatim.jobs.trainer_team import following
 
@@ -87,11 +86,9 @@ def train_command(options: TrainConfig, console: Console, summary_json: str | No
 
     def on_step(record: dict[str, Any]) -> None:
         console.print(step_line(StepMetrics.model_validate(record), options.plan.steps))
-        line = outcome_line(record.get("statuses") or {}, cut=record.get("cut_at_max_turns") or 0,
-                            breaks=record.get("history_breaks") or 0, first=record.get("first_error"))
-        if line:
-            console.print(f"  step {record['step']}: {line} ('verbatim show {options.output.out}' shows each "
-                          "rollout)", markup=False, highlight=False, soft_wrap=True)
+        warn_outcome(console, options.output.out, record.get("statuses") or {},
+                     cut=record.get("cut_at_max_turns") or 0, breaks=record.get("history_breaks") or 0,
+                     first=record.get("first_error"), prefix=f"  step {record['step']}: ")
 
     history = run_training(options, console, on_step=on_step, on_end=on_end, engine=engine)
     if not ended:  # a resumed run with nothing left to train: its table, and the engine never started

@@ -21,8 +21,6 @@ from typing import Any
 
 from verbatim.errors import InputError, install_hint
 
-REPORT_HINT = install_hint("report")
-
 
 def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title: str) -> Path:
     """Draw the four panels for these metrics records (one per step) into ``out_png``."""
@@ -30,7 +28,7 @@ def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise InputError("verbatim plot needs matplotlib", hint=REPORT_HINT) from exc
+        raise InputError("verbatim plot needs matplotlib", hint=install_hint("report")) from exc
     if not records:
         raise InputError(f"no steps to plot for {title}: metrics.jsonl is empty (no step finished yet)")
     steps = [_step(number, record) for number, record in enumerate(records, start=1)]

@@ -145,8 +145,9 @@ def routing_totals(rollouts: Sequence[Rollout]) -> dict[str, Any]:
             "turns_per_replica": dict(sorted(per_replica.items()))}
 
 
-def cut_at_max_turns(rollouts: Sequence[Rollout]) -> int:
-    return sum(r.status == "truncated" and (r.error or "").startswith(MAX_TURNS) for r in rollouts)
+def cut_by_max_turns(rollout: Rollout) -> bool:
+    """Whether --max-turns ended ``rollout`` (an env's episode not done, or an agent that asked for more)."""
+    return rollout.status == "truncated" and (rollout.error or "").startswith(MAX_TURNS)
 
 
 def first_error(rollouts: Sequence[Rollout]) -> str | None:
@@ -193,7 +194,7 @@ def summarize(rollouts: Sequence[Rollout], *, block_size: int, wall_s: float = 0
         generated_tokens=sum(t.completion_tokens for t in turns), block_size=block_size, wall_s=wall_s,
         statuses=statuses, mean_reward=sum(rewards) / len(rewards) if rewards else None,
         rewards_left_out=len(rollouts) - len(rewards),
-        cut_at_max_turns=cut_at_max_turns(rollouts), first_error=first_error(rollouts),
+        cut_at_max_turns=sum(cut_by_max_turns(r) for r in rollouts), first_error=first_error(rollouts),
         solved=sum(flags) if flags else None, success_rate=sum(flags) / len(flags) if flags else None,
         history_breaks=sum(breaks), broken_rollouts=sum(1 for b in breaks if b),
         ignored_request_fields=ignored_fields(rollouts),

@@ -26,8 +26,8 @@ import numpy as np
 
 from verbatim.datamodel import TRAINED_STATUSES, Rollout, TurnSampling
 from verbatim.errors import InputError
-from verbatim.harness.rollout import CONTEXT_BUDGET, MAX_TURNS
-from verbatim.harness.summary import RunSummary, solved_flags
+from verbatim.harness.rollout import CONTEXT_BUDGET
+from verbatim.harness.summary import RunSummary, cut_by_max_turns, solved_flags
 from verbatim.trainer.advantages import Advantage, group_advantages
 from verbatim.trainer.logprob_files import RolloutLogprobs
 from verbatim.trainer.step_input import StepInput
@@ -121,7 +121,7 @@ def _nothing_to_train(rollouts: Sequence[Rollout]) -> InputError:
     --max-turns (an agent that asked for more turns, then raised on the refusal), failures, or the env's rewards."""
     unrewarded = [r for r in rollouts if r.reward is None or r.status not in TRAINED_STATUSES]
     out_of_context = [r.error for r in unrewarded if (r.error or "").startswith(CONTEXT_BUDGET)]
-    cut = [r.error for r in unrewarded if r.status == "truncated" and (r.error or "").startswith(MAX_TURNS)]
+    cut = [r.error for r in unrewarded if cut_by_max_turns(r)]
     failed = [r.error for r in unrewarded if r.status not in TRAINED_STATUSES]
     of = f"of {len(rollouts)} rollouts"
     causes = [
