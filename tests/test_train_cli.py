@@ -322,3 +322,29 @@ def test_a_prompt_that_cannot_fit_the_context_with_max_tokens_is_refused_before_
     refused(["--env", "guess", "--out", str(out), "--max-tokens", "5000", "--max-model-len", "4096"],
             "with --max-tokens 5000 it does not fit --max-model-len 4096 (raise --max-model-len or lower --max-tokens)")
     assert not out.exists()
+
+
+def test_a_step_whose_rollouts_failed_or_were_cut_prints_one_line_under_its_own(tmp_path, monkeypatch):
+    """``train`` says under a step's line what went wrong with its rollouts (the step record's counts), as ``run``
+    does under its summary."""
+    import io
+
+    from rich.console import Console
+
+    from verbatim.cli.train import train_command
+
+    record = {"step": 1, "version": 1, "statuses": {"ok": 4, "error": 2, "truncated": 2}, "cut_at_max_turns": 2,
+              "history_breaks": 0, "first_error": "the agent raised KeyError: 'x'"}
+
+    def one_step(options, console, *, on_step, on_end, engine):
+        on_step(record)
+        return []
+
+    monkeypatch.setattr("verbatim.cli.train.run_training", one_step)
+    printed = io.StringIO()
+    options = config_of("train", ["--env", "guess", "--out", str(tmp_path / "run"), "--steps", "1"], monkeypatch)
+    train_command(options, Console(file=printed, width=400))
+    lines = printed.getvalue().splitlines()
+    assert lines[0].startswith("step 1/1 · v1")
+    assert lines[1] == (f"  step 1: 2 of 8 rollouts failed (2 error: no reward), first: the agent raised KeyError: "
+                        f"'x'; 2 of 8 were cut at --max-turns ('verbatim show {tmp_path / 'run'}' shows each rollout)")
