@@ -57,8 +57,13 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     learner = Learner(model, config, team=team)
     if learner.reference is not None:
         noise = torch.Generator().manual_seed(11)
-        for param in learner.reference.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=noise))
+        for param in learner.reference.parameters():  # the same noise on every rank, each adding its shard
+            moved = 0.05 * torch.randn(param.shape, generator=noise)
+            if hasattr(param, "device_mesh"):  # sharded over the team, as the learner's own model is
+                from torch.distributed.tensor import distribute_tensor
+
+                moved = distribute_tensor(moved, param.device_mesh, param.placements)
+            param.add_(moved)
     if restore is not None:
         saved = learner.restore(Path(restore))
         empty = not learner.optimizer.state  # before whole_moments, which fills an empty state

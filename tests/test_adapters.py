@@ -17,7 +17,8 @@ from verbatim.bench.prefixflow_exactness import grads_of, make_group, max_rel_er
 from verbatim.errors import TrainerError
 from verbatim.trainer.adapters import ADAPTERS, prefix_lm, trainer_lm
 from verbatim.trainer.causal_lm import PlainCausalLM
-from verbatim.trainer.prefixflow import full_sequence_backward, microbatches, prefixflow_backward
+from verbatim.trainer.packing import microbatches
+from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward
 from verbatim.trainer.reference import reference_backward, reference_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

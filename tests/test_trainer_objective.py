@@ -22,6 +22,7 @@ from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.correction import correct, policy_gradient_loss
 from verbatim.trainer.learner_config import CorrectionConfig, LossConfig
 from verbatim.trainer.objective import kl_penalty, loss_coefficients, objective_loss, surrogate, update_coefficients
+from verbatim.trainer.packing import Microbatching
 from verbatim.trainer.reference import reference_logprobs
 from verbatim.trainer.update import StepBatch, backward_rows, policy_values
 
@@ -81,7 +82,7 @@ def make_batch(lm, normaliser="token", old_noise=0.4, updates=None, seed=0) -> S
     weights = step_weights(keep, seed)
     gen = torch.Generator().manual_seed(seed + 2)
     noise = old_noise * (2 * torch.rand(keep.shape, generator=gen) - 1)
-    logp_old = (policy_values(lm, sequences, keep, microbatch=4).logprobs + noise) * keep
+    logp_old = (policy_values(lm, sequences, keep, microbatching=Microbatching(4)).logprobs + noise) * keep
     advantages = torch.randn(len(sequences), generator=gen)
     updates = updates or [list(range(len(sequences)))]
     coef = update_coefficients(weights, keep, updates, normaliser)
@@ -89,8 +90,10 @@ def make_batch(lm, normaliser="token", old_noise=0.4, updates=None, seed=0) -> S
                      advantages=advantages, groups=GROUPS)
 
 
-def gradient(model, batch, rows, **kw) -> tuple[dict[str, torch.Tensor], float]:
+def gradient(model, batch, rows, microbatch: int | Microbatching = 4, **kw) -> tuple[dict[str, torch.Tensor], float]:
+    """The gradient and loss of ``rows``; ``microbatch``: rows a microbatch, or a :class:`Microbatching`."""
     model.zero_grad(set_to_none=True)
+    kw["microbatching"] = microbatch if isinstance(microbatch, Microbatching) else Microbatching(microbatch)
     loss = backward_rows(prefix_lm(model), batch, rows, EPS, **kw)
     return grads_of(model), loss
 
@@ -114,7 +117,9 @@ def test_every_split_with_and_without_prefixflow_gives_one_gradient(tiny, normal
     assert 0.1 < clipped_fraction(lm, batch) < 0.9  # the clip is active on a good share of tokens
     rows = list(range(batch.size))
     want, want_loss = gradient(tiny, batch, rows, prefixflow=False, microbatch=batch.size)
-    for prefixflow, microbatch in itertools.product((True, False), (1, 2, 3, batch.size)):
+    longest = max(int(s.numel()) for s in batch.sequences)
+    budgets = [Microbatching(tokens=t) for t in (1, longest, 2 * longest + 1, 10 * longest)]  # 1: a row alone
+    for prefixflow, microbatch in itertools.product((True, False), (1, 2, 3, batch.size, *budgets)):
         got, loss = gradient(tiny, batch, rows, prefixflow=prefixflow, microbatch=microbatch)
         assert max_rel_err(got, want) <= BOUND, (prefixflow, microbatch)
         assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
@@ -130,12 +135,12 @@ def test_prefixflow_runs_the_sharing_groups_and_skips_rows_without_kept_tokens(t
                         lambda lm_, group, *a, **k: flows.append(group.size) or real_flow(lm_, group, *a, **k))
     monkeypatch.setattr(lm, "hidden_states",
                         lambda ids, *a, **k: calls.append(ids.shape[0]) or real_hidden(ids, *a, **k))
-    backward_rows(lm, batch, range(batch.size), EPS, microbatch=1)
+    backward_rows(lm, batch, range(batch.size), EPS, microbatching=Microbatching(1))
     assert flows == [3, 2]
     # per PrefixFlow group one prefix forward and one per suffix; rows 6, 7, 8 as whole sequences
     assert calls == [1] * (1 + 3 + 1 + 2 + 3)
     calls.clear()
-    backward_rows(lm, batch, range(batch.size), EPS, prefixflow=False, microbatch=1)
+    backward_rows(lm, batch, range(batch.size), EPS, prefixflow=False, microbatching=Microbatching(1))
     assert len(calls) == batch.size - 1
     calls.clear()
     assert backward_rows(lm, batch, [5], EPS) == 0.0 and calls == []
@@ -146,7 +151,7 @@ def test_one_update_per_step_is_the_plain_policy_gradient(tiny):
     """logp_old = π detached: the gradient is policy_gradient_loss's, with π from the plain HF forward."""
     lm = prefix_lm(tiny)
     sequences, model_tokens = step_rows(seed=3)
-    logp_old = policy_values(lm, sequences, model_tokens, microbatch=3).logprobs
+    logp_old = policy_values(lm, sequences, model_tokens, microbatching=Microbatching(3)).logprobs
     gen = torch.Generator().manual_seed(4)
     logp_mu = (logp_old + 0.5 * torch.randn(logp_old.shape, generator=gen)).masked_fill(~model_tokens, float("nan"))
     versions = torch.zeros(model_tokens.shape, dtype=torch.int32).masked_fill(~model_tokens, -1)
@@ -156,7 +161,7 @@ def test_one_update_per_step_is_the_plain_policy_gradient(tiny):
     batch = StepBatch(sequences=tuple(sequences), keep=correction.keep,
                       coef=loss_coefficients(correction.weights, correction.keep, "token"),
                       logp_old=logp_old, advantages=advantages, groups=GROUPS)
-    got, _ = gradient(tiny, batch, range(batch.size), microbatch=2)
+    got, _ = gradient(tiny, batch, range(batch.size), microbatching=Microbatching(2))
 
     logp_pi = torch.zeros(model_tokens.shape)
     for i, sequence in enumerate(sequences):
@@ -198,12 +203,12 @@ def test_two_updates_each_normalised_over_its_own_rows(tiny, normaliser):
 def test_old_logprobs_and_entropy_match_the_plain_forward_and_ignore_the_split(tiny):
     lm = prefix_lm(tiny)
     sequences, mask = step_rows()
-    one = policy_values(lm, sequences, mask, microbatch=1)
+    one = policy_values(lm, sequences, mask, microbatching=Microbatching(1))
     for values in (one.logprobs, one.entropy):
         assert values.dtype == torch.float32 and not values.requires_grad and bool((values[~mask] == 0).all())
     assert bool((one.logprobs[mask] < 0).all())
     assert bool((one.entropy[mask] > 0).all()) and bool((one.entropy[mask] <= math.log(VOCAB) + 1e-5).all())
-    nine = policy_values(lm, sequences, mask, microbatch=9)
+    nine = policy_values(lm, sequences, mask, microbatching=Microbatching(9))
     torch.testing.assert_close(nine.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nine.entropy, one.entropy, rtol=1e-5, atol=1e-5)
     for i in (0, 6):
@@ -373,7 +378,7 @@ def test_bad_step_batches_and_rows_are_clear_errors(tiny):
         with pytest.raises(TrainerError, match="distinct rows"):
             backward_rows(prefix_lm(tiny), batch, rows, EPS)
     with pytest.raises(TrainerError, match="microbatch must be at least 1"):
-        backward_rows(prefix_lm(tiny), batch, [0], EPS, microbatch=0)
+        Microbatching(0)
     assert math.isfinite(backward_rows(prefix_lm(tiny), batch, [0], EPS))
     tiny.zero_grad(set_to_none=True)
 

@@ -48,13 +48,13 @@ import torch
 from verbatim.errors import InputError
 from verbatim.trainer.adapters import prefix_lm
 from verbatim.trainer.causal_lm import PrefixCausalLM
+from verbatim.trainer.packing import microbatches
 from verbatim.trainer.prefixflow import (
     LossFn,
     PrefixGroup,
     PrefixState,
     encode_prefix,
     full_sequence_backward,
-    microbatches,
     prefixflow_backward,
 )
 from verbatim.trainer.reference import load_model

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from verbatim.trainer.adapters import prefix_lm
-from verbatim.trainer.prefixflow import PrefixGroup, full_sequence_backward, microbatches, prefixflow_backward
+from verbatim.trainer.packing import microbatches
+from verbatim.trainer.prefixflow import PrefixGroup, full_sequence_backward, prefixflow_backward
 
 SECTION = "prefixflow-exactness"
 VOCAB, SEQ = 97, 60

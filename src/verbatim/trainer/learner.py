@@ -36,6 +36,7 @@ rows at a time). ``checkpoint_layers`` recomputes each decoder layer's activatio
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -57,9 +58,11 @@ from verbatim.trainer.distributed.split import rows_of
 from verbatim.trainer.distributed.team import Team
 from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.objective import kl_penalty, loss_coefficients
+from verbatim.trainer.packing import Microbatching
+from verbatim.trainer.passes import Agree
 from verbatim.trainer.step_input import StepInput
 from verbatim.trainer.truncation import outside_support
-from verbatim.trainer.update import StepBatch, backward_rows, policy_values
+from verbatim.trainer.update import StepBatch, policy_values, row_work, run_work
 
 
 def scheduled_lr(config: LearnerConfig, step: int, steps: int) -> float:
@@ -101,7 +104,7 @@ class Learner:
             seed_generators(seed)
         self.reference = frozen_copy(model) if config.loss.kl_coef > 0 else None
         """The policy a KL penalty pulls toward: the weights the learner starts from (a resumed run's
-        too: a learner is built from the run's model, then restored), a whole copy on every rank."""
+        too: a learner is built from the run's model, then restored), sharded over a team as the model is."""
         self.model = model.train()
         self.config = config
         if config.prefixflow:
@@ -112,6 +115,10 @@ class Learner:
         self.team = team or Team()
         self.placement = (ShardedModel(model, self.team, config.dtype) if self.team.size > 1
                           else WholeModel(model))
+        shard_reference = self.reference is not None and self.team.size > 1
+        self.reference_placement = (ShardedModel(self.reference, self.team, config.dtype) if shard_reference
+                                    else WholeModel(self.reference))
+        self.microbatching = Microbatching(config.microbatch, config.microbatch_tokens)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     # -- the step ------------------------------------------------------------------------------
@@ -138,34 +145,39 @@ class Learner:
         here = rows_of(step.groups, batch.lengths.tolist(), self.team.size, self.team.rank)
         ours = torch.zeros(rows, dtype=torch.bool, device=device)
         ours[here] = True
+        agree = functools.partial(self.team.agree, device=device)  # every rank makes each pass's calls together
         with self.placement.gathered():
-            old = policy_values(lm, sequences, mask & ours[:, None], self.config.microbatch)
+            old = policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree)
             logp_old = self.team.sum_(old.logprobs)
             entropy = self.team.total(float(old.entropy.sum(dtype=torch.float64)))  # each rank's rows
             support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
-                                                           self.config.microbatch, self.config.logprob_chunk)))
+                                                           self.microbatching, self.config.logprob_chunk, agree)))
                        if step.truncation is not None else None)  # each rank counts its own rows
-        logp_ref = (self.team.sum_(policy_values(self.reference_lm(step.temperature), sequences, mask & ours[:, None],
-                                                 self.config.microbatch).logprobs)
-                    if self.reference is not None else None)
+        logp_ref = None
+        if self.reference is not None:
+            with self.reference_placement.gathered():
+                logp_ref = self.team.sum_(policy_values(self.reference_lm(step.temperature), sequences,
+                                                        mask & ours[:, None], self.microbatching, agree).logprobs)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
                                      device=device)
         per_row = row_logprobs(logp_old, mask, batch.lengths, fix.keep)
-        loss = 0.0
+        loss, padded = 0.0, 0
         norms = []
         for update_rows in self.update_splits(rows):
-            loss_u, norm = self._update(lm, path, sequences, fix.weights, fix.keep, (logp_old, logp_ref), advantages,
-                                        step.groups, update_rows, set(here))
+            loss_u, norm, padded_u = self._update(lm, path, sequences, fix.weights, fix.keep, (logp_old, logp_ref),
+                                                  advantages, step.groups, update_rows, set(here), agree)
             loss += loss_u
+            padded += padded_u
             norms.append(norm)
         self.version += 1
         metrics = {"rows": rows, "lr": lr, "loss": loss, "grad_norm": float(np.mean(norms)),
                    "grad_norm_max": float(max(norms)), "updates": len(norms), "trainer_path": path,
                    "temperature": step.temperature, "kept_tokens": int(fix.keep.sum()),
                    "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict(),
-                   "entropy": entropy / max(int(batch.loss_mask.sum()), 1)}
+                   "entropy": entropy / max(int(batch.loss_mask.sum()), 1), "ranks": self.team.size,
+                   "padding_tokens": int(self.team.total(padded))}
         if support is not None:
             metrics["outside_support"] = support
         if logp_ref is not None:  # k3's value, an estimate of KL(π_old ‖ π_ref) per model token (0 off the mask)
@@ -191,8 +203,10 @@ class Learner:
 
     def _update(self, lm: PrefixCausalLM, path: TrainerPath, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
                 keep: torch.Tensor, logp: tuple[torch.Tensor, torch.Tensor | None], advantages: torch.Tensor,
-                groups: Sequence[Sequence[int]], rows: list[int], here: set[int]) -> tuple[float, float]:
-        """One optimizer update over ``rows``; ``logp`` is (π_old's, the reference's or None) log-probabilities."""
+                groups: Sequence[Sequence[int]], rows: list[int], here: set[int],
+                agree: Agree) -> tuple[float, float, int]:
+        """One optimizer update over ``rows``; ``logp`` is (π_old's, the reference's or None) log-probabilities.
+        Returns its loss, its gradient's norm and this rank's padded token slots."""
         loss_config = self.config.loss
         coef = torch.zeros_like(weights)
         coef[rows] = loss_coefficients(weights[rows], keep[rows], loss_config.normaliser)
@@ -201,10 +215,9 @@ class Learner:
         batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp[0], advantages=advantages,
                           groups=tuple(tuple(g) for g in groups), logp_ref=logp[1], kl_coef=loss_config.kl_coef,
                           kl_estimator=loss_config.kl_estimator)
+        work = row_work(batch, [r for r in rows if r in here], path == "prefixflow", self.microbatching)
         with self.placement.update():  # this rank's rows; leaving it, the gradient is the update's whole one
-            loss = backward_rows(lm, batch, [r for r in rows if r in here], self.config.loss.clip_eps,
-                                 prefixflow=path == "prefixflow", microbatch=self.config.microbatch,
-                                 offload=self.config.prefix_activations)
+            loss = run_work(lm, batch, work, self.config.loss.clip_eps, self.config.prefix_activations, agree)
         loss = self.team.total(loss)
         norm = self.placement.grad_norm(self.config.max_grad_norm)
         if not np.isfinite(norm):
@@ -213,7 +226,7 @@ class Learner:
                                hint="lower --lr, or check the rewards and advantages")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, norm
+        return loss, norm, work.padding
 
     def _check_vocab(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Refuse a token id the model has no embedding for (past its vocabulary, or negative)."""

@@ -110,6 +110,9 @@ class LearnerConfig(BaseModel):
     start)."""
     microbatch: int = Field(default=4, ge=1)
     """Rollouts per trainer forward/backward (suffix microbatches under PrefixFlow)."""
+    microbatch_tokens: int | None = Field(default=None, ge=1)
+    """Pack each trainer forward/backward up to this many tokens (rows × its longest row; PrefixFlow's suffixes by
+    their own length), longest rows first, instead of --microbatch rows. At least the context length."""
     prefixflow: bool | None = None
     """Run each group's shared prompt through the trainer once per step (PrefixFlow). Default: where the model's
     family has an adapter (docs/trainer.md); --prefixflow requires one, --no-prefixflow trains whole

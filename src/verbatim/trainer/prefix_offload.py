@@ -11,7 +11,8 @@ wait, through ``torch.autograd.graph.saved_tensors_hooks``:
   forward again (:func:`~verbatim.trainer.prefixflow.encode_prefix`), one more prefix forward for
   the activations of P tokens. The store itself then moves nothing.
 
-Parameters (and views of them) and tensors under ``min_bytes`` are never moved.
+Parameters (and views of them, FSDP2's gathered weights included) and tensors under ``min_bytes`` are
+never moved.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class DormantStore:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {where!r}")
         self.where = where
         self.min_bytes = min_bytes
-        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._param_storages = {ptr for p in parameters if (ptr := _storage(p)) is not None}
         self._dir: Path | None = None
         self._parent = directory
         self._ids = itertools.count()
@@ -66,7 +67,7 @@ class DormantStore:
 
     def _stays(self, tensor: torch.Tensor) -> bool:
         small = tensor.numel() * tensor.element_size() < self.min_bytes
-        return small or tensor.untyped_storage().data_ptr() in self._param_storages
+        return small or _a_parameter(tensor) or tensor.untyped_storage().data_ptr() in self._param_storages
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._stays(tensor) or (self.where == "cpu" and tensor.device.type == "cpu"):
@@ -92,3 +93,18 @@ class DormantStore:
         tensor = torch.load(packed[2], map_location=packed[1], weights_only=True)
         packed[2].unlink(missing_ok=True)
         return tensor
+
+
+def _a_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one: under FSDP2 a layer's gathered weights are parameters the module holds
+    only during its forward (not ``parameters()``' shards), whose memory FSDP frees after it and fills again
+    for the backward. Moving them would keep a copy of the whole layer until phase C."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def _storage(param: torch.Tensor) -> int | None:
+    """Where ``param``'s memory starts; None for memory FSDP2 has freed (a layer's weights between its calls)."""
+    try:
+        return param.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None

@@ -92,11 +92,6 @@ def group_from_sequences(sequences: Sequence[torch.Tensor], loss_masks: Sequence
                        loss_masks=tuple(m.bool() for m in loss_masks))
 
 
-def microbatches(group_size: int, size: int) -> list[list[int]]:
-    """Consecutive rows, ``size`` per microbatch."""
-    return [list(range(i, min(i + size, group_size))) for i in range(0, group_size, size)]
-
-
 # ---------------------------------------------------------------------------
 # Reference: full-sequence training
 # ---------------------------------------------------------------------------
@@ -134,8 +129,12 @@ class PrefixState:
     loss_positions: torch.Tensor
     """Prefix positions (1..P−1) in any sequence's loss mask, in order."""
     store: DormantStore
+    reach: torch.Tensor | None = None
+    """Graph-connected: the sum of the prefix's last hidden states, which every layer feeds. Phase C's backward
+    always runs through it (with a gradient of 0), so every layer's backward runs whichever leaves phase B
+    reached: the same calls on every rank of a team (:mod:`verbatim.trainer.distributed.lockstep`)."""
     recompute: Callable[[], list[torch.Tensor]] | None = None
-    """Phase A again, with its graph: how phase C gets ``outputs`` when phase A kept none."""
+    """Phase A again, with its graph: how phase C gets ``outputs`` (and ``reach``) when phase A kept none."""
 
     @property
     def kv(self) -> KV:
@@ -168,15 +167,16 @@ def encode_prefix(lm: PrefixCausalLM, group: PrefixGroup, offload: Offload = "ke
             hidden, kv = lm.hidden_states(prefix, keep_kv=True)
             prefix_lp = sequence_logprobs(lm, hidden[0, positions - 1], torch.zeros_like(positions),
                                           positions, prefix[0, positions], (1, group.prefix_len))
-        return [t for pair in kv for t in pair] + [hidden[0, -1], prefix_lp[0]]
+        return [t for pair in kv for t in pair] + [hidden[0, -1], prefix_lp[0], hidden.sum()]
 
     if store.recomputes:
         with torch.no_grad():
-            leaves = [t.requires_grad_(True) for t in forward()]
+            leaves = [t.requires_grad_(True) for t in forward()[:-1]]
         return PrefixState(outputs=[], leaves=leaves, loss_positions=positions, store=store, recompute=forward)
     outputs = forward()
+    reach = outputs.pop()
     leaves = [t.detach().requires_grad_(True) for t in outputs]
-    return PrefixState(outputs=outputs, leaves=leaves, loss_positions=positions, store=store)
+    return PrefixState(outputs=outputs, leaves=leaves, loss_positions=positions, store=store, reach=reach)
 
 
 def suffix_backward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, loss_fn: LossFn,
@@ -197,39 +197,54 @@ def suffix_backward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, 
         every_row = torch.arange(b, device=shared.device)[:, None]
         logprobs = logprobs.index_put((every_row, state.loss_positions[None, :]), shared, accumulate=True)
     loss = loss_fn(logprobs, torch.tensor(list(rows)))
-    loss.backward()
+    # + 0 × every suffix state: the backward runs through every layer of this call even when the loss reads
+    # only the boundary (the same calls on every rank of a team); it adds 0 to every gradient
+    (loss + hidden.sum() * 0.0).backward()
     return float(loss.detach())
 
 
 def prefix_backward(state: PrefixState) -> None:
-    """Phase C: one backward through the prefix with the gradients accumulated on the leaves."""
+    """Phase C: one backward through the prefix with the gradients accumulated on the leaves (and 0 through
+    :attr:`PrefixState.reach`)."""
     try:
-        if state.recompute is not None and any(leaf.grad is not None for leaf in state.leaves):
+        if state.recompute is not None:
             state.outputs[:] = state.recompute()
+            state.reach = state.outputs.pop()
         pairs = [(out, leaf.grad) for out, leaf in zip(state.outputs, state.leaves) if leaf.grad is not None]
+        if state.reach is not None:
+            pairs.append((state.reach, torch.zeros_like(state.reach)))
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
     finally:
         state.store.close()
         state.outputs.clear()
         state.leaves.clear()
+        state.reach = None
 
 
 def prefixflow_backward(lm: PrefixCausalLM, group: PrefixGroup, loss_fn: LossFn,
                         splits: Sequence[Sequence[int]], offload: Offload = "keep",
-                        offload_min_bytes: int = 1 << 16) -> float:
-    """Phases A, B (one call per microbatch in ``splits``) and C; returns the summed loss."""
+                        offload_min_bytes: int = 1 << 16, idle: int = 0) -> float:
+    """Phases A, B (one call per microbatch in ``splits``, then ``idle`` suffix calls of the first row with a
+    loss of zero, for a rank that keeps step with a team) and C; returns the summed loss."""
     rows_seen = sorted(i for rows in splits for i in rows)
     if rows_seen != list(range(group.size)):
         raise TrainerError(f"microbatches must cover rows 0..{group.size - 1} once each, got {list(splits)}")
     state = encode_prefix(lm, group, offload, offload_min_bytes)
     try:
         total = sum(suffix_backward(lm, group, state, loss_fn, rows) for rows in splits)
+        for _ in range(idle):
+            suffix_backward(lm, group, state, zero_loss, [0])
     except BaseException:
         state.store.close()
         raise
     prefix_backward(state)
     return total
+
+
+def zero_loss(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A loss of zero that still reaches every logprob's graph (an idle call's)."""
+    return logprobs.sum() * 0.0
 
 
 def _pad(ids: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from verbatim.trainer.causal_lm import PrefixCausalLM
-from verbatim.trainer.prefixflow import _pad, microbatches
+from verbatim.trainer.packing import Microbatching
+from verbatim.trainer.passes import Agree, alone, forwards, masked_batches
+from verbatim.trainer.prefixflow import _pad
 
 
 def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float,
@@ -38,19 +40,21 @@ def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 
 
 def outside_support(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-                    top_p: float, top_k: int, microbatch: int = 4, logit_rows: int = 0) -> int:
+                    top_p: float, top_k: int, microbatching: Microbatching = Microbatching(), logit_rows: int = 0,
+                    agree: Agree = alone) -> int:
     """How many tokens of ``loss_mask`` lie outside the mask of π at ``lm.temperature`` (no autograd), the
-    logits of ``logit_rows`` tokens at a time (0: a microbatch's at once)."""
-    rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
+    logits of ``logit_rows`` tokens at a time (0: a microbatch's at once); on a team, idle forwards keep
+    step with the other ranks (``agree``)."""
     count = 0
-    with torch.no_grad():
-        for chunk in microbatches(len(rows), microbatch):
-            picked = [rows[k] for k in chunk]
-            ids, mask = _pad([sequences[i] for i in picked],
-                             [loss_mask[i, : sequences[i].numel()] for i in picked])
-            hidden, _ = lm.hidden_states(ids)
-            r, t = torch.nonzero(mask, as_tuple=True)
-            count += _count_outside(lm, hidden[r, t - 1], ids[r, t], top_p, top_k, logit_rows)
+
+    def visit(picked: list[int]) -> None:
+        nonlocal count
+        ids, mask = _pad([sequences[i] for i in picked], [loss_mask[i, : sequences[i].numel()] for i in picked])
+        hidden, _ = lm.hidden_states(ids)
+        r, t = torch.nonzero(mask, as_tuple=True)
+        count += _count_outside(lm, hidden[r, t - 1], ids[r, t], top_p, top_k, logit_rows)
+
+    forwards(lm, masked_batches(sequences, loss_mask, microbatching), visit, agree)
     return count
 
 

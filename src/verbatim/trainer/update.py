@@ -23,9 +23,12 @@ import torch
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, sequence_logprobs
+from verbatim.trainer.distributed.lockstep import CallShape
 from verbatim.trainer.learner_config import KlEstimator, Offload
 from verbatim.trainer.objective import objective_loss
-from verbatim.trainer.prefixflow import _pad, group_from_sequences, microbatches, prefixflow_backward, shared_prefix_len
+from verbatim.trainer.packing import Microbatching, padding
+from verbatim.trainer.passes import Agree, alone, forwards, idle_backward, idle_group, masked_batches
+from verbatim.trainer.prefixflow import _pad, group_from_sequences, prefixflow_backward, shared_prefix_len
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,61 +91,100 @@ class PolicyValues:
 
 
 def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-                  microbatch: int = 4) -> PolicyValues:
+                  microbatching: Microbatching = Microbatching(), agree: Agree = alone) -> PolicyValues:
     """The log-probabilities and entropy of ``lm``'s policy where ``loss_mask`` is True, without autograd.
 
-    Right-padded microbatches of ``microbatch`` rows through the model's full-sequence path;
-    rows without a masked token run no forward. The log-probabilities are what
-    :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives (the same chunks of logits, bit for
-    bit); the entropy is taken from those logits.
+    Right-padded microbatches (``microbatching``) through the model's full-sequence path; rows without a
+    masked token run no forward; on a team, idle forwards keep step with the other ranks (``agree``).
+    The log-probabilities are what :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives
+    (the same chunks of logits, bit for bit); the entropy is taken from those logits.
     """
     lengths = _lengths(sequences)
     if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
         raise TrainerError(f"loss mask is {tuple(loss_mask.shape)}, expected ({len(sequences)}, {int(lengths.max())})")
     _check_mask(loss_mask.bool(), lengths, "loss mask")
-    _check_microbatch(microbatch)
     learner_lm = lm if isinstance(lm, LearnerLM) else LearnerLM(lm)
     out = torch.zeros((2, *loss_mask.shape), dtype=torch.float32, device=sequences[0].device)
-    rows = [i for i in range(len(sequences)) if bool(loss_mask[i].any())]
-    with torch.no_grad():
-        for chunk in microbatches(len(rows), microbatch):
-            picked = [rows[k] for k in chunk]
-            values = _row_policy(learner_lm, [sequences[i] for i in picked],
-                                 [loss_mask[i, : int(lengths[i])] for i in picked])
-            out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
+
+    def visit(picked: list[int]) -> None:
+        values = _row_policy(learner_lm, [sequences[i] for i in picked],
+                             [loss_mask[i, : int(lengths[i])] for i in picked])
+        out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
+
+    forwards(learner_lm, masked_batches(sequences, loss_mask, microbatching), visit, agree)
     return PolicyValues(logprobs=out[0], entropy=out[1])
 
 
-def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
-                  prefixflow: bool = True, microbatch: int = 4, offload: Offload = "keep") -> float:
-    """Add to ``.grad`` the gradient of the objective over ``rows``; return the summed loss.
+@dataclass(frozen=True)
+class RowWork:
+    """One rank's calls for an update's rows: its PrefixFlow groups (batch rows, and phase B's microbatches
+    as indices into them), most microbatches first, then its plain microbatches (batch rows)."""
 
-    Rows without a kept token are skipped (no forward). Within each group, the chosen rows go
-    through PrefixFlow (``microbatch`` suffixes at a time) when ``prefixflow`` is on, there are
-    at least two of them and they share a prefix that leaves each a suffix; all other rows run
-    as whole sequences, ``microbatch`` rows at a time.
-    """
-    _check_microbatch(microbatch)
+    flows: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
+    plain: tuple[tuple[int, ...], ...] = ()
+    padding: int = 0
+    """Padded token slots over the microbatches (a PrefixFlow group's prefix counted once, unpadded)."""
+
+    @property
+    def shape(self) -> CallShape:
+        return CallShape(tuple(len(splits) for _, splits in self.flows), len(self.plain))
+
+
+def row_work(batch: StepBatch, rows: Sequence[int], prefixflow: bool, microbatching: Microbatching) -> RowWork:
+    """Which of ``rows`` go through PrefixFlow (at least two rows of a group with a kept token, sharing a
+    prefix that leaves each a suffix) and which as whole sequences, in microbatches. Rows without a kept
+    token are left out (no forward)."""
     chosen = _check_rows(batch, rows)
     trained = {r for r in chosen if bool(batch.keep[r].any())}
-    flow_groups: list[list[int]] = []
-    plain: list[int] = []
+    flows, plain, waste = [], [], 0
     for group in batch.groups:
         members = [r for r in group if r in trained]
-        if prefixflow and len(members) >= 2 and _shares_a_prefix([batch.sequences[r] for r in members]):
-            flow_groups.append(members)
+        sequences = [batch.sequences[r] for r in members]
+        if prefixflow and len(members) >= 2 and _shares_a_prefix(sequences):
+            cut = min(shared_prefix_len(sequences), min(int(s.numel()) for s in sequences) - 1)
+            suffixes = [int(s.numel()) - cut for s in sequences]
+            splits = microbatching.split(suffixes)
+            waste += padding(suffixes, splits)
+            flows.append((tuple(members), tuple(tuple(split) for split in splits)))
         else:
             plain += members
+    lengths = [int(batch.sequences[r].numel()) for r in plain]
+    batches = microbatching.split(lengths)
+    flows.sort(key=lambda flow: -len(flow[1]))  # stable: the groups' order among equals
+    return RowWork(tuple(flows), tuple(tuple(plain[k] for k in b) for b in batches),
+                   waste + padding(lengths, batches))
+
+
+def backward_rows(lm: PrefixCausalLM, batch: StepBatch, rows: Sequence[int], clip_eps: float, *,
+                  prefixflow: bool = True, microbatching: Microbatching = Microbatching(),
+                  offload: Offload = "keep", agree: Agree = alone) -> float:
+    """Add to ``.grad`` the gradient of the objective over ``rows`` (:func:`row_work`'s calls); return the
+    summed loss."""
+    return run_work(lm, batch, row_work(batch, rows, prefixflow, microbatching), clip_eps, offload, agree)
+
+
+def run_work(lm: PrefixCausalLM, batch: StepBatch, work: RowWork, clip_eps: float, offload: Offload = "keep",
+             agree: Agree = alone) -> float:
+    """Make ``work``'s calls, then the idle calls that keep step with the team's agreed shape; return the
+    summed loss."""
+    agreed = agree(work.shape)
     total = 0.0
-    for members in flow_groups:
-        total += _flow_backward(lm, batch, members, clip_eps, microbatch, offload)
-    for chunk in microbatches(len(plain), microbatch):
-        total += _plain_backward(lm, batch, [plain[k] for k in chunk], clip_eps)
+    for slot, suffix_calls in enumerate(agreed.flows):
+        if slot < len(work.flows):
+            members, splits = work.flows[slot]
+            total += _flow_backward(lm, batch, list(members), splits, clip_eps, offload, suffix_calls - len(splits))
+        else:
+            idle_group(lm, suffix_calls, offload)
+    for slot in range(agreed.plain):
+        if slot < len(work.plain):
+            total += _plain_backward(lm, batch, list(work.plain[slot]), clip_eps)
+        else:
+            idle_backward(lm)
     return total
 
 
-def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], clip_eps: float,
-                   microbatch: int, offload: Offload) -> float:
+def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], splits: Sequence[Sequence[int]],
+                   clip_eps: float, offload: Offload, idle: int) -> float:
     sequences = [batch.sequences[r] for r in members]
     group = group_from_sequences(sequences, [batch.keep[r, : s.numel()] for r, s in zip(members, sequences)])
     to_batch = torch.tensor(members, dtype=torch.long, device=batch.keep.device)
@@ -150,7 +192,7 @@ def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], cli
     def loss_fn(logprobs: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
         return _rows_loss(batch, to_batch[group_rows.to(to_batch.device)], logprobs, clip_eps)
 
-    return prefixflow_backward(lm, group, loss_fn, microbatches(group.size, microbatch), offload=offload)
+    return prefixflow_backward(lm, group, loss_fn, splits, offload=offload, idle=idle)
 
 
 def _plain_backward(lm: PrefixCausalLM, batch: StepBatch, rows: list[int], clip_eps: float) -> float:
@@ -223,8 +265,3 @@ def _check_rows(batch: StepBatch, rows: Sequence[int]) -> set[int]:
     if len(set(chosen)) != len(chosen) or any(not 0 <= r < batch.size for r in chosen):
         raise TrainerError(f"update rows must be distinct rows of the batch (0..{batch.size - 1}), got {chosen}")
     return set(chosen)
-
-
-def _check_microbatch(microbatch: int) -> None:
-    if microbatch < 1:
-        raise TrainerError(f"microbatch must be at least 1 row, got {microbatch}")

@@ -1,25 +1,27 @@
 """A model sharded over the learner's ranks with FSDP2, and the same interface for one process.
 
 :class:`ShardedModel` applies ``fully_shard`` to every decoder layer (the classes Hugging Face names in
-``_no_split_modules``) and to the whole model: between steps each rank holds 1/N of the parameters, of
-their gradients and of AdamW's state. A rank's share of a step is uneven (its own groups, whole), and
-FSDP's per-layer all-gathers are collectives every rank must join in the same order, so the update
-runs in three moves every rank makes together:
+``_no_split_modules``) and to the whole model (the root: the embedding, the last norm, the output
+layer). Between steps each rank holds 1/N of the parameters, of their gradients and of AdamW's state;
+during a step, as torchtitan and the other FSDP trainers do:
 
-1. :meth:`ShardedModel.gathered`: all-gather the parameters once; the rank's forwards and backwards (the
-   plain path or PrefixFlow's phases, any number of each) then run on full weights with no collective,
-   their gradients accumulating unreduced (``set_requires_gradient_sync(False)``);
-2. on leaving an update (:meth:`ShardedModel.update`), one forward and backward of a single token with a
-   zero loss through the root, gradient sync on: FSDP reduce-scatters every gradient, summed (divide
-   factor 1: the loss already carries the step's global normaliser), so each rank holds its shard of
-   the step's whole gradient;
-3. reshard: the optimizer steps on the shards.
+* a decoder layer's weights are gathered when its forward starts and freed when it ends (reshard after
+  forward), gathered again for its backward, and its gradient is reduce-scattered as soon as the
+  backward has produced it, summed (divide factor 1: the loss already carries the step's global
+  normaliser) into the rank's float32 shard; so a rank holds one layer's whole weights at a time;
+* the root's weights stay gathered for the whole pass (:meth:`ShardedModel.gathered`,
+  :meth:`ShardedModel.update`): PrefixFlow's adapters call the embedding and the output layer apart
+  from the model's forward, where FSDP's hooks would gather them; their gradient is reduce-scattered
+  at the end of every backward;
+* AdamW steps on the shards.
 
-With ``bf16`` the gather is FSDP's mixed precision: bfloat16 weights, the gradient accumulated and reduced
-in float32 into the float32 shards.
+Every gather and reduce-scatter is a collective each rank must make in the same order, while a
+rank's share of a step is uneven (its own groups, whole): the learner's passes keep the ranks in
+lockstep (:mod:`.lockstep`; each rank fills what it lacks with idle calls whose gradient is 0), and
+every backward runs through every layer (:func:`~verbatim.trainer.prefixflow.suffix_backward`).
 
-The price: during a step every rank holds the whole model and its whole gradient; between steps, and
-for the optimizer's state at all times, 1/N (docs/scale.md says what that means in bytes).
+With ``bf16`` the gather is FSDP's mixed precision: bfloat16 weights (half the gather's memory), the
+gradient reduced in float32 into the float32 shards.
 
 :class:`WholeModel` is one process: the model as it is, every method a no-op where there is nothing to
 share.
@@ -187,28 +189,18 @@ class ShardedModel:
         mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
                  else MixedPrecisionPolicy())
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=mixed)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mixed)
+        fully_shard(model, mesh=mesh, mp_policy=mixed)  # the root: not resharded after its forward
         self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.root: FSDPModule = model  # type: ignore[assignment]
         for unit in self.units:
-            unit.set_reshard_after_backward(False, recurse=False)
             unit.set_gradient_divide_factor(1.0)  # a sum: the loss carries the step's global normaliser
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
             unit.set_reduce_scatter_unused_params(True)  # every rank reduces the same tensors
-        with torch.no_grad():
-            self._through_root()  # the first forward through the root makes it FSDP's root
+        self.root.set_reshard_after_backward(False, recurse=False)  # gathered for the whole pass
+        with torch.no_grad():  # the first forward through the root makes it FSDP's root
+            self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
         self._reshard()  # the optimizer is built on the shards
-
-    def _through_root(self) -> torch.Tensor:
-        return self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device)).logits
-
-    def _sync(self, on: bool) -> None:
-        for unit in self.units:
-            unit.set_requires_gradient_sync(on, recurse=False)
-
-    def _unshard(self) -> None:
-        for unit in self.units:
-            unit.unshard()
 
     def _reshard(self) -> None:
         for unit in self.units:
@@ -216,24 +208,17 @@ class ShardedModel:
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """The whole parameters on every rank, for forwards without a gradient."""
-        self._unshard()
+        """A pass: the root's weights gathered throughout, each layer's during its own forward and backward."""
+        self.root.unshard()
         try:
             yield
         finally:
             self._reshard()
 
-    @contextlib.contextmanager
-    def update(self) -> Iterator[None]:
-        """One optimizer update's backward on this rank's rows; leaving it, the step's gradient is summed
-        over the ranks and each rank holds its shard of it. An error inside skips the collective (the other
-        ranks stop at the run's timeout)."""
-        self._unshard()
-        self._sync(False)
-        yield
-        self._sync(True)
-        (self._through_root().sum() * 0.0).backward()
-        self._reshard()
+    def update(self) -> contextlib.AbstractContextManager[None]:
+        """One optimizer update's backward on this rank's rows: each backward leaves every rank its shard of
+        the sum over the ranks of the gradient so far."""
+        return self.gathered()
 
     def grad_norm(self, max_norm: float) -> float:
         """Clip the sharded gradient to ``max_norm`` (its norm over every rank's shard); return the norm."""

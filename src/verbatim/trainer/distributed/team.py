@@ -5,8 +5,8 @@
 NCCL where the trainer runs on a GPU, gloo on the CPU. Ranks start at their own pace (a model to load, a
 node to boot), so the default group waits :data:`START_TIMEOUT` for them; the learner's collectives run
 on a group of their own whose timeout is the run's (a silent rank fails a step within it).
-:class:`Team` is that group as the learner uses it: an all-reduced sum, and nothing else, so one process
-is the same team of one.
+:class:`Team` is that group as the learner uses it: an all-reduced sum and the shape of a pass the ranks
+agree on (:mod:`.lockstep`), and nothing else, so one process is the same team of one.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from verbatim.errors import InputError
 from verbatim.trainer.distributed import ENVIRONMENT
+from verbatim.trainer.distributed.lockstep import CallShape, as_numbers, from_numbers
 
 START_TIMEOUT = datetime.timedelta(minutes=30)
 """How long the first rank waits for the last to join."""
@@ -49,6 +50,17 @@ class Team:
     def total(self, value: float) -> float:
         """A float summed over the ranks (in float64)."""
         return float(self.sum_(torch.tensor([value], dtype=torch.float64)).item())
+
+    def agree(self, shape: CallShape, device: torch.device | str = "cpu") -> CallShape:
+        """The shape of a pass every rank runs (:func:`~.lockstep.agree`: the maximum, slot by slot), from two
+        all-reduces of a few integers on ``device`` (the collective's device)."""
+        if self.size == 1:
+            return shape
+        slots = torch.tensor([len(shape.flows)], dtype=torch.int64, device=device)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
+        numbers = torch.tensor(as_numbers(shape, int(slots.item())), dtype=torch.int64, device=device)
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=self.group)
+        return from_numbers(numbers.tolist())
 
 
 def backend(device: str) -> str:
