@@ -11,13 +11,16 @@ the step and records the whole optimizer state of a fresh learner restored from 
 ``--dtype bf16`` trains in bfloat16 (autocast in one process, FSDP's mixed precision on a team);
 ``--no-step`` saves before any update (the optimizer's state still empty); ``--kl`` adds a k2 KL penalty
 toward a reference moved away from the starting weights (the same seeded noise on every rank), so the penalty
-and its gradient are not 0 in the first step.
+and its gradient are not 0 in the first step. ``--case NAME`` picks the step's rows (:data:`CASES`: uneven
+shares of the ranks); rank 0 records how many all-gathers and reduce-scatters each rank made. ``--no-idle``
+makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team's timeout).
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,12 +28,43 @@ import torch
 from test_trainer_learner import step_rows
 
 from verbatim.bench.prefixflow_exactness import tiny_llama
-from verbatim.trainer.distributed.team import join, leave
+from verbatim.trainer.distributed.team import Team, join, leave
 from verbatim.trainer.learner import Learner
 from verbatim.trainer.learner_config import LearnerConfig, LossConfig
+from verbatim.trainer.step_input import StepInput
 
 CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
 """Two updates, two rows a microbatch, a norm cap the step's gradient exceeds (clipping bites)."""
+
+CASES: dict[str, Callable[[torch.nn.Module], tuple[StepInput, LearnerConfig]]] = {
+    # three groups of three sharing a prompt each: on two ranks one rank trains two groups
+    "three-groups": lambda model: (step_rows(model, groups=3, size=3), CONFIG),
+    # one group: every rank but one has no row, and makes only idle calls
+    "one-group": lambda model: (step_rows(model, groups=1, size=3), CONFIG),
+    # a group sharing a long prompt (PrefixFlow, on one rank) beside a group whose rows share none (plain rows,
+    # on the other)
+    "mixed": lambda model: (step_rows(model, groups=2, size=[4, 4], prompt=[20, 3], apart=frozenset({1})), CONFIG),
+    # groups of different sizes and prefix lengths, one of plain rows, in microbatches of at most 40 tokens
+    "uneven": lambda model: (step_rows(model, groups=4, size=[3, 4, 2, 3], prompt=[7, 19, 3, 11],
+                                       apart=frozenset({2})), CONFIG.model_copy(update={"microbatch_tokens": 40})),
+}
+"""``--case``: the step's rows and the learner's settings."""
+
+
+def count_collectives() -> dict[str, int]:
+    """Counts of FSDP's all-gathers and reduce-scatters made by this process from now on."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for name, key in (("foreach_all_gather", "all_gather"), ("foreach_reduce", "reduce_scatter")):
+        real = getattr(groups, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            counts[_key] += 1
+            return _real(*args, **kwargs)
+
+        setattr(groups, name, counted)
+    return counts
 
 
 def option(flag: str) -> str | None:
@@ -47,11 +81,14 @@ def whole_moments(learner: Learner) -> dict:
 
 def main(out: str, divide: float | None, save: str | None, restore: str | None) -> None:
     torch.set_num_threads(1)
-    team = join("cpu", timeout_s=120)
+    team = join("cpu", timeout_s=float(option("--timeout") or 120))
     model = tiny_llama(tied=True, seed=1)
-    step = step_rows(model, groups=3, size=3)  # three groups over two ranks: one rank trains two
+    step, config = CASES[option("--case") or "three-groups"](model)
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
-    config = CONFIG.model_copy(update={"dtype": option("--dtype") or "fp32"})
+    config = config.model_copy(update={"dtype": option("--dtype") or "fp32"})
+    if "--no-idle" in sys.argv and team.rank == 1:  # rank 1 makes only its own calls: the team cannot keep step
+        Team.agree = lambda self, shape, device="cpu": shape
+    collectives = count_collectives()
     if "--kl" in sys.argv:
         config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
     learner = Learner(model, config, team=team)
@@ -92,15 +129,18 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         leave()
         return
     metrics = learner.train_step(step)
+    every_rank = [None] * team.size  # each rank's collectives in the step, on rank 0
+    if team.size > 1:
+        torch.distributed.all_gather_object(every_rank, dict(collectives))
     weights = learner.engine_weights()
     written = learner.save(Path(save), 1, {"version": learner.version}, 2, ()) if save is not None else None
     moments = whole_moments(learner) if save is not None else None
     if team.leader:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates",
-                "outside_support", "entropy", "kl_ref")
+                "outside_support", "entropy", "kl_ref", "ranks", "padding_tokens")
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics.get(k) for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
-                    "written": str(written), "gathered": sorted(set(gathered))}, out)
+                    "written": str(written), "gathered": sorted(set(gathered)), "collectives": every_rank}, out)
     leave()
 
 

@@ -29,6 +29,10 @@ from verbatim.trainer.distributed.split import assign_groups, rows_of
 from verbatim.trainer.distributed.team import Team, join
 
 STEP = Path(__file__).resolve().parent / "distributed_step.py"
+GRAD_REL = 3e-5
+"""A team's gradient against one process's, per parameter, relative to its largest entry: float32 sums of the
+ranks' shares in another order (measured up to 1.1e-5 on three ranks); a rank's share lost, doubled or averaged
+is tens of percent."""
 
 
 # -- the split: pure ----------------------------------------------------------------------------
@@ -119,11 +123,14 @@ def alone(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("alone") / "step.pt", 1)
 
 
-def assert_same_step(two: dict, one: dict) -> None:
-    assert (two["team"], one["team"], two["version"]) == (2, 1, 1)
+def assert_same_step(two: dict, one: dict, ranks: int = 2) -> None:
+    assert (two["team"], one["team"], two["version"]) == (ranks, 1, 1)
+    assert (two["metrics"]["ranks"], one["metrics"]["ranks"]) == (ranks, 1)  # who trained the step
+    assert len({tuple(sorted(c.items())) for c in two["collectives"]}) == 1, two["collectives"]  # in lockstep
+    assert two["metrics"]["padding_tokens"] == one["metrics"]["padding_tokens"]  # each rank's, summed
     assert len(two["updates"]) == len(one["updates"]) == 2
     for mine, theirs in zip(two["updates"], one["updates"]):
-        assert_same_grads(mine, theirs)
+        assert_same_grads(mine, theirs, rel=GRAD_REL)
     for key in ("loss", "grad_norm", "grad_norm_max", "entropy", "kl_ref"):
         if one["metrics"][key] is None:  # kl_ref, in a step without a KL penalty
             assert two["metrics"][key] is None, key
@@ -132,14 +139,40 @@ def assert_same_step(two: dict, one: dict) -> None:
     counts = ("rows", "updates", "kept_tokens", "outside_support")  # outside_support: each rank's rows, summed
     assert {k: two["metrics"][k] for k in counts} == {k: one["metrics"][k] for k in counts}
     assert sorted(two["weights"]) == sorted(one["weights"])  # the tied output layer once, as one process sends
+    # AdamW's first step moves a weight by about lr × g / (|g| + 1e-8): a gradient entry near 1e-9, rounding of
+    # sums made in another order, moves by lr × 10 % on one team and lr × 11 % on another; 1 % of lr (1e-3) bounds it
     for name, expected in one["weights"].items():
-        torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-5, msg=name)
 
 
-def test_two_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks):
     assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
     assert 0 < alone["metrics"]["outside_support"] < alone["metrics"]["model_tokens"]
-    assert_same_step(_run(tmp_path / "two.pt", 2), alone)
+    team = _run(tmp_path / "team.pt", ranks)
+    assert_same_step(team, alone, ranks)
+    assert team["collectives"][0]["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3)])
+def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, case, ranks):
+    """A rank with no row at all, a rank of plain rows beside one running PrefixFlow, groups of different sizes
+    and prefix lengths in token-budget microbatches: every rank makes the same collectives, the short ones with
+    idle calls whose gradient is 0, and the team makes one process's update."""
+    one = _run(tmp_path / "one.pt", 1, "--case", case)
+    assert_same_step(_run(tmp_path / "team.pt", ranks, "--case", case), one, ranks)
+
+
+def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
+    """Without the agreed shape, the rank with no row makes no collective while the other gathers: the step
+    fails at the team's timeout rather than training a wrong update."""
+    env = _plain_env()
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(STEP), str(tmp_path / "step.pt"), "--case", "one-group",
+                               "--no-idle", "--timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env | on_this_machine(rank, 2, port)) for rank in range(2)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert procs[0].returncode != 0 and not (tmp_path / "step.pt").exists(), outputs[0][-2000:]
 
 
 def test_two_ranks_with_a_kl_penalty_make_the_update_one_process_makes(tmp_path):

@@ -65,16 +65,23 @@ def traced(model: torch.nn.Module, parts: list[tuple[np.ndarray, Source, int]], 
                         policy_version=np.where(model_tokens, version, -1), turn=turn)
 
 
-def step_rows(model: torch.nn.Module, groups: int = 2, size: int = 3, seed: int = 0, version: int = 0,
-              rewards: list[list[float]] | None = None) -> StepInput:
-    """``groups`` groups of ``size`` rows; each group's rows share a prompt (so PrefixFlow applies)."""
+def step_rows(model: torch.nn.Module, groups: int = 2, size: int | list[int] = 3, seed: int = 0, version: int = 0,
+              rewards: list[list[float]] | None = None, prompt: int | list[int] = 7,
+              apart: frozenset[int] = frozenset()) -> StepInput:
+    """``groups`` groups of ``size`` rows (or each group's own size); each group's rows share a prompt of
+    ``prompt`` tokens (or each group's own length), so PrefixFlow applies to a group of two or more, except the
+    groups in ``apart``, whose rows draw a prompt each (trained as whole sequences)."""
     rng = np.random.default_rng(seed)
     columns, advantages, members = [], [], []
+    sizes = size if isinstance(size, list) else [size] * groups
+    prompts = prompt if isinstance(prompt, list) else [prompt] * groups
     for g in range(groups):
-        prompt = rng.integers(0, VOCAB, 7)
+        prompt_ids = rng.integers(0, VOCAB, prompts[g])
         start = len(columns)
-        columns += [traced(model, segments(rng, prompt, turns=1 + i % 2), version) for i in range(size)]
-        group_rewards = rewards[g] if rewards is not None else rng.normal(size=size).tolist()
+        for i in range(sizes[g]):
+            own = rng.integers(0, VOCAB, prompts[g]) if g in apart else prompt_ids
+            columns.append(traced(model, segments(rng, own, turns=1 + i % 2), version))
+        group_rewards = rewards[g] if rewards is not None else rng.normal(size=sizes[g]).tolist()
         advantages += group_advantages(group_rewards, "grpo").tolist()
         members.append(list(range(start, len(columns))))
     return StepInput(columns=columns, advantages=np.asarray(advantages), groups=members)
