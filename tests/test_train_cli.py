@@ -68,6 +68,11 @@ def refused(args: list[str], needle: str) -> str:
     (["--updates-per-step", "0"], "--updates-per-step 0 must be at least 1"),
     (["--updates-per-step", "9", "--groups", "2", "--group-size", "4"],
      "--updates-per-step 9 is more than the 8 rollouts a step trains (--groups 2 × --group-size 4)"),
+    (["--trainer-procs", "3", "--groups", "2"], "3 trainer ranks for the 2 groups of a step: a group trains on one "
+                                                "rank whole, so 1 ranks would never train"),
+    (["--microbatch-tokens", "1024", "--max-model-len", "2048"], "--microbatch-tokens 1024 is below the context "
+                                                                 "length 2048 (--max-model-len)"),
+    (["--microbatch-tokens", "0"], "--microbatch-tokens 0 must be at least 1"),
     (["--top-p", "0.9"], "top-p 0.9: a mask of the sampling distribution the trainer does not reproduce"),
     (["--top-k", "20", "--top-p", "0.5"], "top-p 0.5, top-k 20: a mask"),
     (["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),

@@ -38,8 +38,11 @@ def check(options: TrainConfig) -> int:
     Returns the steps already trained."""
     from verbatim.trainer.reference import trainer_device
 
+    from verbatim.jobs.trainer_team import team_size
+
     trainer_device(options.placement.trainer_device)  # refused before the engine or the model
     check_updates(options)
+    check_split(options, team_size(options.placement.trainer_procs))
     out, resume = Path(options.output.out), options.output.resume
     table = flags_of(type(options))
     recorded = recorded_config(out, table) if resume else None
@@ -121,6 +124,21 @@ def check_updates(options: TrainConfig) -> None:
         raise InputError(f"--updates-per-step {options.learner.updates_per_step} is more than the {most} rollouts "
                          f"a step trains (--groups {options.plan.groups} × --group-size {options.plan.group_size})",
                          hint="lower --updates-per-step or raise --groups/--group-size")
+
+
+def check_split(options: TrainConfig, ranks: int) -> None:
+    """A step's groups go to the ranks whole, and a microbatch must hold the longest row (and PrefixFlow's longest
+    prefix): a team with more ranks than a step has groups, or a token budget below the context length, is
+    refused before anything starts."""
+    if ranks > options.plan.groups:
+        raise InputError(f"{ranks} trainer ranks for the {options.plan.groups} groups of a step: a group trains on "
+                         f"one rank whole, so {ranks - options.plan.groups} ranks would never train",
+                         hint=f"use at most {options.plan.groups} ranks, or raise --groups")
+    budget, context = options.learner.microbatch_tokens, options.engine.max_model_len
+    if budget is not None and budget < context:
+        raise InputError(f"--microbatch-tokens {budget} is below the context length {context} (--max-model-len): "
+                         "a row, or a group's shared prefix under PrefixFlow, can be that long and must fit one "
+                         "microbatch", hint=f"use --microbatch-tokens {context} or more, or lower --max-model-len")
 
 
 def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
