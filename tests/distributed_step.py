@@ -13,7 +13,8 @@ the step and records the whole optimizer state of a fresh learner restored from 
 toward a reference moved away from the starting weights (the same seeded noise on every rank), so the penalty
 and its gradient are not 0 in the first step. ``--case NAME`` picks the step's rows (:data:`CASES`: uneven
 shares of the ranks); rank 0 records how many all-gathers and reduce-scatters each rank made. ``--no-idle``
-makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team's timeout).
+makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team's timeout). ``--untied``: a
+model whose output layer is not its embedding (the embedding then a unit of its own).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def whole_moments(learner: Learner) -> dict:
 def main(out: str, divide: float | None, save: str | None, restore: str | None) -> None:
     torch.set_num_threads(1)
     team = join("cpu", timeout_s=float(option("--timeout") or 120))
-    model = tiny_llama(tied=True, seed=1)
+    model = tiny_llama(tied="--untied" not in sys.argv, seed=1)
     step, config = CASES[option("--case") or "three-groups"](model)
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
     config = config.model_copy(update={"dtype": option("--dtype") or "fp32"})

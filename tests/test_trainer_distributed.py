@@ -154,13 +154,16 @@ def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks)
     assert team["collectives"][0]["reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3)])
+@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3),
+                                             ("untied", 2)])
 def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, case, ranks):
     """A rank with no row at all, a rank of plain rows beside one running PrefixFlow, groups of different sizes
-    and prefix lengths in token-budget microbatches: every rank makes the same collectives, the short ones with
-    idle calls whose gradient is 0, and the team makes one process's update."""
-    one = _run(tmp_path / "one.pt", 1, "--case", case)
-    assert_same_step(_run(tmp_path / "team.pt", ranks, "--case", case), one, ranks)
+    and prefix lengths in token-budget microbatches, an untied model (its embedding a unit of its own): every
+    rank makes the same collectives, the short ones with idle calls whose gradient is 0, and the team makes one
+    process's update."""
+    flags = ["--untied"] if case == "untied" else ["--case", case]
+    one = _run(tmp_path / "one.pt", 1, *flags)
+    assert_same_step(_run(tmp_path / "team.pt", ranks, *flags), one, ranks)
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):

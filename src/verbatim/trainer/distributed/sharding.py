@@ -9,9 +9,11 @@ during a step, as torchtitan and the other FSDP trainers do:
   forward), gathered again for its backward, and its gradient is reduce-scattered as soon as the
   backward has produced it, summed (divide factor 1: the loss already carries the step's global
   normaliser) into the rank's float32 shard; so a rank holds one layer's whole weights at a time;
-* the root's weights stay gathered for the whole pass (:meth:`ShardedModel.gathered`,
-  :meth:`ShardedModel.update`): PrefixFlow's adapters call the embedding and the output layer apart
-  from the model's forward, where FSDP's hooks would gather them; their gradient is reduce-scattered
+* an untied embedding is a unit of its own, gathered during each call as a layer is;
+* the root's weights (the output layer, the last norm, and a tied embedding) stay gathered for the whole
+  pass (:meth:`ShardedModel.gathered`, :meth:`ShardedModel.update`): PrefixFlow's adapters and the
+  chunked log-probabilities call the output layer apart from the model's forward, a number of times
+  that differs by rank, where FSDP's hooks would gather it each time; its gradient is reduce-scattered
   at the end of every backward;
 * AdamW steps on the shards.
 
@@ -173,6 +175,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def separate_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as units of their own, gathered only during their own calls: the decoder layers, and
+    an untied embedding (called once a forward; a tied one is the output layer's weight, which stays in the
+    root, gathered for the whole pass)."""
+    layers = decoder_layers(model)
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    return layers if tied else [embedding, *layers]
+
+
 class ShardedModel:
     """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
 
@@ -188,7 +200,7 @@ class ShardedModel:
         # bf16: the weights gathered in bfloat16 (half the gather's memory), gradients reduced in float32
         mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
                  else MixedPrecisionPolicy())
-        for layer in decoder_layers(model):
+        for layer in separate_units(model):
             fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mixed)
         fully_shard(model, mesh=mesh, mp_policy=mixed)  # the root: not resharded after its forward
         self.units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
