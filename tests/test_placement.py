@@ -15,7 +15,7 @@ from verbatim.cli.app import app
 from verbatim.engine.fleet import fleet_gpus, split_devices
 from verbatim.engine.runtime import VLLM_GPU_MEMORY, EngineConfig
 from verbatim.errors import InputError
-from verbatim.jobs.placement import bytes_per_parameter, check_placement, device_list, trainer_bytes
+from verbatim.jobs.placement import TrainerSize, bytes_per_parameter, check_placement, device_list, trainer_bytes
 
 GIB = 1 << 30
 runner = CliRunner()
@@ -78,7 +78,7 @@ def test_refused_exactly_when_the_floor_exceeds_the_room(total, share, parameter
 
 
 def test_a_kl_penaltys_reference_costs_four_more_bytes_a_parameter_on_every_rank():
-    assert bytes_per_parameter("fp32", reference=True) == 20 and bytes_per_parameter("fp32", 4, reference=True) == 15
+    assert bytes_per_parameter("fp32", reference=True) == 20
     check_placement([20 * GIB], engine="http", trainer_device="cuda:0", parameters=10**9)  # 14.9 GiB fits
     with pytest.raises(InputError) as refused:  # 18.6 GiB with the reference does not
         check_placement([18 * GIB], engine="http", trainer_device="cuda:0", parameters=10**9, reference=True)
@@ -177,15 +177,20 @@ def test_the_commands_refuse_a_bad_placement_before_anything_starts(tmp_path, mo
     assert needle in result.output and not out.exists()
 
 
-def test_a_sharded_trainers_rank_needs_the_gathered_weights_and_gradient_and_its_share_of_the_rest():
+def test_a_sharded_trainers_rank_needs_its_share_and_what_it_gathers_at_once():
     assert bytes_per_parameter("fp32") == 16 and bytes_per_parameter("bf16") == 18
-    assert bytes_per_parameter("fp32", 2) == 14 and bytes_per_parameter("fp32", 4) == 11
-    assert bytes_per_parameter("bf16", 4) == 11  # weights gathered in bfloat16, no autocast copy, float32 gradient
     one_billion = 10**9
-    with pytest.raises(InputError) as refused:  # 14.9 GiB alone; 10.2 GiB a rank of 4, still above 6.4 GiB
-        check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion, ranks=4)
-    assert ("each of the 4 trainer ranks needs at least 10.2 GiB (1.00 B parameters × 11 bytes: the weights and "
-            "gradient gathered during an update, 1/4 of the float32 weights and AdamW state)") in str(refused.value)
+    size = TrainerSize.of(one_billion, root=10**8, units=[10**7, 3 * 10**7, 2 * 10**7])
+    assert size.unit == 3 * 10**7  # the largest unit
+    # 16/4 bytes of every parameter; (root + largest unit) × (4 + 4): weights and gradient, gathered in float32
+    assert trainer_bytes(size, "fp32", 4) == one_billion * 4 + 13 * 10**7 * 8
+    assert trainer_bytes(size, "bf16", 4) == one_billion * 4 + 13 * 10**7 * 4  # gathered in bfloat16 (2 + 2)
+    assert trainer_bytes(size, "fp32", 4, reference=True) == trainer_bytes(size, "fp32", 4) + one_billion  # 4/4
+    with pytest.raises(InputError) as refused:  # a rank of 2: 8.4 GiB, above the 6.4 GiB the engine leaves of GPU 0
+        check_placement([80 * GIB], trainer_device="cuda:0", parameters=size, ranks=2)
+    assert ("each of the 2 trainer ranks needs at least 8.4 GiB (1.00 B parameters × 8 bytes: 1/2 of the float32 "
+            "weights, gradients and AdamW state; 0.13 B gathered at once during a step × 8 bytes: the output layer "
+            "and the largest unit with their gradients)") in str(refused.value)
     with pytest.raises(InputError):
         check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion)  # one process: 14.9
-    check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion, ranks=4)  # a rank: 10.2
+    check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=size, ranks=4)  # a rank: 4.7

@@ -98,9 +98,9 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
         preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
                   max_tokens=options.sampling.max_tokens)
     model = load_model(model_dir)
-    check_here(choice, trainer_device=device, parameters=sum(p.numel() for p in model.parameters()),
-               dtype=options.learner.dtype, ranks=team_size(placement.trainer_procs),
-               reference=options.learner.loss.kl_coef > 0)  # before the model moves
+    ranks = team_size(placement.trainer_procs)
+    check_here(choice, trainer_device=device, parameters=trainer_size(model, ranks), dtype=options.learner.dtype,
+               ranks=ranks, reference=options.learner.loss.kl_coef > 0)  # before the model moves
     team, announcements = join_team(device, placement.trainer_timeout_s)  # the other ranks wait here for rank 0
     learner: Any = Learner(model.to(device), options.learner, team=team, seed=options.plan.seed)
     if announcements is not None:
@@ -108,6 +108,15 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=choice.kind == "http" or placement.weight_sync == "folder",
                      used=choice.kind == "http" or given_engine, make_player=make_player)
+
+
+def trainer_size(model: Any, ranks: int) -> Any:
+    """The model's parameters as placement counts them: on a team, with what a rank gathers at once."""
+    from verbatim.jobs.placement import TrainerSize
+    from verbatim.trainer.distributed.sharding import unit_parameters
+
+    total = sum(p.numel() for p in model.parameters())
+    return TrainerSize.of(total, *unit_parameters(model)) if ranks > 1 else TrainerSize(total)
 
 
 def sampling(options: TrainConfig) -> Sampling:

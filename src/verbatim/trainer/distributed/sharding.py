@@ -185,6 +185,13 @@ def separate_units(model: nn.Module) -> list[nn.Module]:
     return layers if tied else [embedding, *layers]
 
 
+def unit_parameters(model: nn.Module) -> tuple[int, list[int]]:
+    """How many parameters the root keeps and each separate unit holds (each parameter counted once): what a
+    rank gathers at once during a step (jobs/placement.py's accounting)."""
+    units = [sum(p.numel() for p in unit.parameters()) for unit in separate_units(model)]
+    return sum(p.numel() for p in model.parameters()) - sum(units), units
+
+
 class ShardedModel:
     """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
 
