@@ -135,7 +135,7 @@ class Learner:
         if rows == 0:
             self.version += 1  # nothing to learn from: the policy is unchanged but the step counts
             return {"rows": 0, "loss": 0.0, "grad_norm": 0.0, "updates": 0, "train_s": 0.0, "correction": None,
-                    "lr": lr}
+                    "lr": lr, "ranks": self.team.size, "padding_tokens": 0}
         batch = behaviour_batch(step.columns)
         self._check_vocab(batch.token_ids, batch.lengths)
         device = next(self.model.parameters()).device  # the batch goes where the model is (CPU or a GPU)
