@@ -37,7 +37,7 @@ def test_two_ranks_make_the_update_one_process_makes_and_each_holds_half(tiny_wo
         assert r["optimizer_mib"] == pytest.approx(alone[0]["optimizer_mib"] / 2, rel=0.05)  # AdamW's state, sharded
         assert r["params_mib"] == pytest.approx(alone[0]["params_mib"] / 2, rel=0.05)
     table = train_scale.markdown_table(teams)
-    assert [line.count("|") for line in table.splitlines()] == [13] * 5  # head, rule, three ranks
+    assert [line.count("|") for line in table.splitlines()] == [14] * 5  # head, rule, three ranks
     assert "| 1.00x |" in table and "| 0.50x |" in table
     text = train_scale.section_text(teams, tiny_work, "verbatim bench train-scale")
     assert "Measured by `verbatim bench train-scale`" in text and "NCCL was not measured" in text

@@ -83,15 +83,19 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
     team = join(device, timeout_s=900)
     model = build_model(work.model).to(device)
-    learner = Learner(model, LearnerConfig(microbatch=work.microbatch), team=team)
+    # a schedule whose second step has learning rate 0: the warm-up runs as that step (its kernels and AdamW's
+    # state warm, the weights unchanged), so every team measures its step on the same weights (an update's rounding
+    # differs with the team's sums, and AdamW's first step moves a near-zero gradient's weight by up to lr)
+    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0)
+    learner = Learner(model, config, team=team)
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
     vocab = int(learner.model.get_input_embeddings().weight.shape[0])
-    learner.train_step(step_input(vocab, rows, seed=1, reply=8))
+    learner.train_step(step_input(vocab, rows, seed=1, reply=8), at=(1, 2))
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     with peak_rss_mb() as peak:
         started = time.perf_counter()
-        metrics = learner.train_step(step_input(vocab, rows))
+        metrics = learner.train_step(step_input(vocab, rows), at=(0, 2))
         seconds = time.perf_counter() - started
     params_mib, optimizer_mib = _held_mib(learner)
     step_peak = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else peak.mb
@@ -159,19 +163,54 @@ def markdown_table(teams: Sequence[list[dict[str, Any]]]) -> str:
     alone = teams[0][0]
     lines = ["| ranks | rank | backend | threads | step (s) | tokens/s (team) | tokens/s per rank "
              "| parameters held (MiB) | AdamW state held (MiB) | held vs 1 rank | step peak (MiB) "
-             "| held + step peak (MiB) |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| held + step peak (MiB) | held + step peak vs 1 rank |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     held_alone = alone["params_mib"] + alone["optimizer_mib"]
+    top_alone = None if alone["step_peak_mib"] is None else held_alone + alone["step_peak_mib"]
     for team in teams:
         step_s = max(r["step_s"] for r in team)
         for r in team:
             held = r["params_mib"] + r["optimizer_mib"]
-            peak, top = (("n/a", "n/a") if r["step_peak_mib"] is None else
-                         (f"{r['step_peak_mib']:.0f}", f"{held + r['step_peak_mib']:.0f}"))
+            peak, top, ratio = (("n/a",) * 3 if r["step_peak_mib"] is None or top_alone is None else
+                                (f"{r['step_peak_mib']:.0f}", f"{held + r['step_peak_mib']:.0f}",
+                                 f"{(held + r['step_peak_mib']) / top_alone:.2f}x"))
             lines.append(f"| {r['ranks']} | {r['rank']} | {r['backend']} | {r['threads']} | {r['step_s']:.1f} "
                          f"| {r['tokens'] / step_s:.0f} | {r['tokens'] / step_s / r['ranks']:.0f} "
                          f"| {r['params_mib']:.0f} | {r['optimizer_mib']:.0f} | {held / held_alone:.2f}x "
-                         f"| {peak} | {top} |")
+                         f"| {peak} | {top} | {ratio} |")
+    return "\n".join(lines)
+
+
+PLACED = {"Qwen3-8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                       "num_attention_heads": 32},
+          "Qwen3-32B": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                        "num_attention_heads": 64}}
+"""The configurations of the placement table: their published ``config.json`` (Hugging Face hub, Qwen/Qwen3-8B
+and Qwen/Qwen3-32B; both: vocabulary 151,936, 8 key/value heads of 128, output layer untied)."""
+
+
+def placement_table(ranks: int = 8) -> str:
+    """Per GPU, before activations, on ``ranks`` ranks: what :func:`~verbatim.jobs.placement.trainer_bytes` (the
+    accounting ``train`` refuses a placement with) counts for each configuration, built on the meta device."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from verbatim.jobs.placement import TrainerSize, trainer_bytes
+    from verbatim.trainer.distributed.sharding import unit_parameters
+
+    lines = ["| model | parameters | gathered at once (root + largest unit) | ranks | fp32 (GB a GPU) "
+             "| bf16 (GB a GPU) | bf16 with --kl-coef (GB a GPU) | one process, bf16 (GB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, shape in PLACED.items():
+        config = Qwen3Config(vocab_size=151936, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                             **shape)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        total = sum(p.numel() for p in model.parameters())
+        size = TrainerSize.of(total, *unit_parameters(model))
+        gb = [trainer_bytes(size, "fp32", ranks), trainer_bytes(size, "bf16", ranks),
+              trainer_bytes(size, "bf16", ranks, reference=True), trainer_bytes(size, "bf16")]
+        lines.append(f"| {name} | {total / 1e9:.2f} B | {(size.root + size.unit) / 1e9:.2f} B | {ranks} | "
+                     + " | ".join(f"{b / 1e9:.1f}" for b in gb) + " |")
     return "\n".join(lines)
 
 
@@ -188,9 +227,12 @@ def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command
             f"{alone['loss']:.6g}, gradient norm {alone['grad_norm']:.6g}). Tokens/s: the step's model tokens "
             "over its slowest rank's time. Held: the rank's parameters and AdamW state between steps, from the "
             "tensors (FSDP2 shards). Step peak: the resident set's rise over the step (CPU) or the device's peak "
-            "allocation (GPU); during an update a rank gathers the whole weights and holds the whole gradient "
-            "(docs/scale.md), so a rank's rise exceeds one process's by about the weights: sharding lowers what a "
-            "rank holds between steps, not yet the peak of a step (the last column).")
+            "allocation (GPU): a rank holds one decoder layer's gathered weights at a time, the root's (output "
+            "layer, tied embedding) for the whole pass, and its shard of the gradient (docs/scale.md).\n\n"
+            "Placement of larger models, computed (not measured) by the accounting `verbatim train` refuses a "
+            "placement with (`jobs/placement.py`): each rank's 1/N of the float32 weights, gradients and AdamW "
+            "state, and the root and largest unit gathered at once with their gradients, per GPU, before "
+            "activations.\n\n" + placement_table())
 
 
 def _child(job: dict[str, Any]) -> None:

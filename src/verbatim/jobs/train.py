@@ -36,9 +36,8 @@ from verbatim.trackers.fanout import open_trackers
 def check(options: TrainConfig) -> int:
     """The checks that read no model: the device, the updates per step, what a resume goes on from.
     Returns the steps already trained."""
-    from verbatim.trainer.reference import trainer_device
-
     from verbatim.jobs.trainer_team import team_size
+    from verbatim.trainer.reference import trainer_device
 
     trainer_device(options.placement.trainer_device)  # refused before the engine or the model
     check_updates(options)
