@@ -39,6 +39,10 @@ from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 SECTION = "bench-train-scale"
 RANKS = (1, 2)
 TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK")
+MMAP_THRESHOLD_MIB = 1
+"""Every CPU process of the benchmark pins glibc's mmap threshold here, one process and ranks alike: a freed
+block of a MiB or more goes back to the system, so a rank's resident set is not its allocator's history of
+gathers (each layer's weights gathered into a fresh block, freed after its call)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def _held_mib(learner: Any) -> tuple[float, float]:
 
 def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     """This process's rank of a team of ``ranks``: a warm-up step, then the measured step."""
-    from verbatim.bench.prefixflow import peak_rss_mb
+    from verbatim.bench.prefixflow import fix_mmap_threshold, peak_rss_mb
     from verbatim.bench.train_step import Workload, build_model, step_input
     from verbatim.trainer.distributed.team import join, leave
     from verbatim.trainer.learner import Learner
@@ -80,6 +84,8 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
 
     torch.set_num_threads(work.threads_for(ranks))
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+    if not gpu:  # the resident set follows the live tensors: glibc keeps no freed gather or gradient for reuse
+        fix_mmap_threshold(MMAP_THRESHOLD_MIB)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
     team = join(device, timeout_s=900)
     model = build_model(work.model).to(device)
@@ -227,8 +233,10 @@ def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command
             f"{alone['loss']:.6g}, gradient norm {alone['grad_norm']:.6g}). Tokens/s: the step's model tokens "
             "over its slowest rank's time. Held: the rank's parameters and AdamW state between steps, from the "
             "tensors (FSDP2 shards). Step peak: the resident set's rise over the step (CPU) or the device's peak "
-            "allocation (GPU): a rank holds one decoder layer's gathered weights at a time, the root's (output "
-            "layer, tied embedding) for the whole pass, and its shard of the gradient (docs/scale.md).\n\n"
+            "allocation (GPU), every CPU process with glibc's mmap threshold pinned at "
+            f"{MMAP_THRESHOLD_MIB} MiB so that freed blocks leave the resident set: a rank holds one decoder "
+            "layer's gathered weights at a time, the root's (output layer, tied embedding) for the whole pass, and "
+            "its shard of the gradient (docs/scale.md).\n\n"
             "Placement of larger models, computed (not measured) by the accounting `verbatim train` refuses a "
             "placement with (`jobs/placement.py`): each rank's 1/N of the float32 weights, gradients and AdamW "
             "state, and the root and largest unit gathered at once with their gradients, per GPU, before "
