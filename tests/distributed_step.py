@@ -14,7 +14,8 @@ toward a reference moved away from the starting weights (the same seeded noise o
 and its gradient are not 0 in the first step. ``--case NAME`` picks the step's rows (:data:`CASES`: uneven
 shares of the ranks); rank 0 records how many all-gathers and reduce-scatters each rank made. ``--no-idle``
 makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team's timeout). ``--untied``: a
-model whose output layer is not its embedding (the embedding then a unit of its own).
+model whose output layer is not its embedding (the embedding then a unit of its own). ``--from DIR``: a team's
+ranks build the model on the meta device and each loads its own rows of DIR's weights (the saved tiny model).
 """
 
 from __future__ import annotations
@@ -85,14 +86,21 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
     team = join("cpu", timeout_s=float(option("--timeout") or 120))
     model = tiny_llama(tied="--untied" not in sys.argv, seed=1)
     step, config = CASES[option("--case") or "three-groups"](model)
+    if "--kl" in sys.argv:
+        config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
     config = config.model_copy(update={"dtype": option("--dtype") or "fp32"})
+    reference = None
+    if option("--from") is not None and team.size > 1:  # each rank loads its own rows of the saved model
+        from verbatim.trainer.distributed.loading import sharded_from
+
+        model = sharded_from(option("--from"), team, config.dtype, "cpu")
+        if config.loss.kl_coef > 0:
+            reference = sharded_from(option("--from"), team, config.dtype, "cpu")
     if "--no-idle" in sys.argv and team.rank == 1:  # rank 1 makes only its own calls: the team cannot keep step
         Team.agree = lambda self, shape, device="cpu": shape
     collectives = count_collectives()
-    if "--kl" in sys.argv:
-        config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
-    learner = Learner(model, config, team=team)
+    learner = Learner(model, config, team=team, reference=reference)
     if learner.reference is not None:
         noise = torch.Generator().manual_seed(11)
         for param in learner.reference.parameters():  # the same noise on every rank, each adding its shard
@@ -114,7 +122,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         for unit in learner.placement.units:
             unit.set_gradient_divide_factor(divide)
     gathered: list[str] = []  # the dtype of the weights a decoder layer computes with
-    model.model.layers[0].register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
+    learner.model.model.layers[0].register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
     names = {id(p): n for n, p in learner.model.named_parameters()}
     updates: list[dict[str, torch.Tensor]] = []
 

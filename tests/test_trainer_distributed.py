@@ -166,6 +166,18 @@ def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, 
     assert_same_step(_run(tmp_path / "team.pt", ranks, *flags), one, ranks)
 
 
+@pytest.mark.parametrize("flags", [[], ["--kl"], ["--untied"]])
+def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(tmp_path, flags):
+    """Built on the meta device, each rank reading its rows of the saved model (the KL reference too): the same
+    update as one process that loaded it whole."""
+    from verbatim.bench.prefixflow_exactness import tiny_llama
+
+    folder = tmp_path / "model"
+    tiny_llama(tied="--untied" not in flags, seed=1).save_pretrained(folder)
+    one = _run(tmp_path / "one.pt", 1, *flags)
+    assert_same_step(_run(tmp_path / "team.pt", 2, *flags, "--from", str(folder)), one)
+
+
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
     """Without the agreed shape, the rank with no row makes no collective while the other gathers: the step
     fails at the team's timeout rather than training a wrong update."""

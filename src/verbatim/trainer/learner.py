@@ -95,14 +95,21 @@ class Learner:
     model is sharded over the ranks (FSDP2, :mod:`verbatim.trainer.distributed`), each rank trains the rows
     of its own groups, and every rank makes the same update one process would."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig, version: int = 0, team: Team | None = None,
-                 seed: int | None = None) -> None:
+    def __init__(self, model: nn.Module | ShardedModel, config: LearnerConfig, version: int = 0,
+                 team: Team | None = None, seed: int | None = None, reference: ShardedModel | None = None) -> None:
         """``seed``: the run's, for the process's generators (none of the step's work draws from them; seeded,
-        a checkpoint's ``rng.pt`` repeats too)."""
+        a checkpoint's ``rng.pt`` repeats too). ``model``: a whole model (sharded here on a team), or one a
+        team already sharded as it loaded it (:mod:`~verbatim.trainer.distributed.loading`), whose KL penalty
+        then needs its ``reference`` loaded the same way."""
+        placement = model if isinstance(model, ShardedModel) else None
+        model = placement.model if placement is not None else model
         refuse_dropout(model)
         if seed is not None:
             seed_generators(seed)
-        self.reference = frozen_copy(model) if config.loss.kl_coef > 0 else None
+        if placement is not None and config.loss.kl_coef > 0 and reference is None:
+            raise TrainerError("a learner sharded as it loaded needs its KL reference loaded the same way")
+        self.reference = (reference.model.eval().requires_grad_(False) if reference is not None
+                          else frozen_copy(model) if config.loss.kl_coef > 0 else None)
         """The policy a KL penalty pulls toward: the weights the learner starts from (a resumed run's
         too: a learner is built from the run's model, then restored), sharded over a team as the model is."""
         self.model = model.train()
@@ -113,11 +120,11 @@ class Learner:
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.team = team or Team()
-        self.placement = (ShardedModel(model, self.team, config.dtype) if self.team.size > 1
-                          else WholeModel(model))
+        self.placement = placement or (ShardedModel(model, self.team, config.dtype) if self.team.size > 1
+                                       else WholeModel(model))
         shard_reference = self.reference is not None and self.team.size > 1
-        self.reference_placement = (ShardedModel(self.reference, self.team, config.dtype) if shard_reference
-                                    else WholeModel(self.reference))
+        self.reference_placement = reference or (ShardedModel(self.reference, self.team, config.dtype)
+                                                 if shard_reference else WholeModel(self.reference))
         self.microbatching = Microbatching(config.microbatch, config.microbatch_tokens)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 

@@ -193,15 +193,20 @@ def unit_parameters(model: nn.Module) -> tuple[int, list[int]]:
 
 
 class ShardedModel:
-    """``model`` sharded with FSDP2 over ``team`` (every rank builds the same model, then calls this)."""
+    """``model`` sharded with FSDP2 over ``team``: every rank builds the same model, then calls this. A model
+    built on the meta device (:func:`~.loading.empty_model`) is given its shards' memory on ``device`` and
+    filled from ``weights`` (the model folder's files, :func:`~.loading.weight_files`), each rank reading its
+    own rows only."""
 
-    def __init__(self, model: nn.Module, team: Team, dtype: str = "fp32") -> None:
+    def __init__(self, model: nn.Module, team: Team, dtype: str = "fp32", device: str | None = None,
+                 weights: dict[str, Path] | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         self.model = model
         self.team = team
-        self.device = next(model.parameters()).device
+        empty = next(model.parameters()).is_meta
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.group = team.group or dist.group.WORLD  # the team's own group: its timeout
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         # bf16: the weights gathered in bfloat16 (half the gather's memory), gradients reduced in float32
@@ -217,6 +222,8 @@ class ShardedModel:
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
             unit.set_reduce_scatter_unused_params(True)  # every rank reduces the same tensors
         self.root.set_reshard_after_backward(False, recurse=False)  # gathered for the whole pass
+        if empty:
+            self._fill(weights)
         with torch.no_grad():  # the first forward through the root makes it FSDP's root
             self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device))
         self._reshard()  # the optimizer is built on the shards
@@ -224,6 +231,19 @@ class ShardedModel:
     def _reshard(self) -> None:
         for unit in self.units:
             unit.reshard()
+
+    def _fill(self, weights: dict[str, Path] | None) -> None:
+        """Memory for this rank's shards on the device (the buffers kept as built), then its rows of the weights."""
+        from verbatim.trainer.distributed.loading import load_shards
+
+        if weights is None:
+            raise TrainerError("a model built on the meta device needs its weight files to be sharded")
+        buffers = {name: buffer.clone() for name, buffer in self.model.named_buffers()}
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(buffers[name])
+        load_shards(self.model, weights)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

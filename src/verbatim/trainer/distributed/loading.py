@@ -1,0 +1,117 @@
+"""A team's model loaded shard by shard: built on the meta device, each rank reading only its rows of each weight.
+
+Every rank of a team would otherwise build the whole float32 model in host memory before FSDP shards it
+(33 GB for an 8 B model, times the ranks of a node). :func:`empty_model` builds the model from its
+``config.json`` with its parameters on the meta device (no memory; the buffers, such as rotary
+frequencies, computed as usual); :class:`~.sharding.ShardedModel` shards it, gives each rank's shards
+memory, and :func:`load_shards` fills them: each rank opens the folder's safetensors files and reads, for
+every parameter, only the rows of its own shard (FSDP2 shards dimension 0), cast to float32. No rank ever
+holds a whole weight it does not own, let alone the whole model.
+
+A folder whose files do not name every parameter of the model (a checkpoint another tool renamed) is
+refused here with the first missing name; the caller then loads it whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from verbatim.errors import TrainerError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@contextlib.contextmanager
+def _meta_parameters() -> Iterator[None]:
+    """Modules built inside register their parameters on the meta device; their buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # one already on it stays itself: a tied weight stays tied
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def empty_model(model_dir: str | Path) -> nn.Module:
+    """The causal LM of ``model_dir``'s ``config.json`` in float32, its parameters on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(Path(model_dir))
+    with _meta_parameters():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def weight_files(model_dir: str | Path) -> dict[str, Path]:
+    """Each weight's name → the safetensors file holding it (one file, or an index of several)."""
+    folder = Path(model_dir)
+    if (folder / INDEX).is_file():
+        mapping = json.loads((folder / INDEX).read_text())["weight_map"]
+        return {name: folder / file for name, file in mapping.items()}
+    if (folder / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / SINGLE), framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), folder / SINGLE)
+    raise TrainerError(f"{folder} holds no safetensors weights ({SINGLE} or {INDEX})")
+
+
+def missing_weights(model: nn.Module, files: dict[str, Path]) -> list[str]:
+    """The model's parameters (each once: a tied one under its first name) that no file names."""
+    return [name for name, _ in model.named_parameters() if name not in files]
+
+
+def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
+    """Fill this rank's shard of every parameter of the sharded ``model`` from ``files``, reading only its rows;
+    returns the bytes read."""
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    missing = missing_weights(model, files)
+    if missing:
+        raise TrainerError(f"the weight files name no {missing[0]} ({len(missing)} parameters missing)")
+    handles: dict[Path, Any] = {}
+    read = 0
+    with contextlib.ExitStack() as stack:
+        for name, param in model.named_parameters():
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if hasattr(param, "device_mesh"):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
+            else:
+                shape, offset = tuple(param.shape), (0,) * param.dim()
+            rows = handles[file].get_slice(name)[offset[0]:offset[0] + shape[0]] if shape[0] else None
+            if rows is not None:
+                with torch.no_grad():
+                    local.copy_(rows.reshape(local.shape).to(local.dtype))
+                read += rows.numel() * rows.element_size()
+    return read
+
+
+def sharded_from(model_dir: str | Path, team: Any, dtype: str, device: str) -> Any:
+    """The model of ``model_dir`` sharded over ``team``, each rank loading its own rows
+    (:class:`~.sharding.ShardedModel`); None where the files do not name every parameter (load it whole)."""
+    from verbatim.trainer.distributed.sharding import ShardedModel
+
+    files, model = weight_files(model_dir), empty_model(model_dir)
+    if missing_weights(model, files):
+        return None
+    return ShardedModel(model, team, dtype, device, files)
