@@ -122,7 +122,8 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         for unit in learner.placement.units:
             unit.set_gradient_divide_factor(divide)
     gathered: list[str] = []  # the dtype of the weights a decoder layer computes with
-    learner.model.model.layers[0].register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
+    first = learner.model.model.layers[0]
+    first.register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
     names = {id(p): n for n, p in learner.model.named_parameters()}
     updates: list[dict[str, torch.Tensor]] = []
 

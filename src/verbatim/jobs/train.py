@@ -63,10 +63,10 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
         players,
     )
     from verbatim.jobs.placement import check_here
-    from verbatim.jobs.trainer_team import join_team, rank_device, team_size
+    from verbatim.jobs.trainer_team import build_learner, join_team, rank_device, team_size
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.distributed.lead import Lead
-    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.distributed.loading import empty_model
     from verbatim.trainer.reference import load_model, trainer_device
 
     out, play, choice, placement = Path(options.output.out), options.play, options.engine, options.placement
@@ -96,12 +96,12 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     if play.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
         preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
                   max_tokens=options.sampling.max_tokens)
-    model = load_model(model_dir)
     ranks = team_size(placement.trainer_procs)
+    model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
     check_here(choice, trainer_device=device, parameters=trainer_size(model, ranks), dtype=options.learner.dtype,
                ranks=ranks, reference=options.learner.loss.kl_coef > 0)  # before the model moves
     team, announcements = join_team(device, placement.trainer_timeout_s)  # the other ranks wait here for rank 0
-    learner: Any = Learner(model.to(device), options.learner, team=team, seed=options.plan.seed)
+    learner: Any = build_learner(options, model_dir, team, device, model)
     if announcements is not None:
         learner = Lead(learner, announcements)
     return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,

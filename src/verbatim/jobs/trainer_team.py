@@ -90,17 +90,32 @@ def follow_run(config: Any) -> int:
     """A follower rank: the model and the learner rank 0 builds, then its calls until it stops."""
     from verbatim.engine.models import resolve
     from verbatim.trainer.distributed.lead import follow
-    from verbatim.trainer.learner import Learner
-    from verbatim.trainer.reference import load_model, trainer_device
+    from verbatim.trainer.reference import trainer_device
 
     device = rank_device(trainer_device(config.placement.trainer_device))
     team, announcements = join_team(device, config.placement.trainer_timeout_s)
     try:
-        learner = Learner(load_model(resolve(config.engine.model)).to(device), config.learner, team=team,
-                          seed=config.plan.seed)
-        return follow(learner, announcements)
+        return follow(build_learner(config, resolve(config.engine.model), team, device), announcements)
     finally:
         leave_team()
+
+
+def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: Any = None) -> Any:
+    """This rank's learner of the run: on a team, each rank loads its own shards of the model folder (and of a KL
+    reference), or, where the folder's files do not name every parameter, the whole model it then shards; in one
+    process, ``model`` (already loaded) or the folder's, moved to ``device``."""
+    from verbatim.trainer.distributed.loading import sharded_from
+    from verbatim.trainer.learner import Learner
+    from verbatim.trainer.reference import load_model
+
+    options = config.learner
+    if team.size > 1:
+        sharded = sharded_from(model_dir, team, options.dtype, device)
+        if sharded is not None:
+            reference = sharded_from(model_dir, team, options.dtype, device) if options.loss.kl_coef > 0 else None
+            return Learner(sharded, options, team=team, seed=config.plan.seed, reference=reference)
+    whole = model if model is not None and not next(model.parameters()).is_meta else load_model(model_dir)
+    return Learner(whole.to(device), options, team=team, seed=config.plan.seed)
 
 
 def leave_team() -> None:
