@@ -114,8 +114,10 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         saved = learner.restore(Path(restore))
         empty = not learner.optimizer.state  # before whole_moments, which fills an empty state
         moments = whole_moments(learner)
+        weights = learner.engine_weights()  # each rank read its own rows of the checkpoint's weights
         if team.leader:
-            torch.save({"moments": moments, "saved": saved, "team": team.size, "empty": empty}, out)
+            torch.save({"moments": moments, "saved": saved, "team": team.size, "empty": empty, "weights": weights},
+                       out)
         leave()
         return
     if divide is not None:

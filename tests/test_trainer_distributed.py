@@ -280,6 +280,9 @@ def test_any_number_of_ranks_restores_the_teams_optimizer_state_exactly(team_che
     restored = _run(tmp_path / "restored.pt", ranks, "--restore", str(path))
     assert restored["team"] == ranks and restored["saved"]["version"] == 1
     _same_moments(restored["moments"], saved["moments"])
+    assert sorted(restored["weights"]) == sorted(saved["weights"])
+    for name, tensor in saved["weights"].items():
+        torch.testing.assert_close(restored["weights"][name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_a_team_checkpoint_missing_a_shard_is_not_complete(team_checkpoint, tmp_path):

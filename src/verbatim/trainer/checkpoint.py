@@ -316,6 +316,25 @@ def another_optimizer(path: Path, exc: BaseException) -> CheckpointError:
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A complete checkpoint's state.json and its weights by name (aliases included), loading nothing."""
+    return checkpoint_state(path), _read_model(Path(path) / "model.safetensors")
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each weight of the checkpoint at ``path`` (aliases included), read from the file's header:
+    no tensor is loaded (a team's ranks then read their own rows, :mod:`~verbatim.trainer.distributed.loading`)."""
+    file = Path(path) / "model.safetensors"
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {file}: {_reason(exc)}") from exc
+    return shapes | {alias: shapes[name] for alias, name in aliases.items()}
+
+
+def checkpoint_state(path: Path) -> dict[str, Any]:
+    """A complete checkpoint's state.json, refused in one line where the checkpoint is not complete or is of
+    another schema."""
     path = Path(path)
     state = _read_state(path)
     if state is None:
@@ -324,7 +343,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     if state["schema"] != CHECKPOINT_SCHEMA:
         raise CheckpointError(f"checkpoint {path} has schema {state['schema']}; this verbatim reads schema "
                               f"{CHECKPOINT_SCHEMA}", hint="resume with the verbatim version that wrote it")
-    return state, _read_model(path / "model.safetensors")
+    return state
 
 
 def read_optimizer(path: Path) -> dict[str, Any]:
@@ -349,11 +368,15 @@ def _read_model(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_fit(path: Path, saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+def check_fit(path: Path, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose weights (tensors, or their shapes) are not the model's."""
+    def shape(value: Any) -> tuple[int, ...]:
+        return tuple(getattr(value, "shape", value))
+
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    shapes = sorted(f"{n} {tuple(saved[n].shape)} (the model's {tuple(expected[n].shape)})"
-                    for n in set(saved) & set(expected) if saved[n].shape != expected[n].shape)
+    shapes = sorted(f"{n} {shape(saved[n])} (the model's {shape(expected[n])})"
+                    for n in set(saved) & set(expected) if shape(saved[n]) != shape(expected[n]))
     parts = [f"{label} {_some(names)}" for label, names in
              (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if names]
     if parts:

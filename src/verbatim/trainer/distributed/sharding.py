@@ -45,10 +45,11 @@ from verbatim.trainer.checkpoint import (
     OPTIMIZER_SHARDS,
     another_optimizer,
     check_fit,
+    checkpoint_shapes,
+    checkpoint_state,
     checkpoint_tmp,
     load_checkpoint,
     load_optimizer,
-    read_checkpoint,
     read_optimizer,
     restore_rng,
     same_memory,
@@ -300,15 +301,15 @@ class ShardedModel:
         return save_checkpoint(root, step, _Held(weights), None, state, keep, model_files, tmp=tmp)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
-        """Every rank reads the checkpoint (of a team or of one process: the run folder is on a file system every
-        rank sees) and keeps its shards of it, a team's optimizer shards resharded to this team's size; rank 0
+        """Every rank reads its own rows of the checkpoint's weights (of a team or of one process: the run folder is
+        on a file system every rank sees), a team's optimizer shards resharded to this team's size; rank 0
         restores its RNG."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from verbatim.trainer.distributed.loading import load_shards
 
-        saved, weights = read_checkpoint(path)
-        check_fit(path, weights, self.model.state_dict())
+        saved = checkpoint_state(path)
+        check_fit(path, checkpoint_shapes(path), self.model.state_dict())  # the headers: nothing loaded
         if self.team.leader:
             restore_rng(path)
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+        load_shards(self.model, dict.fromkeys(checkpoint_shapes(path), Path(path) / "model.safetensors"))
         restore_optimizer(self.model, optimizer, path, group=self.group)
         return saved
