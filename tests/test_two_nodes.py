@@ -69,3 +69,50 @@ def test_two_nodes_train_a_step_on_the_real_engine(tmp_path, tiny_server):
     assert lines[0]["grad_norm"] > 0 and lines[0]["mismatch_mean_abs"] < 1e-4
     lint = cli("lint", "trace", str(run))
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_a_node_killed_mid_run_ends_the_run_naming_it_and_resume_finishes_it(tmp_path, tiny_server):
+    """Node 1 (its launcher and its rank) SIGKILLed during step 2: node 0's run ends within the trainer timeout
+    with one line naming rank 1 and its node, nothing past step 1 is committed, and the same two launches with
+    ``--resume`` train steps 2 and 3 once each."""
+    import signal
+    import time
+
+    import psutil
+
+    run = tmp_path / "run"
+    args = ["-m", "verbatim.cli", "train", "--env", "graded_env:GradedFactory", "--steps", "3", "--groups", "2",
+            "--group-size", "2", "--max-turns", "1", "--max-tokens", "8", "--lr", "3e-4", "--seed", "4",
+            *served(tiny_server), "--checkpoint-every", "1", "--trainer-timeout", "20", "--out", str(run)]
+    nodes = launchers("static", free_port())
+    logs = [(tmp_path / f"node{n}.out").open("w") for n in range(2)]
+    procs = [subprocess.Popen([*nodes[n], *args], stdout=logs[n], stderr=subprocess.STDOUT, text=True, env=cli_env(),
+                              start_new_session=True) for n in range(2)]
+    deadline = time.monotonic() + 300
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert procs[0].poll() is None, (tmp_path / "node0.out").read_text()[-3000:]
+        time.sleep(0.2)
+    node = psutil.Process(procs[1].pid)  # the node: its launcher and the rank it started (in a session of its own)
+    for proc in [node, *node.children(recursive=True)]:
+        proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    procs[0].wait(timeout=120)
+    ended_s = time.monotonic() - killed
+    for log in logs:
+        log.close()
+    text = (tmp_path / "node0.out").read_text()
+    assert procs[0].returncode != 0 and ended_s < 20 + 30, (ended_s, text[-3000:])
+    ours = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: trainer rank 1 (node 1, host "), text[-3000:]
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == [1]
+    results = run_nodes([[*launcher, *args, "--resume"] for launcher in launchers("static", free_port())],
+                        cli_env(), timeout=600)
+    assert all(code == 0 for code, _ in results), "\n".join(text[-3000:] for _, text in results)
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [(x["step"], x["version"], x["trainer_ranks"]) for x in lines] == [(1, 1, 2), (2, 2, 2), (3, 3, 2)]
+    lint = cli("lint", "trace", str(run))
+    assert lint.returncode == 0, lint.stdout + lint.stderr

@@ -83,7 +83,34 @@ def join_team(device: str, timeout_s: float) -> tuple[Any, Any]:
     from verbatim.trainer.distributed.team import join
 
     team = join(device, timeout_s=timeout_s)
-    return team, (open_channel(timeout_s) if team.size > 1 else None)
+    channel = open_channel(timeout_s) if team.size > 1 else None
+    if channel is not None and launched_by_torchrun():
+        ROSTER[:] = roster(channel)
+    return team, channel
+
+
+ROSTER: list[tuple[int, int, str]] = []
+"""Under torchrun, every rank of this process's team: (rank, node, host), so rank 0 can name a lost one."""
+
+
+def roster(channel: Any) -> list[tuple[int, int, str]]:
+    """Each rank's (rank, node, host), gathered on every rank (torchrun's ``GROUP_RANK`` is the node's)."""
+    import socket
+
+    import torch.distributed as dist
+
+    mine = (int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=channel.words)
+    return sorted(tuple(entry) for entry in every)
+
+
+def _others(entries: list[tuple[int, int, str]]) -> str | None:
+    """The ranks rank 0 may have lost, by node: the one other rank, or the ranks of the other ranks."""
+    others = [f"{rank} (node {node}, host {host})" for rank, node, host in entries if rank != 0]
+    if not others:
+        return None
+    return f"trainer rank {others[0]}" if len(others) == 1 else f"one of trainer ranks {', '.join(others)}"
 
 
 def follow_run(config: Any) -> int:
@@ -146,6 +173,9 @@ def named_ranks(followers: list[subprocess.Popen], timeout_s: float, settle_s: f
         if not named:  # nobody died: the silent ones hang
             named = [f"trainer rank {rank} gave no answer within {timeout_s:g} s (hung; stopped with the run)"
                      for rank, p in enumerate(followers, start=1) if p.poll() is None]
+        if not named and ROSTER:  # torchrun's ranks, on this node or others: name what rank 0 knows of them
+            lost = _others(ROSTER)
+            named = [f"{lost} stopped or was cut off"] if lost else []
         if not named:
             raise
         raise TeamError(f"{', '.join(named)}: {exc.message}", hint=exc.hint) from exc
