@@ -67,3 +67,17 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "--write missing.md: no such file" in lines[0], result.output
+
+
+def test_prefixflow_on_a_team_is_timed_against_whole_sequences_on_the_same_team(tiny_work):
+    from dataclasses import replace
+
+    from verbatim.bench import prefixflow_team
+
+    rows = prefixflow_team.run_bench(replace(tiny_work, prompt=24), [2])
+    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["of_one_process"] == 1.0
+    assert all(r["full_s"] > 0 and r["prefixflow_s"] > 0 and r["speedup"] == r["full_s"] / r["prefixflow_s"]
+               for r in rows)
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)  # one update on both team sizes
+    table = prefixflow_team.markdown_table(rows)
+    assert [line.count("|") for line in table.splitlines()] == [6] * 4

@@ -55,6 +55,8 @@ class ScaleWork:
     prompt: int = 64
     reply: int = 128
     microbatch: int = 2
+    prefixflow: bool | None = None
+    """The learner's path: PrefixFlow (True), whole sequences (False), or the model's default (None)."""
     threads: int | None = None
     """Torch threads per rank (None: the machine's cores shared evenly over the team's ranks)."""
 
@@ -92,7 +94,7 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     # a schedule whose second step has learning rate 0: the warm-up runs as that step (its kernels and AdamW's
     # state warm, the weights unchanged), so every team measures its step on the same weights (an update's rounding
     # differs with the team's sums, and AdamW's first step moves a near-zero gradient's weight by up to lr)
-    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0)
+    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0, prefixflow=work.prefixflow)
     learner = Learner(model, config, team=team)
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
     vocab = int(learner.model.get_input_embeddings().weight.shape[0])

@@ -68,6 +68,10 @@ def bench_prefixflow(
     section: str = typer.Option("bench-prefixflow", "--section", help="The marked section --write replaces "
                                 "with the timings (one per setting, e.g. docs/benchmarks.md's "
                                 "bench-prefixflow-target)."),
+    ranks: list[int] = typer.Option(None, "--ranks", min=2, help="Instead: the learner's step on teams of this many "
+                                    "ranks (repeatable) and on one process, PrefixFlow against whole sequences on "
+                                    "each (one --prefix-ratio and --group-size; writes the bench-prefixflow-team "
+                                    "section)."),
 ) -> None:
     """Actor-side forward+backward time and peak memory: PrefixFlow versus full-sequence training."""
     from verbatim.bench.prefixflow import markdown_table, run_bench, section_text
@@ -80,6 +84,9 @@ def bench_prefixflow(
         raise InputError(f"--prefix-ratio must lie in (0, 1) and --group-size be >= 1, got {ratios} and {sizes}")
     if exactness:
         _prefixflow_exactness(model, write)
+        return
+    if ranks:
+        _prefixflow_team(ranks, ratios, sizes, seq_len, micro_batch, model, as_json, write)
         return
     if write is not None:
         docsection.require_section(write, section)
@@ -96,6 +103,35 @@ def bench_prefixflow(
                                model=model, low_memory=None if low_memory else False, write=write,
                                section=None if section == "bench-prefixflow" else section)
         docsection.write_section(write, section, section_text(results, resolve(model).name, command, mmap_threshold),
+                                 libraries=("torch", "transformers"))
+
+
+def _prefixflow_team(ranks: list[int], ratios: list[float], sizes: list[int], seq_len: int, micro_batch: int,
+                     model: str, as_json: bool, write: Path | None) -> None:
+    """``bench prefixflow --ranks``: PrefixFlow's speedup on teams against one process's."""
+    import time
+
+    from verbatim.bench import prefixflow_team
+    from verbatim.bench.train_scale import ScaleWork
+    from verbatim.errors import InputError
+
+    if len(ratios) != 1 or len(sizes) != 1:
+        raise InputError("--ranks measures one row: give one --prefix-ratio and one --group-size")
+    if write is not None:
+        docsection.require_section(write, prefixflow_team.SECTION)
+    prefix = round(ratios[0] * seq_len)
+    work = ScaleWork(model=model, groups=max(ranks), group_size=sizes[0], prompt=prefix, reply=seq_len - prefix,
+                     microbatch=micro_batch, threads=1)
+    show = progress(as_json, lambda r: f"{r['ranks']} rank(s): full {r['full_s']:.1f} s, PrefixFlow "
+                                       f"{r['prefixflow_s']:.1f} s, {r['speedup']:.2f}x")
+    rows = prefixflow_team.run_bench(work, ranks, progress=show)
+    if not as_json:
+        console.print(prefixflow_team.markdown_table(rows))
+    if write is not None:
+        command = command_line("prefixflow", ranks=ranks, prefix_ratio=ratios, group_size=sizes, seq_len=seq_len,
+                               micro_batch=micro_batch, model=model, write=write)
+        docsection.write_section(write, prefixflow_team.SECTION,
+                                 prefixflow_team.section_text(rows, work, command, time.strftime("%Y-%m-%d")),
                                  libraries=("torch", "transformers"))
 
 
