@@ -13,8 +13,8 @@ during a step, as torchtitan and the other FSDP trainers do:
 * the root's weights (the output layer, the last norm, and a tied embedding) stay gathered for the whole
   pass (:meth:`ShardedModel.gathered`, :meth:`ShardedModel.update`): PrefixFlow's adapters and the
   chunked log-probabilities call the output layer apart from the model's forward, a number of times
-  that differs by rank, where FSDP's hooks would gather it each time; its gradient is reduce-scattered
-  at the end of every backward;
+  that differs by rank, where FSDP's hooks would gather it each time; its gradient, whole during every
+  backward anyway, accumulates over an update and is reduce-scattered once, at its end;
 * AdamW steps on the shards.
 
 Every gather and reduce-scatter is a collective each rank must make in the same order, while a
@@ -255,10 +255,23 @@ class ShardedModel:
         finally:
             self._reshard()
 
-    def update(self) -> contextlib.AbstractContextManager[None]:
-        """One optimizer update's backward on this rank's rows: each backward leaves every rank its shard of
-        the sum over the ranks of the gradient so far."""
-        return self.gathered()
+    @contextlib.contextmanager
+    def update(self) -> Iterator[None]:
+        """One optimizer update's backward on this rank's rows. Each backward reduce-scatters the layers'
+        gradients as it produces them; the root's, held whole through every backward anyway, accumulates
+        over the update and is reduce-scattered once on leaving it, by a backward of one token with a loss of
+        zero that every rank makes. Leaving it, every rank holds its shard of the update's whole gradient. An
+        error inside skips that collective (the other ranks stop at the run's timeout)."""
+        self.root.unshard()
+        self.root.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+            self.root.set_requires_gradient_sync(True, recurse=False)
+            logits = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device)).logits
+            (logits.sum() * 0.0).backward()
+        finally:
+            self.root.set_requires_gradient_sync(True, recurse=False)
+            self._reshard()
 
     def grad_norm(self, max_norm: float) -> float:
         """Clip the sharded gradient to ``max_norm`` (its norm over every rank's shard); return the norm."""
