@@ -154,22 +154,20 @@ def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks)
     assert team["collectives"][0]["reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3),
-                                             ("untied", 2)])
+@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3)])
 def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, case, ranks):
     """A rank with no row at all, a rank of plain rows beside one running PrefixFlow, groups of different sizes
-    and prefix lengths in token-budget microbatches, an untied model (its embedding a unit of its own): every
-    rank makes the same collectives, the short ones with idle calls whose gradient is 0, and the team makes one
-    process's update."""
-    flags = ["--untied"] if case == "untied" else ["--case", case]
-    one = _run(tmp_path / "one.pt", 1, *flags)
-    assert_same_step(_run(tmp_path / "team.pt", ranks, *flags), one, ranks)
+    and prefix lengths in token-budget microbatches: every rank makes the same collectives, the short ones with
+    idle calls whose gradient is 0, and the team makes one process's update."""
+    one = _run(tmp_path / "one.pt", 1, "--case", case)
+    assert_same_step(_run(tmp_path / "team.pt", ranks, "--case", case), one, ranks)
 
 
-@pytest.mark.parametrize("flags", [[], ["--kl"], ["--untied"]])
+@pytest.mark.parametrize("flags", [["--kl"], ["--untied"]])
 def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(tmp_path, flags):
-    """Built on the meta device, each rank reading its rows of the saved model (the KL reference too): the same
-    update as one process that loaded it whole."""
+    """Built on the meta device, each rank reading its rows of the saved model (a tied one with its KL reference
+    loaded the same way; an untied one, whose embedding is a unit of its own): the same update as one process
+    that loaded it whole."""
     from verbatim.bench.prefixflow_exactness import tiny_llama
 
     folder = tmp_path / "model"

@@ -41,16 +41,20 @@ def run_nodes(commands: list[list[str]], env: dict[str, str], timeout: float) ->
     return results
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("alone") / "step.pt", 1)
+
+
 @pytest.mark.parametrize("mode", ["static", "c10d"])
-def test_two_nodes_make_the_update_one_process_makes(tmp_path, mode):
-    alone = _run(tmp_path / "alone.pt", 1)
+def test_two_nodes_make_the_update_one_process_makes(tmp_path, one_process, mode):
     out = tmp_path / "nodes.pt"
     results = run_nodes([[*launcher, str(STEP), str(out)] for launcher in launchers(mode, free_port())],
                         _plain_env(), timeout=300)
     assert all(code == 0 for code, _ in results), "\n".join(text[-3000:] for _, text in results)
     import torch
 
-    assert_same_step(torch.load(out), alone, ranks=2)
+    assert_same_step(torch.load(out), one_process, ranks=2)
 
 
 @pytest.mark.engine
