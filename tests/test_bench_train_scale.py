@@ -69,15 +69,28 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch):
     assert len(lines) == 1 and "--write missing.md: no such file" in lines[0], result.output
 
 
-def test_prefixflow_on_a_team_is_timed_against_whole_sequences_on_the_same_team(tiny_work):
-    from dataclasses import replace
-
+def test_prefixflow_on_a_team_is_timed_against_whole_sequences_on_the_same_team(tiny_work, monkeypatch):
+    """The teams' runs are train-scale's (tested above); here: what is run, compared and tabled."""
     from verbatim.bench import prefixflow_team
 
-    rows = prefixflow_team.run_bench(replace(tiny_work, prompt=24), [2])
-    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["of_one_process"] == 1.0
-    assert all(r["full_s"] > 0 and r["prefixflow_s"] > 0 and r["speedup"] == r["full_s"] / r["prefixflow_s"]
-               for r in rows)
-    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)  # one update on both team sizes
-    table = prefixflow_team.markdown_table(rows)
-    assert [line.count("|") for line in table.splitlines()] == [6] * 4
+    runs = []
+
+    def run_team(work, ranks):
+        runs.append((work.prefixflow, ranks))
+        seconds = (4.0 if work.prefixflow else 10.0) * (1 if ranks == 1 else 0.6)
+        return [_rank(ranks, r, step_s=seconds + r, grad_norm=1.25 + 1e-7 * work.prefixflow) for r in range(ranks)]
+
+    monkeypatch.setattr(prefixflow_team, "run_team", run_team)
+    rows = prefixflow_team.run_bench(tiny_work, [2])
+    assert runs == [(False, 1), (True, 1), (False, 2), (True, 2)]  # both paths on each team size
+    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["speedup"] == 10.0 / 4.0
+    assert rows[1]["full_s"] == pytest.approx(7.0) and rows[1]["prefixflow_s"] == pytest.approx(3.4)  # slowest rank
+    assert rows[1]["of_one_process"] == pytest.approx((7.0 / 3.4) / 2.5)
+    assert [line.count("|") for line in prefixflow_team.markdown_table(rows).splitlines()] == [6] * 4
+
+    def another_update(work, ranks):
+        return [_rank(ranks, 0, grad_norm=2.0 if work.prefixflow else 1.25)]
+
+    monkeypatch.setattr(prefixflow_team, "run_team", another_update)
+    with pytest.raises(BenchmarkError, match="PrefixFlow made another update than whole sequences: gradient norm 2"):
+        prefixflow_team.run_bench(tiny_work, [2])

@@ -145,7 +145,7 @@ def assert_same_step(two: dict, one: dict, ranks: int = 2) -> None:
         torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2])  # 3 ranks: the uneven case below
 def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks):
     assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
     assert 0 < alone["metrics"]["outside_support"] < alone["metrics"]["model_tokens"]
@@ -154,7 +154,7 @@ def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks)
     assert team["collectives"][0]["reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 2), ("uneven", 3)])
+@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 3)])
 def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, case, ranks):
     """A rank with no row at all, a rank of plain rows beside one running PrefixFlow, groups of different sizes
     and prefix lengths in token-budget microbatches: every rank makes the same collectives, the short ones with
@@ -167,13 +167,16 @@ def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, 
 def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(tmp_path, flags):
     """Built on the meta device, each rank reading its rows of the saved model (a tied one with its KL reference
     loaded the same way; an untied one, whose embedding is a unit of its own): the same update as one process
-    that loaded it whole."""
+    that loaded it whole. With the KL penalty, each rank computes the reference's log π on its own rows, summed
+    over the team as π_old's are."""
     from verbatim.bench.prefixflow_exactness import tiny_llama
 
     folder = tmp_path / "model"
     tiny_llama(tied="--untied" not in flags, seed=1).save_pretrained(folder)
     one = _run(tmp_path / "one.pt", 1, *flags)
-    assert_same_step(_run(tmp_path / "team.pt", 2, *flags, "--from", str(folder)), one)
+    if "--kl" in flags:
+        assert one["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
+    assert_same_step(_run(tmp_path / "team.pt", 2, *flags, "--from", str(folder)), one)  # kl_ref compared too
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
@@ -188,11 +191,6 @@ def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
     assert procs[0].returncode != 0 and not (tmp_path / "step.pt").exists(), outputs[0][-2000:]
 
 
-def test_two_ranks_with_a_kl_penalty_make_the_update_one_process_makes(tmp_path):
-    """Each rank computes the reference's log π on its own rows, summed over the team as π_old's are."""
-    one = _run(tmp_path / "one.pt", 1, "--kl")
-    assert one["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
-    assert_same_step(_run(tmp_path / "two.pt", 2, "--kl"), one)  # kl_ref among the metrics compared
 
 
 def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_path):

@@ -46,7 +46,7 @@ def one_process(tmp_path_factory) -> dict:
     return _run(tmp_path_factory.mktemp("alone") / "step.pt", 1)
 
 
-@pytest.mark.parametrize("mode", ["static", "c10d"])
+@pytest.mark.parametrize("mode", ["c10d"])  # a static master address: the killed node's test below
 def test_two_nodes_make_the_update_one_process_makes(tmp_path, one_process, mode):
     out = tmp_path / "nodes.pt"
     results = run_nodes([[*launcher, str(STEP), str(out)] for launcher in launchers(mode, free_port())],

@@ -85,24 +85,14 @@ def join_team(device: str, timeout_s: float) -> tuple[Any, Any]:
     team = join(device, timeout_s=timeout_s)
     channel = open_channel(timeout_s) if team.size > 1 else None
     if channel is not None and launched_by_torchrun():
-        ROSTER[:] = roster(channel)
+        from verbatim.trainer.distributed.lead import roster
+
+        ROSTER[:] = roster(channel, int(os.environ.get("GROUP_RANK", "0")))
     return team, channel
 
 
 ROSTER: list[tuple[int, int, str]] = []
 """Under torchrun, every rank of this process's team: (rank, node, host), so rank 0 can name a lost one."""
-
-
-def roster(channel: Any) -> list[tuple[int, int, str]]:
-    """Each rank's (rank, node, host), gathered on every rank (torchrun's ``GROUP_RANK`` is the node's)."""
-    import socket
-
-    import torch.distributed as dist
-
-    mine = (int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0")), socket.gethostname())
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine, group=channel.words)
-    return sorted(tuple(entry) for entry in every)
 
 
 def _others(entries: list[tuple[int, int, str]]) -> str | None:

@@ -51,6 +51,15 @@ def open_channel(timeout_s: float) -> Channel:
     return Channel(bell, dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
 
+def roster(channel: Channel, node: int) -> list[tuple[int, int, str]]:
+    """Each rank's (rank, node, host), gathered on every rank: who rank 0 names when one is lost."""
+    import socket
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (dist.get_rank(), node, socket.gethostname()), group=channel.words)
+    return sorted(tuple(entry) for entry in every)
+
+
 def _hear(channel: Channel) -> tuple[Any, ...]:
     dist.broadcast(torch.zeros(1), src=0, group=channel.bell)
     box: list[Any] = [None]
