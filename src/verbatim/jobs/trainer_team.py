@@ -126,12 +126,13 @@ def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: A
     from verbatim.trainer.reference import load_model
 
     options = config.learner
+    empty = model is not None and next(model.parameters()).is_meta  # rank 0's, built for the placement check
     if team.size > 1:
-        sharded = sharded_from(model_dir, team, options.dtype, device)
+        sharded = sharded_from(model_dir, team, options.dtype, device, model if empty else None)
         if sharded is not None:
             reference = sharded_from(model_dir, team, options.dtype, device) if options.loss.kl_coef > 0 else None
             return Learner(sharded, options, team=team, seed=config.plan.seed, reference=reference)
-    whole = model if model is not None and not next(model.parameters()).is_meta else load_model(model_dir)
+    whole = model if model is not None and not empty else load_model(model_dir)
     return Learner(whole.to(device), options, team=team, seed=config.plan.seed)
 
 

@@ -80,12 +80,17 @@ def shared_prefix_len(sequences: Sequence[torch.Tensor]) -> int:
     return common_prefix([s.detach().cpu().numpy() for s in sequences])
 
 
+def prefix_cut(sequences: Sequence[torch.Tensor]) -> int:
+    """Where PrefixFlow splits ``sequences`` (at least one): their shared prefix, short of the shortest one's
+    last token so every suffix keeps a token; below 1, they cannot be a prefix group."""
+    return min(shared_prefix_len(sequences), min(int(s.numel()) for s in sequences) - 1)
+
+
 def group_from_sequences(sequences: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> PrefixGroup:
     """Split sequences at their shared prefix, leaving every suffix at least one token."""
     if not sequences:
         raise TrainerError("a prefix group needs at least one sequence")
-    shortest = min(int(s.numel()) for s in sequences)
-    p = min(shared_prefix_len(sequences), shortest - 1)
+    p = prefix_cut(sequences)
     if p < 1:
         raise TrainerError("the sequences share no prefix (or a sequence has a single token)")
     return PrefixGroup(prefix=sequences[0][:p].clone(), suffixes=tuple(s[p:].clone() for s in sequences),

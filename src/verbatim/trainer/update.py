@@ -28,7 +28,7 @@ from verbatim.trainer.learner_config import KlEstimator, Offload
 from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.packing import Microbatching, padding
 from verbatim.trainer.passes import Agree, alone, forwards, idle_backward, idle_group, masked_batches
-from verbatim.trainer.prefixflow import _pad, group_from_sequences, prefixflow_backward, shared_prefix_len
+from verbatim.trainer.prefixflow import _pad, group_from_sequences, prefix_cut, prefixflow_backward
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,8 +140,8 @@ def row_work(batch: StepBatch, rows: Sequence[int], prefixflow: bool, microbatch
     for group in batch.groups:
         members = [r for r in group if r in trained]
         sequences = [batch.sequences[r] for r in members]
-        if prefixflow and len(members) >= 2 and _shares_a_prefix(sequences):
-            cut = min(shared_prefix_len(sequences), min(int(s.numel()) for s in sequences) - 1)
+        cut = prefix_cut(sequences) if prefixflow and len(members) >= 2 else 0
+        if cut >= 1:
             suffixes = [int(s.numel()) - cut for s in sequences]
             splits = microbatching.split(suffixes)
             waste += padding(suffixes, splits)
@@ -232,12 +232,6 @@ def _row_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequenc
     out[0, r, t] = logprobs.float()
     out[1, r, t] = entropy.float()
     return out
-
-
-def _shares_a_prefix(sequences: Sequence[torch.Tensor]) -> bool:
-    """Whether a shared prefix of at least one token leaves every sequence a suffix."""
-    shortest = min(int(s.numel()) for s in sequences)
-    return min(shared_prefix_len(sequences), shortest - 1) >= 1
 
 
 def _lengths(sequences: Sequence[torch.Tensor]) -> torch.Tensor:

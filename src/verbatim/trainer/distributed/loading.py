@@ -106,12 +106,13 @@ def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
     return read
 
 
-def sharded_from(model_dir: str | Path, team: Any, dtype: str, device: str) -> Any:
+def sharded_from(model_dir: str | Path, team: Any, dtype: str, device: str, model: nn.Module | None = None) -> Any:
     """The model of ``model_dir`` sharded over ``team``, each rank loading its own rows
-    (:class:`~.sharding.ShardedModel`); None where the files do not name every parameter (load it whole)."""
+    (:class:`~.sharding.ShardedModel`); None where the files do not name every parameter (load it whole).
+    ``model``: its :func:`empty_model`, where the caller built it already."""
     from verbatim.trainer.distributed.sharding import ShardedModel
 
-    files, model = weight_files(model_dir), empty_model(model_dir)
+    files, model = weight_files(model_dir), model if model is not None else empty_model(model_dir)
     if missing_weights(model, files):
         return None
     return ShardedModel(model, team, dtype, device, files)

@@ -319,10 +319,10 @@ class ShardedModel:
         restores its RNG."""
         from verbatim.trainer.distributed.loading import load_shards
 
-        saved = checkpoint_state(path)
-        check_fit(path, checkpoint_shapes(path), self.model.state_dict())  # the headers: nothing loaded
+        saved, shapes = checkpoint_state(path), checkpoint_shapes(path)  # the header: nothing loaded
+        check_fit(path, shapes, self.model.state_dict())
         if self.team.leader:
             restore_rng(path)
-        load_shards(self.model, dict.fromkeys(checkpoint_shapes(path), Path(path) / "model.safetensors"))
+        load_shards(self.model, dict.fromkeys(shapes, Path(path) / "model.safetensors"))
         restore_optimizer(self.model, optimizer, path, group=self.group)
         return saved
