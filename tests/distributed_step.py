@@ -16,6 +16,8 @@ shares of the ranks); rank 0 records how many all-gathers and reduce-scatters ea
 makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team's timeout). ``--untied``: a
 model whose output layer is not its embedding (the embedding then a unit of its own). ``--from DIR``: a team's
 ranks build the model on the meta device and each loads its own rows of DIR's weights (the saved tiny model).
+``--file-bytes N``: a checkpoint's weight files hold at most N bytes each (numbered files and an index), the
+model's ``config.json`` beside them.
 """
 
 from __future__ import annotations
@@ -140,12 +142,19 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
             torch.save({"written": str(written), "gathered": sorted(set(gathered))}, out)
         leave()
         return
+    files: tuple[Path, ...] = ()
+    if option("--file-bytes") is not None:
+        from verbatim.trainer import weight_files
+
+        weight_files.FILE_BYTES = int(option("--file-bytes"))
+        model.config.save_pretrained(Path(save).parent / f"config-{team.rank}")
+        files = (Path(save).parent / f"config-{team.rank}" / "config.json",)
     metrics = learner.train_step(step)
     every_rank = [None] * team.size  # each rank's collectives in the step, on rank 0
     if team.size > 1:
         torch.distributed.all_gather_object(every_rank, dict(collectives))
     weights = learner.engine_weights()
-    written = learner.save(Path(save), 1, {"version": learner.version}, 2, ()) if save is not None else None
+    written = learner.save(Path(save), 1, {"version": learner.version}, 2, files) if save is not None else None
     moments = whole_moments(learner) if save is not None else None
     if team.leader:
         keep = ("loss", "grad_norm", "grad_norm_max", "kept_tokens", "model_tokens", "rows", "updates",

@@ -250,13 +250,16 @@ def _same_moments(mine: dict, theirs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def team_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
-    """Two ranks' step, checkpointed: the folder and the whole optimizer state the team held."""
+    """Two ranks' step, checkpointed (its weights in files of at most 60 kB): the folder and the whole optimizer
+    state the team held."""
     folder = tmp_path_factory.mktemp("team-ckpt")
-    saved = _run(folder / "step.pt", 2, "--save", str(folder / "checkpoints"))
+    saved = _run(folder / "step.pt", 2, "--save", str(folder / "checkpoints"), "--file-bytes", "60000")
     return Path(saved["written"]), saved
 
 
-def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights(team_checkpoint):
+def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights_file_by_file(team_checkpoint):
+    from transformers import AutoModelForCausalLM
+
     from verbatim.trainer.checkpoint import latest_checkpoint, read_checkpoint
 
     path, saved = team_checkpoint
@@ -268,6 +271,12 @@ def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights(team_che
     assert state["version"] == 1
     for name, tensor in saved["weights"].items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
+    files = sorted(path.glob("model-*-of-*.safetensors"))  # gathered and written a file at a time
+    assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # a Hugging Face folder, tied
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    for name, tensor in saved["weights"].items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])

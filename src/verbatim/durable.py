@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -34,6 +35,21 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def io_reason(exc: BaseException) -> str:
+    """The OS's words for a failed write: strerror of the OSError behind it, else the error's first line."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    quoted = re.search(r'message: "([^"]+)"', text)  # safetensors' Rust io::Error, e.g. StorageFull
+    if quoted:
+        return quoted.group(1)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any], prefix: str = ".tmp-") -> None:

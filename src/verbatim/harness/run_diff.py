@@ -204,19 +204,30 @@ def _trainer_logprobs(a: Path, b: Path) -> Comparison | None:
 
 
 def _checkpoint(a: Path, b: Path) -> Comparison | None:
-    """The newest checkpoint both runs hold: its weights tensor by tensor, its other state files byte for byte."""
-    held = [{p.name for p in (d / "checkpoints").glob("step-*") if (p / "model.safetensors").is_file()}
-            for d in (a, b)]
+    """The newest checkpoint both runs hold: its weights tensor by tensor (file by file, where there are several),
+    its other state files byte for byte."""
+    held = [{p.name for p in (d / "checkpoints").glob("step-*") if _weight_files(p)} for d in (a, b)]
     shared = sorted(held[0] & held[1])
     if not shared:
         return None
     name = shared[-1]
     one, other = a / "checkpoints" / name, b / "checkpoints" / name
-    parts = _weights(one / "model.safetensors", other / "model.safetensors")
+    files = sorted(_weight_files(one) | _weight_files(other))
+    parts: list[Divergence] = []
+    for file in files:  # a weight file in both tensor by tensor; the index, or a file one run lacks, as a file
+        if file.endswith(".safetensors") and (one / file).is_file() and (other / file).is_file():
+            parts += _weights(one / file, other / file)
+        elif d := _file(f"checkpoints/{name}/{file}", one / file, other / file):
+            parts.append(d)
     states = sorted({p.name for p in one.glob("*.pt")} | {p.name for p in other.glob("*.pt")})
     parts += [d for state in states if (d := _file(f"checkpoints/{name}/{state}", one / state, other / state))]
     return Comparison(name="newest shared checkpoint", items=1, differ=min(1, len(parts)),
                       first=parts[0] if parts else None, note=f"{name}: weights, {', '.join(states) or 'no state'}")
+
+
+def _weight_files(checkpoint: Path) -> set[str]:
+    """The names of a checkpoint's weight files: ``model.safetensors``, or numbered files and their index."""
+    return {p.name for p in checkpoint.glob("model*.safetensors*")}
 
 
 def _presence(where: str, in_a: bool, in_b: bool) -> Divergence:

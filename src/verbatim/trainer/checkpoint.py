@@ -3,9 +3,10 @@
 ``root/step-000042/`` holds four files, and the model folder's config and tokenizer files (so that it
 is a Hugging Face model folder: ``from_pretrained``, ``verbatim run --model``, ``verbatim mismatch``):
 
-* ``model.safetensors``: the model's ``state_dict()``; a tensor that two names share (tied
-  embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``) is stored once, under its
-  first name, and the other names are recorded in the file's metadata and restored on load;
+* ``model.safetensors`` (or, past 2 GiB, numbered files and their index: :mod:`.weight_files`): the model's
+  ``state_dict()``; a tensor that two names share (tied embeddings: ``lm_head.weight`` is
+  ``model.embed_tokens.weight``) is stored once, under its first name, and the other names are recorded
+  in the metadata and restored on load;
 * ``optimizer.pt``: ``optimizer.state_dict()`` (``torch.save``); a sharded learner's ranks write an
   ``optimizer/`` folder instead, ``torch.distributed.checkpoint``'s format (each rank's shards in its own
   file, ``.metadata`` beside them), which any number of ranks, one included, loads;
@@ -32,22 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from verbatim.durable import fsync_dir, fsync_file, strict_json
+from verbatim.durable import fsync_dir, io_reason, strict_json
 from verbatim.errors import CheckpointError, InputError
+from verbatim.trainer.weight_files import has_weights, read_weights, write_weights
 
 CHECKPOINT_SCHEMA = 1
 OPTIMIZER_FILE = "optimizer.pt"
-FILES = ("model.safetensors", OPTIMIZER_FILE, "rng.pt", "state.json")
-"""A one-process checkpoint's files (a team's holds the ``optimizer/`` shards in place of ``optimizer.pt``)."""
+FILES = (OPTIMIZER_FILE, "rng.pt", "state.json")
+"""A one-process checkpoint's files beside its weights (a team's holds the ``optimizer/`` shards in place of
+``optimizer.pt``)."""
 OPTIMIZER_SHARDS = "optimizer"
 TMP_PREFIX = ".tmp-"
 _STEP_NAME = re.compile(r"step-(\d+)")
-_ALIASES_KEY = "verbatim_aliases"
 _RESERVED = ("schema", "step")
 
 
@@ -60,15 +60,15 @@ def step_dir_name(step: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
                     state: dict[str, Any], keep: int = 2, model_files: Sequence[Path] = (),
                     tmp: Path | None = None) -> Path:
     """Write ``root/step-{step:06d}/`` atomically, then keep only the newest ``keep`` checkpoints.
 
     ``model_files`` (the model folder's config and tokenizer files) are copied in beside the weights:
     the checkpoint is then a Hugging Face model folder (``from_pretrained``, ``verbatim run --model``).
-    ``tmp``: a folder of :func:`checkpoint_tmp` the team has written its ``optimizer/`` shards into
-    (``optimizer`` None), finished and published here.
+    ``tmp``: a folder of :func:`checkpoint_tmp` a team has written its weights (``model`` None) and its
+    ``optimizer/`` shards (``optimizer`` None) into, finished and published here.
 
     A failure while writing removes the half-written folder, leaves older checkpoints untouched and
     raises a one-line :class:`CheckpointError` that names the folder and the OS reason.
@@ -90,7 +90,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     written.tmp = tmp
     try:
         written.tmp = tmp = tmp or checkpoint_tmp(root, step)
-        _write_model(tmp / "model.safetensors", model)
+        if model is not None:
+            write_weights(tmp, *_deduplicated(model.state_dict()))
         if optimizer is not None:
             _write_torch(tmp / OPTIMIZER_FILE, optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
@@ -104,7 +105,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         fsync_dir(root)
     except Exception as exc:
         written.undo()
-        raise CheckpointError(f"cannot write checkpoint {final.name} in {root}: {_reason(exc)}; nothing was written",
+        raise CheckpointError(f"cannot write checkpoint {final.name} in {root}: {io_reason(exc)}; nothing was written",
                               hint="free space or pass another --out, then --resume") from exc
     except BaseException:  # KeyboardInterrupt and friends: clean up, let them through unchanged
         written.undo()
@@ -125,13 +126,6 @@ def sharded_optimizer(path: Path) -> Path | None:
     """The ``optimizer/`` shards of the checkpoint at ``path`` (a team's), or None (one process's file)."""
     shards = Path(path) / OPTIMIZER_SHARDS
     return shards if (shards / ".metadata").is_file() else None
-
-
-def _write_model(path: Path, model: nn.Module) -> None:
-    tensors, aliases = _deduplicated(model.state_dict())
-    metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases)}  # "pt": what transformers' loader asks for
-    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
-    fsync_file(path)
 
 
 def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -228,21 +222,6 @@ def _prune(root: Path, step: int, keep: int) -> None:
             shutil.rmtree(aside.parent, ignore_errors=True)
 
 
-def _reason(exc: BaseException) -> str:
-    """The OS's words for a failed write: strerror of the OSError behind it, else the error's first line."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        seen = seen.__cause__ or seen.__context__
-    text = str(exc)
-    quoted = re.search(r'message: "([^"]+)"', text)  # safetensors' Rust io::Error, e.g. StorageFull
-    if quoted:
-        return quoted.group(1)
-    lines = text.strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
 # ---------------------------------------------------------------------------
 # find and load
 # ---------------------------------------------------------------------------
@@ -275,7 +254,7 @@ def _complete_steps(root: Path) -> dict[int, Path]:
 
 def _complete(path: Path) -> bool:
     """Every file of a checkpoint there, the optimizer's as one file or as a team's shards."""
-    return (all((path / f).is_file() for f in FILES if f != OPTIMIZER_FILE)
+    return (all((path / f).is_file() for f in FILES if f != OPTIMIZER_FILE) and has_weights(path)
             and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None))
 
 
@@ -311,25 +290,12 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict[str
 
 def another_optimizer(path: Path, exc: BaseException) -> CheckpointError:
     """The one line refusing the checkpoint at ``path``, whose optimizer state ``exc`` would not load."""
-    return CheckpointError(f"checkpoint {path} holds another optimizer's state: {_reason(exc)}")
+    return CheckpointError(f"checkpoint {path} holds another optimizer's state: {io_reason(exc)}")
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A complete checkpoint's state.json and its weights by name (aliases included), loading nothing."""
-    return checkpoint_state(path), _read_model(Path(path) / "model.safetensors")
-
-
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of each weight of the checkpoint at ``path`` (aliases included), read from the file's header:
-    no tensor is loaded (a team's ranks then read their own rows, :mod:`~verbatim.trainer.distributed.loading`)."""
-    file = Path(path) / "model.safetensors"
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {file}: {_reason(exc)}") from exc
-    return shapes | {alias: shapes[name] for alias, name in aliases.items()}
+    return checkpoint_state(path), read_weights(Path(path))
 
 
 def checkpoint_state(path: Path) -> dict[str, Any]:
@@ -354,18 +320,6 @@ def read_optimizer(path: Path) -> dict[str, Any]:
 def restore_rng(path: Path) -> None:
     """The RNG states a checkpoint saved, restored in this process."""
     _restore_rng(torch.load(Path(path) / "rng.pt", map_location="cpu", weights_only=True))
-
-
-def _read_model(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            aliases = json.loads((handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
-    except Exception as exc:
-        raise CheckpointError(f"cannot read {path}: {_reason(exc)}") from exc
-    for alias, name in aliases.items():
-        tensors[alias] = tensors[name]
-    return tensors
 
 
 def check_fit(path: Path, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:

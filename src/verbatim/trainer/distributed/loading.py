@@ -15,7 +15,6 @@ refused here with the first missing name; the caller then loads it whole.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,7 @@ import torch
 from torch import nn
 
 from verbatim.errors import TrainerError
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from verbatim.trainer.weight_files import weight_index
 
 
 @contextlib.contextmanager
@@ -59,16 +56,7 @@ def empty_model(model_dir: str | Path) -> nn.Module:
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
     """Each weight's name → the safetensors file holding it (one file, or an index of several)."""
-    folder = Path(model_dir)
-    if (folder / INDEX).is_file():
-        mapping = json.loads((folder / INDEX).read_text())["weight_map"]
-        return {name: folder / file for name, file in mapping.items()}
-    if (folder / SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / SINGLE), framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), folder / SINGLE)
-    raise TrainerError(f"{folder} holds no safetensors weights ({SINGLE} or {INDEX})")
+    return weight_index(Path(model_dir))[0]
 
 
 def missing_weights(model: nn.Module, files: dict[str, Path]) -> list[str]:

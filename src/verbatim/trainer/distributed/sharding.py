@@ -32,6 +32,7 @@ share.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,6 @@ from verbatim.trainer.checkpoint import (
     OPTIMIZER_SHARDS,
     another_optimizer,
     check_fit,
-    checkpoint_shapes,
     checkpoint_state,
     checkpoint_tmp,
     load_checkpoint,
@@ -57,6 +57,7 @@ from verbatim.trainer.checkpoint import (
     sharded_optimizer,
 )
 from verbatim.trainer.distributed.team import Team
+from verbatim.trainer.weight_files import file_plan, weight_shapes, write_file, write_index
 
 
 def unique_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,8 +74,20 @@ def unique_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def without_aliases(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without the second name of a tied parameter (gathered copies no longer share memory)."""
-    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    aliases = _aliases(model)
     return {name: tensor for name, tensor in state.items() if name not in aliases}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """The second name of each tied parameter → its first."""
+    first = {id(param): name for name, param in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    return {name: first[id(param)] for name, param in model.named_parameters(remove_duplicate=False)
+            if first[id(param)] != name}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole (a collective every rank makes); a plain one (a buffer) as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class WholeModel:
@@ -140,16 +153,6 @@ def _load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, shards: Pat
     except (RuntimeError, ValueError, KeyError) as exc:
         raise another_optimizer(shards.parent, exc) from exc
     set_optimizer_state_dict(model, optimizer, moments)
-
-
-class _Held:
-    """A state dict standing in for the module or optimizer :func:`save_checkpoint` reads it from."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
 
 
 def _by_name(optimizer_state: dict[str, Any]) -> bool:
@@ -289,40 +292,64 @@ class ShardedModel:
 
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path | None:
-        """A checkpoint every rank writes: the optimizer's state as each rank's shards
-        (``torch.distributed.checkpoint``, into the folder rank 0 makes and names to the others), the weights
-        gathered to rank 0, which finishes the folder as one process does and publishes it. Every rank calls it
-        (only rank 0's ``root`` and ``step`` count); a rank lost before the end leaves no checkpoint."""
+        """A checkpoint every rank writes, into the folder rank 0 makes and names to the others: the weights
+        gathered to rank 0 one file at a time (:meth:`write_weights`), the optimizer's state as each rank's
+        shards (``torch.distributed.checkpoint``); rank 0 finishes the folder as one process does and publishes
+        it. Every rank calls it (only rank 0's ``root`` and ``step`` count); a rank lost before the end leaves no
+        checkpoint."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not optimizer.state:  # no update yet (every row so far failed): nothing to shard, written as one process
-            return (save_checkpoint(root, step, _Held(weights), optimizer, state, keep, model_files)
-                    if self.team.leader else None)
-        moments = get_optimizer_state_dict(self.model, optimizer)  # (it would give an empty state a fake step)
         box = [str(checkpoint_tmp(Path(root), step)) if self.team.leader else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         tmp = Path(box[0])
-        dcp.save(moments, checkpoint_id=str(tmp / OPTIMIZER_SHARDS), process_group=self.group)
+        try:
+            self.write_weights(tmp)
+            if optimizer.state:  # (get_optimizer_state_dict would give an empty state a fake step)
+                dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_SHARDS),
+                         process_group=self.group)
+        except BaseException:
+            if self.team.leader:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if not self.team.leader:
             return None
-        return save_checkpoint(root, step, _Held(weights), None, state, keep, model_files, tmp=tmp)
+        # no update yet (every row so far failed): the empty state written as one process writes it
+        return save_checkpoint(root, step, None, None if optimizer.state else optimizer, state, keep, model_files,
+                               tmp=tmp)
+
+    def write_weights(self, folder: Path) -> None:
+        """The whole weights into ``folder`` as a Hugging Face folder, each file's weights gathered to rank 0
+        (which alone writes) just before it is written and freed after: rank 0 holds at most one file's
+        weights (:data:`~verbatim.trainer.weight_files.FILE_BYTES`) beyond its shard, the others one
+        tensor. Every rank calls it: each gather is a collective."""
+        state = self.model.state_dict()
+        aliases = _aliases(self.model)
+        sizes = [(name, t.numel() * t.element_size()) for name, t in state.items() if name not in aliases]
+        plan = file_plan(sizes)
+        for file, names in plan:
+            tensors = {}
+            for name in names:
+                whole = _whole(state[name])  # on every rank; kept by rank 0 alone
+                if self.team.leader:
+                    tensors[name] = whole.detach().to("cpu").contiguous()
+                del whole
+            if self.team.leader:
+                write_file(folder / file, tensors, aliases if len(plan) == 1 else None)
+            del tensors
+        if self.team.leader and len(plan) > 1:
+            write_index(folder, plan, sum(size for _, size in sizes), aliases)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
         """Every rank reads its own rows of the checkpoint's weights (of a team or of one process: the run folder is
         on a file system every rank sees), a team's optimizer shards resharded to this team's size; rank 0
         restores its RNG."""
-        from verbatim.trainer.distributed.loading import load_shards
+        from verbatim.trainer.distributed.loading import load_shards, weight_files
 
-        saved, shapes = checkpoint_state(path), checkpoint_shapes(path)  # the header: nothing loaded
+        saved, shapes = checkpoint_state(path), weight_shapes(path)  # the headers: nothing loaded
         check_fit(path, shapes, self.model.state_dict())
         if self.team.leader:
             restore_rng(path)
-        load_shards(self.model, dict.fromkeys(shapes, Path(path) / "model.safetensors"))
+        load_shards(self.model, weight_files(path))
         restore_optimizer(self.model, optimizer, path, group=self.group)
         return saved
