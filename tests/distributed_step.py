@@ -3,7 +3,8 @@
 Run by tests/test_trainer_distributed.py: once with no torch.distributed environment (one process),
 and as two processes with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, as torchrun
 sets them. Rank 0 (or the lone process) writes the gradients AdamW stepped on, per update, the
-weights the engine would receive after the step, and the step's metrics to ``sys.argv[1]``.
+weights the engine would receive after the step, and the step's metrics to ``sys.argv[1]`` (``--jobs FILE``: several
+steps, one after another, each to its own file).
 ``--divide N`` sets FSDP's gradient divide factor to N: N=2 averages over the ranks instead of summing,
 the mistake the comparison must catch. ``--save DIR`` checkpoints the learner after the step into DIR
 (every rank writes its optimizer shards) and records the whole optimizer state; ``--restore CKPT`` skips
@@ -23,6 +24,7 @@ model's ``config.json`` beside them.
 from __future__ import annotations
 
 import gc
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -71,8 +73,12 @@ def count_collectives() -> dict[str, int]:
     return counts
 
 
+ARGS: list[str] = sys.argv
+"""The flags of the step being made (one of ``--jobs``' steps, or the command line's)."""
+
+
 def option(flag: str) -> str | None:
-    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+    return ARGS[ARGS.index(flag) + 1] if flag in ARGS else None
 
 
 def whole_moments(learner: Learner) -> dict:
@@ -83,12 +89,14 @@ def whole_moments(learner: Learner) -> dict:
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True)).get("state", {})
 
 
-def main(out: str, divide: float | None, save: str | None, restore: str | None) -> None:
-    torch.set_num_threads(1)
-    team = join("cpu", timeout_s=float(option("--timeout") or 120))
-    model = tiny_llama(tied="--untied" not in sys.argv, seed=1)
+def main(out: str, team: Team, args: list[str]) -> None:
+    global ARGS
+    ARGS = args
+    divide, save, restore = option("--divide"), option("--save"), option("--restore")
+    divide = None if divide is None else float(divide)
+    model = tiny_llama(tied="--untied" not in ARGS, seed=1)
     step, config = CASES[option("--case") or "three-groups"](model)
-    if "--kl" in sys.argv:
+    if "--kl" in ARGS:
         config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
     config = config.model_copy(update={"dtype": option("--dtype") or "fp32"})
@@ -99,7 +107,7 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         model = sharded_from(option("--from"), team, config.dtype, "cpu")
         if config.loss.kl_coef > 0:
             reference = sharded_from(option("--from"), team, config.dtype, "cpu")
-    if "--no-idle" in sys.argv and team.rank == 1:  # rank 1 makes only its own calls: the team cannot keep step
+    if "--no-idle" in ARGS and team.rank == 1:  # rank 1 makes only its own calls: the team cannot keep step
         Team.agree = lambda self, shape, device="cpu": shape
     collectives = count_collectives()
     learner = Learner(model, config, team=team, reference=reference)
@@ -120,7 +128,6 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         if team.leader:
             torch.save({"moments": moments, "saved": saved, "team": team.size, "empty": empty, "weights": weights},
                        out)
-        leave()
         return
     if divide is not None:
         for unit in learner.placement.units:
@@ -136,11 +143,10 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         updates.append({n: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for n, g in grads.items()})
 
     learner.optimizer.register_step_pre_hook(record)
-    if "--no-step" in sys.argv:
+    if "--no-step" in ARGS:
         written = learner.save(Path(save), 0, {"version": 0}, 2, ())
         if team.leader:
             torch.save({"written": str(written), "gathered": sorted(set(gathered))}, out)
-        leave()
         return
     files: tuple[Path, ...] = ()
     if option("--file-bytes") is not None:
@@ -162,10 +168,21 @@ def main(out: str, divide: float | None, save: str | None, restore: str | None) 
         torch.save({"updates": updates, "weights": weights, "metrics": {k: metrics.get(k) for k in keep},
                     "team": team.size, "version": learner.version, "moments": moments,
                     "written": str(written), "gathered": sorted(set(gathered)), "collectives": every_rank}, out)
-    leave()
+
+
+def jobs() -> list[tuple[str, list[str]]]:
+    """The steps to make: ``--jobs FILE`` (a JSON list of ``[out, [flags...]]``, made one after another by one
+    team, which saves a launch each), or the command line's one."""
+    if "--jobs" in sys.argv:
+        with open(option("--jobs")) as handle:
+            return [(out, list(flags)) for out, flags in json.load(handle)]
+    return [(sys.argv[1], sys.argv[2:])]
 
 
 if __name__ == "__main__":
-    divide = option("--divide")
-    main(sys.argv[1], None if divide is None else float(divide), option("--save"), option("--restore"))
+    torch.set_num_threads(1)
+    team = join("cpu", timeout_s=float(option("--timeout") or 120))
+    for out, args in jobs():
+        main(out, team, args)
+    leave()
     gc.collect()  # as verbatim's entry points: a rank aborted in interpreter teardown without it (about 1 run in 30)

@@ -104,23 +104,70 @@ def _plain_env() -> dict[str, str]:
 
 
 def _run(out: Path, ranks: int, *extra: str) -> dict:
+    return _launch(ranks, [str(out), *extra])
+
+
+def _launch(ranks: int, argv: list[str]) -> dict:
+    """tests/distributed_step.py as ``ranks`` processes (one: alone); rank 0's result, or every job's."""
     env = _plain_env()
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(STEP), str(out), *extra], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(STEP), *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=env if ranks == 1 else env | on_this_machine(rank, ranks, port))
              for rank in range(ranks)]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     ended = [f"rank {rank}: exit {proc.returncode}, output: {text[-1200:]!r}"
              for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True))]
-    written = f"rank 0's result {'written' if out.exists() else 'not written'}"  # rank 0 alone writes it
-    assert all(proc.returncode == 0 for proc in procs), "\n".join([written, *ended])  # which rank, how far it got
-    return torch.load(out)
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(ended)  # which rank, how far it got
+    return torch.load(argv[0]) if argv[0] != "--jobs" else {}
+
+
+def _steps(folder: Path, ranks: int, jobs: dict[str, list[str]]) -> dict[str, dict]:
+    """Several steps made one after another by one launch of ``ranks`` processes (a launch each would pay the
+    start of its processes and of their team again): each job's result by name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = folder / "jobs.json"
+    plan.write_text(json.dumps([[str(folder / f"{name}.pt"), flags] for name, flags in jobs.items()]))
+    _launch(ranks, ["--jobs", str(plan)])
+    return {name: torch.load(folder / f"{name}.pt") for name in jobs}
+
+
+def _model_folders(root: Path) -> dict[str, Path]:
+    """The tiny model saved tied and untied, for the ranks that load their own shards of it."""
+    from verbatim.bench.prefixflow_exactness import tiny_llama
+
+    folders = {"tied": root / "tied", "untied": root / "untied"}
+    for name, folder in folders.items():
+        if not folder.exists():
+            tiny_llama(tied=name == "tied", seed=1).save_pretrained(folder)
+    return folders
+
+
+STEPS = {"three-groups": [], "one-group": ["--case", "one-group"], "mixed": ["--case", "mixed"],
+         "kl": ["--kl"], "untied": ["--untied"], "bf16": ["--dtype", "bf16"]}
+"""The steps one process makes and a team of two makes again (``alone``, ``pair``)."""
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("alone") / "step.pt", 1)
+def alone(tmp_path_factory) -> dict[str, dict]:
+    """Every step of :data:`STEPS` and the uneven case, each made by one process (one launch)."""
+    return _steps(tmp_path_factory.mktemp("alone"), 1, STEPS | {"uneven": ["--case", "uneven"]})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, dict]:
+    """Every step of :data:`STEPS` made by two ranks (one launch), the KL and untied ones each rank loading its
+    own rows of the saved model, the steps whose gradients are averaged over the ranks instead of summed, and
+    two checkpoints: one before any update, one after the step."""
+    folder = tmp_path_factory.mktemp("pair")
+    models = _model_folders(folder / "models")
+    jobs = STEPS | {"kl": ["--kl", "--from", str(models["tied"])],
+                    "untied": ["--untied", "--from", str(models["untied"])],
+                    "averaged": ["--divide", "2"], "bf16-averaged": ["--dtype", "bf16", "--divide", "2"],
+                    "empty": ["--no-step", "--save", str(folder / "empty")],
+                    # last: its weight files of at most 60 kB (numbered, with an index)
+                    "saved": ["--save", str(folder / "checkpoints"), "--file-bytes", "60000"]}
+    return _steps(folder, 2, jobs)
 
 
 def assert_same_step(two: dict, one: dict, ranks: int = 2) -> None:
@@ -145,38 +192,37 @@ def assert_same_step(two: dict, one: dict, ranks: int = 2) -> None:
         torch.testing.assert_close(two["weights"][name], expected, rtol=1e-6, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("ranks", [2])  # 3 ranks: the uneven case below
-def test_ranks_on_gloo_make_the_update_one_process_makes(alone, tmp_path, ranks):
-    assert alone["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
-    assert 0 < alone["metrics"]["outside_support"] < alone["metrics"]["model_tokens"]
-    team = _run(tmp_path / "team.pt", ranks)
-    assert_same_step(team, alone, ranks)
-    assert team["collectives"][0]["reduce_scatter"] > 0
+def test_ranks_on_gloo_make_the_update_one_process_makes(alone, pair):
+    one = alone["three-groups"]
+    assert one["metrics"]["grad_norm"] > 0.5  # the cap bites: the clipped gradient is what AdamW steps on
+    assert 0 < one["metrics"]["outside_support"] < one["metrics"]["model_tokens"]
+    assert_same_step(pair["three-groups"], one)
+    assert pair["three-groups"]["collectives"][0]["reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize(("case", "ranks"), [("one-group", 2), ("mixed", 2), ("uneven", 3)])
-def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(tmp_path, case, ranks):
-    """A rank with no row at all, a rank of plain rows beside one running PrefixFlow, groups of different sizes
-    and prefix lengths in token-budget microbatches: every rank makes the same collectives, the short ones with
-    idle calls whose gradient is 0, and the team makes one process's update."""
-    one = _run(tmp_path / "one.pt", 1, "--case", case)
-    assert_same_step(_run(tmp_path / "team.pt", ranks, "--case", case), one, ranks)
+@pytest.mark.parametrize("case", ["one-group", "mixed"])
+def test_uneven_shares_of_the_ranks_make_the_update_one_process_makes(alone, pair, case):
+    """A rank with no row at all, a rank of plain rows beside one running PrefixFlow: every rank makes the same
+    collectives, the short one with idle calls whose gradient is 0, and the team makes one process's update."""
+    assert_same_step(pair[case], alone[case])
 
 
-@pytest.mark.parametrize("flags", [["--kl"], ["--untied"]])
-def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(tmp_path, flags):
+def test_three_ranks_with_uneven_groups_in_token_budget_microbatches_make_the_update_one_process_makes(alone,
+                                                                                                    tmp_path):
+    """Groups of different sizes and prefix lengths, one of plain rows, in microbatches of at most 40 tokens,
+    over three ranks."""
+    assert_same_step(_run(tmp_path / "team.pt", 3, "--case", "uneven"), alone["uneven"], 3)
+
+
+@pytest.mark.parametrize("case", ["kl", "untied"])
+def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(alone, pair, case):
     """Built on the meta device, each rank reading its rows of the saved model (a tied one with its KL reference
     loaded the same way; an untied one, whose embedding is a unit of its own): the same update as one process
     that loaded it whole. With the KL penalty, each rank computes the reference's log π on its own rows, summed
     over the team as π_old's are."""
-    from verbatim.bench.prefixflow_exactness import tiny_llama
-
-    folder = tmp_path / "model"
-    tiny_llama(tied="--untied" not in flags, seed=1).save_pretrained(folder)
-    one = _run(tmp_path / "one.pt", 1, *flags)
-    if "--kl" in flags:
-        assert one["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
-    assert_same_step(_run(tmp_path / "team.pt", 2, *flags, "--from", str(folder)), one)  # kl_ref compared too
+    if case == "kl":
+        assert alone["kl"]["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
+    assert_same_step(pair[case], alone[case])  # kl_ref compared too
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
@@ -193,19 +239,17 @@ def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
 
 
 
-def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, tmp_path):
-    averaged = _run(tmp_path / "averaged.pt", 2, "--divide", "2")
+def test_the_comparison_catches_gradients_averaged_over_the_ranks(alone, pair):
+    averaged, one = pair["averaged"], alone["three-groups"]
     with pytest.raises(AssertionError):
-        assert_same_step(averaged, alone)
-    assert averaged["metrics"]["grad_norm"] == pytest.approx(alone["metrics"]["grad_norm"] / 2, rel=1e-4)
+        assert_same_step(averaged, one)
+    assert averaged["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"] / 2, rel=1e-4)
 
 
-
-def test_bf16_on_a_team_gathers_bfloat16_weights_reduces_in_float32_and_makes_one_processs_update(tmp_path):
+def test_bf16_on_a_team_gathers_bfloat16_weights_reduces_in_float32_and_makes_one_processs_update(alone, pair):
     """FSDP's mixed precision: the decoder computes with bfloat16 weights (one process: autocast over float32,
     so its residual stream stays float32 and the two differ by bfloat16's rounding, not by a rank's gradient)."""
-    one = _run(tmp_path / "one.pt", 1, "--dtype", "bf16")
-    two = _run(tmp_path / "two.pt", 2, "--dtype", "bf16")
+    one, two = alone["bf16"], pair["bf16"]
     assert one["gathered"] == ["torch.float32"] and two["gathered"] == ["torch.bfloat16"]
     assert {t.dtype for t in two["weights"].values()} == {torch.float32}  # the engine gets the float32 master
     for key in ("loss", "grad_norm"):
@@ -214,7 +258,7 @@ def test_bf16_on_a_team_gathers_bfloat16_weights_reduces_in_float32_and_makes_on
         for name, grad in theirs.items():
             assert mine[name].dtype == torch.float32  # reduced and stepped on in float32
             assert float((mine[name] - grad).norm()) <= 0.1 * float(grad.norm()) + 1e-6, name
-    averaged = _run(tmp_path / "averaged.pt", 2, "--dtype", "bf16", "--divide", "2")
+    averaged = pair["bf16-averaged"]
     assert averaged["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"] / 2, rel=5e-3)
 
 # -- a rank that hangs ------------------------------------------------------------------------------
@@ -249,12 +293,19 @@ def _same_moments(mine: dict, theirs: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def team_checkpoint(tmp_path_factory) -> tuple[Path, dict]:
+def team_checkpoint(pair) -> tuple[Path, dict]:
     """Two ranks' step, checkpointed (its weights in files of at most 60 kB): the folder and the whole optimizer
     state the team held."""
-    folder = tmp_path_factory.mktemp("team-ckpt")
-    saved = _run(folder / "step.pt", 2, "--save", str(folder / "checkpoints"), "--file-bytes", "60000")
-    return Path(saved["written"]), saved
+    return Path(pair["saved"]["written"]), pair["saved"]
+
+
+@pytest.fixture(scope="module")
+def restored(pair, team_checkpoint, tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """The team's checkpoints (after the step, and before any update) restored by 1, 2 and 3 ranks (a launch
+    each)."""
+    folder = tmp_path_factory.mktemp("restored")
+    jobs = {"step": ["--restore", str(team_checkpoint[0])], "empty": ["--restore", pair["empty"]["written"]]}
+    return {ranks: _steps(folder / str(ranks), ranks, jobs) for ranks in (1, 2, 3)}
 
 
 def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights_file_by_file(team_checkpoint):
@@ -280,9 +331,9 @@ def test_a_team_writes_its_optimizer_as_shards_beside_the_whole_weights_file_by_
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_any_number_of_ranks_restores_the_teams_optimizer_state_exactly(team_checkpoint, tmp_path, ranks):
-    path, saved = team_checkpoint
-    restored = _run(tmp_path / "restored.pt", ranks, "--restore", str(path))
+def test_any_number_of_ranks_restores_the_teams_optimizer_state_exactly(team_checkpoint, restored, ranks):
+    _, saved = team_checkpoint
+    restored = restored[ranks]["step"]
     assert restored["team"] == ranks and restored["saved"]["version"] == 1
     _same_moments(restored["moments"], saved["moments"])
     assert sorted(restored["weights"]) == sorted(saved["weights"])
@@ -302,10 +353,9 @@ def test_a_team_checkpoint_missing_a_shard_is_not_complete(team_checkpoint, tmp_
     assert latest_checkpoint(copy.parent) is None
 
 
-def test_a_team_checkpoint_before_any_update_restores_an_empty_optimizer_state(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_a_team_checkpoint_before_any_update_restores_an_empty_optimizer_state(pair, restored, ranks):
     """No fake step: a state filled with zeros and step 1 would bias AdamW's first real update."""
-    written = Path(_run(tmp_path / "empty.pt", 2, "--no-step", "--save", str(tmp_path / "checkpoints"))["written"])
+    written = Path(pair["empty"]["written"])
     assert (written / "optimizer.pt").is_file() and not (written / "optimizer").exists()
-    for ranks in (1, 2):
-        restored = _run(tmp_path / f"restored-{ranks}.pt", ranks, "--restore", str(written))
-        assert restored["empty"] and restored["saved"]["version"] == 0
+    assert restored[ranks]["empty"]["empty"] and restored[ranks]["empty"]["saved"]["version"] == 0
