@@ -32,7 +32,8 @@ def test_every_weight_goes_once_in_order_and_a_file_passes_the_cap_only_holding_
     if len(plan) == 1:
         assert plan[0][0] == SINGLE
     else:
-        assert [f for f, _ in plan] == [f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
+        count = len(plan)
+        assert [f for f, _ in plan] == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
 def test_one_file_under_the_cap_is_model_safetensors():
