@@ -22,7 +22,7 @@ def tiny_work(tmp_path_factory) -> train_scale.ScaleWork:
 def _rank(ranks: int, rank: int, **changes: object) -> dict:
     row = {"ranks": ranks, "rank": rank, "backend": "gloo" if ranks > 1 else "none", "threads": 1, "step_s": 2.0,
            "tokens": 40, "loss": 0.5, "grad_norm": 1.25, "params_mib": 100.0 / ranks, "optimizer_mib": 200.0 / ranks,
-           "step_peak_mib": 50.0, "parameters": 1000}
+           "step_peak_mib": 50.0, "load_peak_mib": 20.0, "root_mib": 10.0 if ranks > 1 else 0.0, "parameters": 1000}
     return row | changes
 
 
@@ -36,11 +36,22 @@ def test_two_ranks_make_the_update_one_process_makes_and_each_holds_half(tiny_wo
         assert r["loss"] == pytest.approx(alone[0]["loss"], rel=1e-4)
         assert r["optimizer_mib"] == pytest.approx(alone[0]["optimizer_mib"] / 2, rel=0.05)  # AdamW's state, sharded
         assert r["params_mib"] == pytest.approx(alone[0]["params_mib"] / 2, rel=0.05)
+    assert all(r["load_peak_mib"] is not None and r["load_peak_mib"] >= 0 for team in teams for r in team)
+    assert alone[0]["root_mib"] == 0 and all(r["root_mib"] > 0 for r in pair)  # each rank read its own rows
     table = train_scale.markdown_table(teams)
-    assert [line.count("|") for line in table.splitlines()] == [14] * 5  # head, rule, three ranks
+    assert [line.count("|") for line in table.splitlines()] == [16] * 5  # head, rule, three ranks
     assert "| 1.00x |" in table and "| 0.50x |" in table
     text = train_scale.section_text(teams, tiny_work, "verbatim bench train-scale")
     assert "Measured by `verbatim bench train-scale`" in text and "NCCL was not measured" in text
+
+
+def test_the_floor_is_what_a_rank_holds_with_its_gradient_shard_and_the_root_gathered_with_its_gradient():
+    """One process: 100 parameters + 200 AdamW + 100 gradient; each of two ranks: 50 + 100 + 50 + the root's 10
+    twice."""
+    assert train_scale.floor(_rank(1, 0)) == 400
+    assert train_scale.floor(_rank(2, 0)) == 220
+    row = train_scale.markdown_table([[_rank(1, 0)], [_rank(2, 0), _rank(2, 1)]]).splitlines()[3]
+    assert row.endswith("| 0.55x | 20 |")
 
 
 def test_a_team_that_makes_another_update_or_holds_as_much_is_an_error_not_a_table():
@@ -67,6 +78,8 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "--write missing.md: no such file" in lines[0], result.output
+    result = CliRunner().invoke(app, ["bench", "train-scale", "--dtype", "fp16"])
+    assert result.exit_code == 2 and "--dtype fp16: use fp32 or bf16" in result.output, result.output
 
 
 def test_prefixflow_on_a_team_is_timed_against_whole_sequences_on_the_same_team(tiny_work, monkeypatch):

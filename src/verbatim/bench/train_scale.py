@@ -37,8 +37,21 @@ from verbatim.errors import BenchmarkError
 from verbatim.trainer.distributed import ENVIRONMENT, on_this_machine
 
 SECTION = "bench-train-scale"
+
+
+def section(dtype: str) -> str:
+    """The docs section a run of this dtype writes: float32's, or its own (bf16's table beside it)."""
+    return SECTION if dtype == "fp32" else f"{SECTION}-{dtype}"
+
 RANKS = (1, 2)
 TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK")
+GATHERED = {"fp32": 4, "bf16": 2}
+"""Bytes of an element of a team's gathered weights (and of their gradient before it is reduced)."""
+UPDATE_REL = {"fp32": 1e-4, "bf16": 0.1}
+"""How far a team's loss and gradient norm may be from one process's, relative: float32 sums in another order; with
+bf16, a team computing with bfloat16 weights and activations against autocast over float32 in one process (its
+residual stream float32): 5 % apart in the gradient norm on the default model, the 10 % that
+tests/test_trainer_distributed.py allows each parameter's gradient."""
 MMAP_THRESHOLD_MIB = 1
 """Every CPU process of the benchmark pins glibc's mmap threshold here, one process and ranks alike: a freed
 block of a MiB or more goes back to the system, so a rank's resident set is not its allocator's history of
@@ -59,6 +72,8 @@ class ScaleWork:
     """The learner's path: PrefixFlow (True), whole sequences (False), or the model's default (None)."""
     threads: int | None = None
     """Torch threads per rank (None: the machine's cores shared evenly over the team's ranks)."""
+    dtype: str = "fp32"
+    """The learner's ``--dtype``: ``bf16`` gathers bfloat16 weights on a team (autocast in one process)."""
 
     def threads_for(self, ranks: int) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // ranks)
@@ -79,7 +94,7 @@ def _held_mib(learner: Any) -> tuple[float, float]:
 def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     """This process's rank of a team of ``ranks``: a warm-up step, then the measured step."""
     from verbatim.bench.prefixflow import fix_mmap_threshold, peak_rss_mb
-    from verbatim.bench.train_step import Workload, build_model, step_input
+    from verbatim.bench.train_step import Workload, step_input
     from verbatim.trainer.distributed.team import join, leave
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.learner_config import LearnerConfig
@@ -90,12 +105,15 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
         fix_mmap_threshold(MMAP_THRESHOLD_MIB)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
     team = join(device, timeout_s=900)
-    model = build_model(work.model).to(device)
+    with peak_rss_mb() as loading:
+        model = _load(work.model, team, device, work.dtype)
     # a schedule whose second step has learning rate 0: the warm-up runs as that step (its kernels and AdamW's
     # state warm, the weights unchanged), so every team measures its step on the same weights (an update's rounding
     # differs with the team's sums, and AdamW's first step moves a near-zero gradient's weight by up to lr)
-    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0, prefixflow=work.prefixflow)
+    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0, prefixflow=work.prefixflow,
+                           dtype=work.dtype)
     learner = Learner(model, config, team=team)
+    root = _root_parameters(learner) * GATHERED[work.dtype]  # gathered whole for a pass, and so is its gradient
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
     vocab = int(learner.model.get_input_embeddings().weight.shape[0])
     learner.train_step(step_input(vocab, rows, seed=1, reply=8), at=(1, 2))
@@ -109,11 +127,35 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     step_peak = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else peak.mb
     leave()
     return {"ranks": ranks, "rank": team.rank, "backend": "nccl" if gpu else ("gloo" if ranks > 1 else "none"),
-            "device": device, "threads": work.threads_for(ranks), "step_s": round(seconds, 2),
+            "device": device, "threads": work.threads_for(ranks), "dtype": work.dtype, "step_s": round(seconds, 2),
             "tokens": metrics["kept_tokens"], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             "params_mib": round(params_mib, 1), "optimizer_mib": round(optimizer_mib, 1),
             "step_peak_mib": None if step_peak is None else round(step_peak, 1),
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "load_peak_mib": loading.mb, "root_mib": round(root / 2**20, 4),
+            "parameters": sum(p.numel() for p in learner.model.parameters())}
+
+
+def _root_parameters(learner: Any) -> int:
+    """The parameters a team's root unit keeps gathered for a pass (those of no other unit); 0 in one process."""
+    units = [unit for unit in getattr(learner.placement, "units", []) if unit is not learner.model]
+    if not units:
+        return 0
+    elsewhere = {id(p) for unit in units for p in unit.parameters()}
+    return sum(p.numel() for p in learner.model.parameters() if id(p) not in elsewhere)
+
+
+def _load(name: str, team: Any, device: str, dtype: str) -> Any:
+    """The model as ``verbatim train`` loads it: on a team each rank reads its own rows of the model folder's
+    weights into the meta-device model (the random ``0.5b`` built whole, then sharded); one process whole."""
+    from verbatim.bench.train_step import build_model
+    from verbatim.engine.models import resolve
+    from verbatim.trainer.distributed.loading import sharded_from
+
+    if team.size > 1 and name != "0.5b":
+        sharded = sharded_from(resolve(name), team, dtype, device)
+        if sharded is not None:
+            return sharded
+    return build_model(name).to(device)
 
 
 def run_team(work: ScaleWork, ranks: int) -> list[dict[str, Any]]:
@@ -141,7 +183,7 @@ def check_scaling(teams: Sequence[list[dict[str, Any]]]) -> None:
     for team in teams[1:]:
         for r in team:
             for key in ("loss", "grad_norm"):
-                if abs(r[key] - alone[key]) > 1e-4 * max(1.0, abs(alone[key])):
+                if abs(r[key] - alone[key]) > UPDATE_REL[r.get("dtype", "fp32")] * max(1.0, abs(alone[key])):
                     raise BenchmarkError(f"{r['ranks']} ranks made another update than one process: {key} "
                                          f"{r[key]:.6g} against {alone[key]:.6g} (rank {r['rank']})")
             if r["tokens"] != alone["tokens"]:
@@ -166,15 +208,23 @@ def run_bench(work: ScaleWork, ranks: Sequence[int] = RANKS,
     return teams
 
 
+def floor(rank: dict[str, Any]) -> float:
+    """The least a rank can hold at its step's peak with no activations at all (MiB): its parameters and AdamW
+    state, its gradient's shard, and the root's weights gathered whole with their whole gradient (the output
+    layer computes with, and backpropagates into, all of it; in the gather's dtype)."""
+    return rank["params_mib"] + rank["optimizer_mib"] + rank["params_mib"] + 2 * rank["root_mib"]
+
+
 def markdown_table(teams: Sequence[list[dict[str, Any]]]) -> str:
     """One row per rank of each team size; throughput and memory against one process."""
     alone = teams[0][0]
     lines = ["| ranks | rank | backend | threads | step (s) | tokens/s (team) | tokens/s per rank "
              "| parameters held (MiB) | AdamW state held (MiB) | held vs 1 rank | step peak (MiB) "
-             "| held + step peak (MiB) | held + step peak vs 1 rank |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| held + step peak (MiB) | held + step peak vs 1 rank | floor vs 1 rank | load peak (MiB) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     held_alone = alone["params_mib"] + alone["optimizer_mib"]
     top_alone = None if alone["step_peak_mib"] is None else held_alone + alone["step_peak_mib"]
+    floor_alone = held_alone + alone["params_mib"]  # and its whole gradient
     for team in teams:
         step_s = max(r["step_s"] for r in team)
         for r in team:
@@ -185,7 +235,8 @@ def markdown_table(teams: Sequence[list[dict[str, Any]]]) -> str:
             lines.append(f"| {r['ranks']} | {r['rank']} | {r['backend']} | {r['threads']} | {r['step_s']:.1f} "
                          f"| {r['tokens'] / step_s:.0f} | {r['tokens'] / step_s / r['ranks']:.0f} "
                          f"| {r['params_mib']:.0f} | {r['optimizer_mib']:.0f} | {held / held_alone:.2f}x "
-                         f"| {peak} | {top} | {ratio} |")
+                         f"| {peak} | {top} | {ratio} | {floor(r) / floor_alone:.2f}x "
+                         f"| {'n/a' if r['load_peak_mib'] is None else format(r['load_peak_mib'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -229,7 +280,8 @@ def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command
     where = ("every rank on a GPU of its own, NCCL" if gpu else
              "CPU processes on gloo; no GPU here, so NCCL was not measured")
     return (markdown_table(teams) + f"\n\nMeasured by `{command}` ({time.strftime('%Y-%m-%d')}; {where}; the "
-            f"{work.model} model, {alone['parameters'] / 1e6:.0f}M parameters; one step of {work.groups} groups × "
+            f"{work.model} model, {alone['parameters'] / 1e6:.0f}M parameters; --dtype {work.dtype}; one step of "
+            f"{work.groups} groups × "
             f"{work.group_size} rollouts of {work.prompt} prompt + {work.reply} model tokens, microbatch "
             f"{work.microbatch}, after a warm-up step; every team made the same update: loss "
             f"{alone['loss']:.6g}, gradient norm {alone['grad_norm']:.6g}). Tokens/s: the step's model tokens "
@@ -238,7 +290,11 @@ def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command
             "allocation (GPU), every CPU process with glibc's mmap threshold pinned at "
             f"{MMAP_THRESHOLD_MIB} MiB so that freed blocks leave the resident set: a rank holds one decoder "
             "layer's gathered weights at a time, the root's (output layer, tied embedding) for the whole pass, and "
-            "its shard of the gradient (docs/scale.md).\n\n"
+            "its shard of the gradient (docs/scale.md). Floor: the least held + step peak any FSDP rank reaches "
+            "with no activations at all: its parameters, AdamW state and gradient shard, and the root's weights "
+            "gathered whole with their whole gradient, against one process's parameters, AdamW state and "
+            "gradient. Load peak: the resident set's rise while the rank loads the model (a team's ranks each "
+            "read their own rows of the model folder's weights; one process loads it whole).\n\n"
             "Placement of larger models, computed (not measured) by the accounting `verbatim train` refuses a "
             "placement with (`jobs/placement.py`): each rank's 1/N of the float32 weights, gradients and AdamW "
             "state, and the root and largest unit gathered at once with their gradients, per GPU, before "

@@ -204,17 +204,22 @@ def bench_train_scale(
     reply: int = typer.Option(128, "--reply", min=1, help="Model tokens per rollout (after a 64-token prompt)."),
     threads: int = typer.Option(None, "--threads", min=1, help="Torch threads per rank (default: the cores "
                                 "shared evenly over the ranks)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16: bfloat16 weights gathered on a team "
+                              "(autocast in one process), float32 master weights and reduction."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per rank of each team, one per line."),
     write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
                                "bench-train-scale section (docs/benchmarks.md)."),
 ) -> None:
     """One learner step of a fixed batch on one process and on a team of ranks (FSDP2: gloo on the CPU, NCCL
     on GPUs): time, tokens/s per rank, and the parameters and optimizer state each rank holds."""
-    from verbatim.bench.train_scale import SECTION, ScaleWork, markdown_table, run_bench, section_text
+    from verbatim.bench.train_scale import ScaleWork, markdown_table, run_bench, section, section_text
+    from verbatim.errors import InputError
 
+    if dtype not in ("fp32", "bf16"):
+        raise InputError(f"--dtype {dtype}: use fp32 or bf16")
     if write is not None:
-        docsection.require_section(write, SECTION)
-    work = ScaleWork(model=model, reply=reply, threads=threads)
+        docsection.require_section(write, section(dtype))
+    work = ScaleWork(model=model, reply=reply, threads=threads, dtype=dtype)
 
     show_rank = progress(as_json, lambda r: f"{r['ranks']} rank(s), rank {r['rank']}: {r['step_s']:.1f} s, "
                                             f"holds {r['params_mib'] + r['optimizer_mib']:.0f} MiB")
@@ -228,8 +233,8 @@ def bench_train_scale(
         console.print(markdown_table(teams))
     if write is not None:
         command = command_line("train-scale", ranks=ranks or None, model=model, reply=None if reply == 128 else reply,
-                               threads=threads, write=write)
-        docsection.write_section(write, SECTION, section_text(teams, work, command), libraries=("torch",))
+                               threads=threads, dtype=None if dtype == "fp32" else dtype, write=write)
+        docsection.write_section(write, section(dtype), section_text(teams, work, command), libraries=("torch",))
 
 
 # ---------------------------------------------------------------------------
