@@ -42,6 +42,24 @@ def test_one_file_under_the_cap_is_model_safetensors():
                                                       ("model-00002-of-00002.safetensors", ["b"])]
 
 
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64]),
+                          st.integers(0, 6), st.integers(1, 4), st.data()), min_size=1, max_size=4))
+def test_rows_read_with_pread_are_the_rows_the_file_holds(tmp_path_factory, weights):
+    import safetensors.torch
+
+    from verbatim.trainer.weight_files import RowReader
+
+    file = tmp_path_factory.mktemp("rows") / "w.safetensors"
+    tensors = {f"w{i}": (torch.randn(rows, cols) * 100).to(dtype) for i, (dtype, rows, cols, _) in enumerate(weights)}
+    safetensors.torch.save_file(tensors, str(file))
+    reader = RowReader()
+    for (name, tensor), (_, rows, _, data) in zip(tensors.items(), weights, strict=True):
+        start = data.draw(st.integers(0, rows))
+        stop = data.draw(st.integers(start, rows))
+        got = reader.rows(file, name, start, stop)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor[start:stop])
+
+
 @pytest.fixture
 def several(tmp_path, monkeypatch):
     """A tied model checkpointed in files of at most 40 kB (a few weights each), with its config."""

@@ -155,7 +155,11 @@ def _load(name: str, team: Any, device: str, dtype: str) -> Any:
         sharded = sharded_from(resolve(name), team, dtype, device)
         if sharded is not None:
             return sharded
-    return build_model(name).to(device)
+    model = build_model(name).to(device)
+    with torch.no_grad():  # transformers maps the file: its weights reach memory when first read, here
+        for param in model.parameters():
+            param.view(-1)[::1024].sum()  # a read of every page (4 KiB, 1,024 float32s)
+    return model
 
 
 def run_team(work: ScaleWork, ranks: int) -> list[dict[str, Any]]:
@@ -293,8 +297,9 @@ def section_text(teams: Sequence[list[dict[str, Any]]], work: ScaleWork, command
             "its shard of the gradient (docs/scale.md). Floor: the least held + step peak any FSDP rank reaches "
             "with no activations at all: its parameters, AdamW state and gradient shard, and the root's weights "
             "gathered whole with their whole gradient, against one process's parameters, AdamW state and "
-            "gradient. Load peak: the resident set's rise while the rank loads the model (a team's ranks each "
-            "read their own rows of the model folder's weights; one process loads it whole).\n\n"
+            "gradient. Load peak: the resident set's rise while the rank loads the model, its modules imported "
+            "(a team's ranks each read their own rows of the model folder's weights, then make the first forward "
+            "that makes FSDP's root; one process loads it whole, every page of its weights read).\n\n"
             "Placement of larger models, computed (not measured) by the accounting `verbatim train` refuses a "
             "placement with (`jobs/placement.py`): each rank's 1/N of the float32 weights, gradients and AdamW "
             "state, and the root and largest unit gathered at once with their gradients, per GPU, before "

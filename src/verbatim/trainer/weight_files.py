@@ -15,6 +15,8 @@ recorded as ``verbatim_aliases`` in the metadata (the file's, or the index's) an
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,51 @@ def _index(folder: Path) -> tuple[dict[str, str], dict[str, str]]:
         return dict(index["weight_map"]), dict(index.get("metadata", {}).get(ALIASES_KEY, {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"cannot read {folder / INDEX}: {io_reason(exc)}") from exc
+
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+"""safetensors' dtype names that :class:`RowReader` reads."""
+
+
+class RowReader:
+    """Rows of the weights in safetensors files, read with ``pread`` into memory of their own: only the bytes of
+    the rows asked for are read, and no file is mapped (a mapped file's touched pages would count in the
+    reader's resident memory until it is closed, as a whole weight's would)."""
+
+    def __init__(self) -> None:
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def rows(self, file: Path, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (of dimension 0) of weight ``name`` in ``file``, in the file's dtype."""
+        data_start, header = self._header(file)
+        entry = header[name]
+        if entry["dtype"] not in DTYPES:
+            raise CheckpointError(f"cannot read {file}: {name} is {entry['dtype']}, which verbatim does not load")
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        row_bytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape[1:])
+        buffer = bytearray((stop - start) * row_bytes)
+        offset = data_start + entry["data_offsets"][0] + start * row_bytes
+        with open(file, "rb", buffering=0) as handle:
+            got = os.preadv(handle.fileno(), [buffer], offset) if buffer else 0
+        if got != len(buffer):
+            raise CheckpointError(f"cannot read {file}: {name} is cut short ({got} of {len(buffer)} bytes)")
+        if not buffer:
+            return torch.empty((0, *shape[1:]), dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(stop - start, *shape[1:])
+
+    def _header(self, file: Path) -> tuple[int, dict[str, Any]]:
+        if file not in self._headers:
+            try:
+                with open(file, "rb") as handle:
+                    size = int.from_bytes(handle.read(8), "little")
+                    header = json.loads(handle.read(size))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"cannot read {file}: {io_reason(exc)}") from exc
+            header.pop("__metadata__", None)
+            self._headers[file] = (8 + size, header)
+        return self._headers[file]
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:

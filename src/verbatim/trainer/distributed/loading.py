@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.weight_files import weight_index
+from verbatim.trainer.weight_files import RowReader, weight_index
 
 
 @contextlib.contextmanager
@@ -65,32 +65,27 @@ def missing_weights(model: nn.Module, files: dict[str, Path]) -> list[str]:
 
 
 def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
-    """Fill this rank's shard of every parameter of the sharded ``model`` from ``files``, reading only its rows;
-    returns the bytes read."""
-    from safetensors import safe_open
+    """Fill this rank's shard of every parameter of the sharded ``model`` from ``files``, reading only its rows
+    (:class:`~verbatim.trainer.weight_files.RowReader`: no file mapped); returns the bytes read."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     missing = missing_weights(model, files)
     if missing:
         raise TrainerError(f"the weight files name no {missing[0]} ({len(missing)} parameters missing)")
-    handles: dict[Path, Any] = {}
+    reader = RowReader()
     read = 0
-    with contextlib.ExitStack() as stack:
-        for name, param in model.named_parameters():
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            local = param.to_local() if hasattr(param, "to_local") else param
-            if hasattr(param, "device_mesh"):
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                      param.placements)
-            else:
-                shape, offset = tuple(param.shape), (0,) * param.dim()
-            rows = handles[file].get_slice(name)[offset[0]:offset[0] + shape[0]] if shape[0] else None
-            if rows is not None:
-                with torch.no_grad():
-                    local.copy_(rows.reshape(local.shape).to(local.dtype))
-                read += rows.numel() * rows.element_size()
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if hasattr(param, "device_mesh"):
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        else:
+            shape, offset = tuple(param.shape), (0,) * param.dim()
+        if not shape[0]:
+            continue
+        rows = reader.rows(files[name], name, offset[0], offset[0] + shape[0])
+        with torch.no_grad():
+            local.copy_(rows.reshape(local.shape).to(local.dtype))
+        read += rows.numel() * rows.element_size()
     return read
 
 
