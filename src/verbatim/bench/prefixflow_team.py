@@ -56,5 +56,12 @@ def section_text(rows: Sequence[dict[str, Any]], work: ScaleWork, command: str, 
     return (markdown_table(rows) + f"\n\nMeasured by `{command}` ({today}; CPU processes on gloo, one torch thread "
             f"a rank; the {work.model} model; a step of {work.groups} groups (one a rank on the largest team) of "
             f"{work.group_size} rows sharing a {work.prompt}-token prompt, {work.reply} model tokens each, "
-            f"microbatch {work.microbatch}, after a warm-up step; both paths made the same update: gradient norm "
+            f"{_microbatches(work)}, after a warm-up step; both paths made the same update: gradient norm "
             f"{rows[0]['grad_norm']:.6g}). Each time is the step's slowest rank's.")
+
+
+def _microbatches(work: ScaleWork) -> str:
+    if work.microbatch_tokens is None:
+        return f"microbatch {work.microbatch}"
+    return (f"microbatches of up to {work.microbatch_tokens} tokens on both paths (--microbatch-tokens: "
+            f"{work.microbatch} whole sequences, or as many of PrefixFlow's suffixes as fit)")

@@ -68,6 +68,8 @@ class ScaleWork:
     prompt: int = 64
     reply: int = 128
     microbatch: int = 2
+    microbatch_tokens: int | None = None
+    """Microbatches of up to this many tokens (``--microbatch-tokens``) in place of ``microbatch`` rows."""
     prefixflow: bool | None = None
     """The learner's path: PrefixFlow (True), whole sequences (False), or the model's default (None)."""
     threads: int | None = None
@@ -110,8 +112,8 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     # a schedule whose second step has learning rate 0: the warm-up runs as that step (its kernels and AdamW's
     # state warm, the weights unchanged), so every team measures its step on the same weights (an update's rounding
     # differs with the team's sums, and AdamW's first step moves a near-zero gradient's weight by up to lr)
-    config = LearnerConfig(microbatch=work.microbatch, lr_schedule="linear", lr_final=0.0, prefixflow=work.prefixflow,
-                           dtype=work.dtype)
+    config = LearnerConfig(microbatch=work.microbatch, microbatch_tokens=work.microbatch_tokens, lr_schedule="linear",
+                           lr_final=0.0, prefixflow=work.prefixflow, dtype=work.dtype)
     learner = Learner(model, config, team=team)
     root = _root_parameters(learner) * GATHERED[work.dtype]  # gathered whole for a pass, and so is its gradient
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)

@@ -120,8 +120,10 @@ def _prefixflow_team(ranks: list[int], ratios: list[float], sizes: list[int], se
     if write is not None:
         docsection.require_section(write, prefixflow_team.SECTION)
     prefix = round(ratios[0] * seq_len)
+    # both paths get the token budget of --micro-batch whole sequences: PrefixFlow's suffixes are packed into it, as
+    # the one-process bench gives phase B the baseline's memory budget
     work = ScaleWork(model=model, groups=max(ranks), group_size=sizes[0], prompt=prefix, reply=seq_len - prefix,
-                     microbatch=micro_batch, threads=1)
+                     microbatch=micro_batch, microbatch_tokens=micro_batch * seq_len, threads=1)
     show = progress(as_json, lambda r: f"{r['ranks']} rank(s): full {r['full_s']:.1f} s, PrefixFlow "
                                        f"{r['prefixflow_s']:.1f} s, {r['speedup']:.2f}x")
     rows = prefixflow_team.run_bench(work, ranks, progress=show)
