@@ -38,13 +38,13 @@ from torch import nn
 
 from verbatim.durable import fsync_dir, io_reason, strict_json
 from verbatim.errors import CheckpointError, InputError
-from verbatim.trainer.weight_files import has_weights, read_weights, write_weights
+from verbatim.trainer.weight_files import SINGLE, has_weights, read_weights, write_weights
 
 CHECKPOINT_SCHEMA = 1
 OPTIMIZER_FILE = "optimizer.pt"
-FILES = (OPTIMIZER_FILE, "rng.pt", "state.json")
-"""A one-process checkpoint's files beside its weights (a team's holds the ``optimizer/`` shards in place of
-``optimizer.pt``)."""
+FILES = (SINGLE, OPTIMIZER_FILE, "rng.pt", "state.json")
+"""A one-process checkpoint's files under 2 GiB of weights (a team's holds the ``optimizer/`` shards in place of
+``optimizer.pt``; larger weights are numbered files and their index in place of ``model.safetensors``)."""
 OPTIMIZER_SHARDS = "optimizer"
 TMP_PREFIX = ".tmp-"
 _STEP_NAME = re.compile(r"step-(\d+)")
@@ -254,7 +254,7 @@ def _complete_steps(root: Path) -> dict[int, Path]:
 
 def _complete(path: Path) -> bool:
     """Every file of a checkpoint there, the optimizer's as one file or as a team's shards."""
-    return (all((path / f).is_file() for f in FILES if f != OPTIMIZER_FILE) and has_weights(path)
+    return (all((path / f).is_file() for f in FILES if f not in (SINGLE, OPTIMIZER_FILE)) and has_weights(path)
             and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None))
 
 
