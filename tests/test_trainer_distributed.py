@@ -84,6 +84,33 @@ def test_a_process_without_a_torch_distributed_environment_is_a_team_of_one(monk
     assert Team().total(2.5) == 2.5 and Team().leader
 
 
+def test_a_gpu_rank_binds_its_own_device_and_its_groups_carry_cpu_tensors_beside_cuda_ones(monkeypatch):
+    """On CUDA every rank binds its own GPU before joining (else NCCL and torch's current device are cuda:0 on
+    every rank), and its groups pair NCCL with gloo, so a CPU float64 sum (Team.total) and the object collectives
+    (which torch runs on a group's CPU backend) are not refused by NCCL. Wired here without a GPU."""
+    import torch.distributed as dist
+
+    from verbatim.trainer.distributed import team
+
+    assert (team.backend("cpu"), team.backend("cuda"), team.backend("cuda:3")) == (
+        "gloo", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")
+    assert team.bound_device("cuda:3") == torch.device("cuda:3")
+    assert team.bound_device("cuda") is None and team.bound_device("cpu") is None
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("bind", device)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout, device_id: calls.append(
+        ("join", backend, device_id)))
+    monkeypatch.setattr(dist, "new_group", lambda backend, timeout: calls.append(("group", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    assert join("cuda:1").rank == 1
+    assert calls == [("bind", torch.device("cuda:1")), ("join", "cpu:gloo,cuda:nccl", torch.device("cuda:1")),
+                     ("group", "cpu:gloo,cuda:nccl")]
+
+
 def test_half_an_environment_is_refused_naming_what_is_missing(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -2,7 +2,8 @@
 
 :func:`join` starts or joins the default torch.distributed group from the environment torchrun (or
 ``verbatim train --trainer-procs``) sets: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
-NCCL where the trainer runs on a GPU, gloo on the CPU. Ranks start at their own pace (a model to load, a
+NCCL where the trainer runs on a GPU (gloo beside it for CPU tensors; each rank bound to its own GPU), gloo on
+the CPU. Ranks start at their own pace (a model to load, a
 node to boot), so the default group waits :data:`START_TIMEOUT` for them; the learner's collectives run
 on a group of their own whose timeout is the run's (a silent rank fails a step within it).
 :class:`Team` is that group as the learner uses it: an all-reduced sum and the shape of a pass the ranks
@@ -64,8 +65,17 @@ class Team:
 
 
 def backend(device: str) -> str:
-    """NCCL for CUDA devices, gloo for the CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """gloo on the CPU. On CUDA devices NCCL for device tensors with gloo beside it for CPU ones: the step's
+    float64 sums (:meth:`Team.total`), and the object collectives and checkpoint planning, which torch runs on
+    the CPU where a group has a CPU backend (NCCL alone refuses a CPU tensor)."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def bound_device(device: str) -> torch.device | None:
+    """The GPU this rank binds before joining (``cuda:N``), so NCCL's collectives and torch's current device are
+    its own rather than every rank's ``cuda:0``; None on the CPU, or for ``cuda`` with no index (one GPU)."""
+    chosen = torch.device(device)
+    return chosen if chosen.type == "cuda" and chosen.index is not None else None
 
 
 def join(device: str, timeout_s: float = 600.0) -> Team:
@@ -81,7 +91,11 @@ def join(device: str, timeout_s: float = 600.0) -> Team:
         raise InputError(f"torch.distributed needs {', '.join(missing)} in the environment beside "
                          f"{', '.join(n for n in ENVIRONMENT if n not in missing)}",
                          hint="launch with torchrun, or set all four")
-    dist.init_process_group(backend(device), timeout=max(START_TIMEOUT, datetime.timedelta(seconds=timeout_s)))
+    bound = bound_device(device)
+    if bound is not None:
+        torch.cuda.set_device(bound)
+    dist.init_process_group(backend(device), timeout=max(START_TIMEOUT, datetime.timedelta(seconds=timeout_s)),
+                            device_id=bound)
     return _team(device, timeout_s)
 
 
