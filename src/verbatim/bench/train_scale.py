@@ -97,6 +97,7 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     """This process's rank of a team of ``ranks``: a warm-up step, then the measured step."""
     from verbatim.bench.prefixflow import fix_mmap_threshold, peak_rss_mb
     from verbatim.bench.train_step import Workload, step_input
+    from verbatim.trainer.distributed.sharding import unit_parameters
     from verbatim.trainer.distributed.team import join, leave
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.learner_config import LearnerConfig
@@ -115,7 +116,8 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     config = LearnerConfig(microbatch=work.microbatch, microbatch_tokens=work.microbatch_tokens, lr_schedule="linear",
                            lr_final=0.0, prefixflow=work.prefixflow, dtype=work.dtype)
     learner = Learner(model, config, team=team)
-    root = _root_parameters(learner) * GATHERED[work.dtype]  # gathered whole for a pass, and so is its gradient
+    # the root's weights, gathered whole for a pass on a team, and so is its gradient
+    root = unit_parameters(learner.model)[0] * GATHERED[work.dtype] if team.size > 1 else 0
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
     vocab = int(learner.model.get_input_embeddings().weight.shape[0])
     learner.train_step(step_input(vocab, rows, seed=1, reply=8), at=(1, 2))
@@ -135,15 +137,6 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
             "step_peak_mib": None if step_peak is None else round(step_peak, 1),
             "load_peak_mib": loading.mb, "root_mib": round(root / 2**20, 4),
             "parameters": sum(p.numel() for p in learner.model.parameters())}
-
-
-def _root_parameters(learner: Any) -> int:
-    """The parameters a team's root unit keeps gathered for a pass (those of no other unit); 0 in one process."""
-    units = [unit for unit in getattr(learner.placement, "units", []) if unit is not learner.model]
-    if not units:
-        return 0
-    elsewhere = {id(p) for unit in units for p in unit.parameters()}
-    return sum(p.numel() for p in learner.model.parameters() if id(p) not in elsewhere)
 
 
 def _load(name: str, team: Any, device: str, dtype: str) -> Any:

@@ -170,9 +170,11 @@ def _named(optimizer_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers: the module classes Hugging Face keeps whole (``_no_split_modules``)."""
+    """The model's decoder layers: the module classes Hugging Face keeps whole (``_no_split_modules``), found
+    by their own class or one it derives from (FSDP2 gives a sharded module a subclass: ``FSDPLlamaDecoderLayer``)."""
     kinds = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in kinds and m is not model]
+    layers = [m for m in model.modules()
+              if m is not model and any(kind.__name__ in kinds for kind in type(m).__mro__)]
     if not layers:
         raise TrainerError(f"{type(model).__name__} names no decoder layer class (_no_split_modules), so FSDP "
                            "cannot shard it layer by layer", hint="train it in one process (--trainer-procs 1)")
