@@ -52,7 +52,7 @@ def file_plan(sizes: Sequence[tuple[str, int]], cap: int | None = None) -> list[
     return [(f"model-{i:05d}-of-{len(parts):05d}.safetensors", names) for i, names in enumerate(parts, 1)]
 
 
-def write_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None = None) -> None:
+def _write_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None = None) -> None:
     """One safetensors file (``aliases`` in its metadata where it is the only one), fsynced."""
     metadata = {"format": "pt"}  # "pt": what transformers' loader asks for
     if aliases is not None:
@@ -61,8 +61,8 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping
     fsync_file(path)
 
 
-def write_index(folder: Path, plan: Sequence[tuple[str, list[str]]], total_bytes: int,
-                aliases: Mapping[str, str]) -> None:
+def _write_index(folder: Path, plan: Sequence[tuple[str, list[str]]], total_bytes: int,
+                 aliases: Mapping[str, str]) -> None:
     """The index of a plan of several files, fsynced."""
     index = {"metadata": {"total_size": total_bytes, ALIASES_KEY: dict(aliases)},
              "weight_map": {name: file for file, names in plan for name in names}}
@@ -71,14 +71,26 @@ def write_index(folder: Path, plan: Sequence[tuple[str, list[str]]], total_bytes
     fsync_file(path)
 
 
-def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str],
-                  cap: int | None = None) -> None:
+def write_weights(folder: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
     """``tensors`` (CPU, each with its own memory) into ``folder`` as the files of :func:`file_plan`."""
-    plan = file_plan([(name, t.numel() * t.element_size()) for name, t in tensors.items()], cap)
+    write_planned(folder, [(name, t.numel() * t.element_size()) for name, t in tensors.items()], aliases,
+                  lambda names: {name: tensors[name] for name in names})
+
+
+def write_planned(folder: Path, sizes: Sequence[tuple[str, int]], aliases: Mapping[str, str],
+                  tensors_of: Callable[[list[str]], Mapping[str, torch.Tensor] | None]) -> None:
+    """The files of :func:`file_plan` for weights of these ``(name, bytes)``, each file's tensors asked of
+    ``tensors_of`` just before it is written (a team's ranks each gather them; rank 0 alone gets them back and
+    writes, the others get None), and the index where there are several."""
+    plan = file_plan(sizes)
+    written = False
     for file, names in plan:
-        write_file(folder / file, {name: tensors[name] for name in names}, aliases if len(plan) == 1 else None)
-    if len(plan) > 1:
-        write_index(folder, plan, sum(t.numel() * t.element_size() for t in tensors.values()), aliases)
+        tensors = tensors_of(names)
+        if tensors is not None:
+            _write_file(folder / file, tensors, aliases if len(plan) == 1 else None)
+            written = True
+    if written and len(plan) > 1:
+        _write_index(folder, plan, sum(size for _, size in sizes), aliases)
 
 
 def has_weights(folder: Path) -> bool:

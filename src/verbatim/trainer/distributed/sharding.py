@@ -57,7 +57,7 @@ from verbatim.trainer.checkpoint import (
     sharded_optimizer,
 )
 from verbatim.trainer.distributed.team import Team
-from verbatim.trainer.weight_files import file_plan, weight_shapes, write_file, write_index
+from verbatim.trainer.weight_files import weight_shapes, write_planned
 
 
 def unique_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -327,20 +327,18 @@ class ShardedModel:
         tensor. Every rank calls it: each gather is a collective."""
         state = self.model.state_dict()
         aliases = _aliases(self.model)
-        sizes = [(name, t.numel() * t.element_size()) for name, t in state.items() if name not in aliases]
-        plan = file_plan(sizes)
-        for file, names in plan:
+
+        def gathered(names: list[str]) -> dict[str, torch.Tensor] | None:
             tensors = {}
             for name in names:
                 whole = _whole(state[name])  # on every rank; kept by rank 0 alone
                 if self.team.leader:
                     tensors[name] = whole.detach().to("cpu").contiguous()
                 del whole
-            if self.team.leader:
-                write_file(folder / file, tensors, aliases if len(plan) == 1 else None)
-            del tensors
-        if self.team.leader and len(plan) > 1:
-            write_index(folder, plan, sum(size for _, size in sizes), aliases)
+            return tensors if self.team.leader else None
+
+        sizes = [(name, t.numel() * t.element_size()) for name, t in state.items() if name not in aliases]
+        write_planned(folder, sizes, aliases, gathered)
 
     def restore(self, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
         """Every rank reads its own rows of the checkpoint's weights (of a team or of one process: the run folder is
