@@ -22,7 +22,7 @@ def tiny_work(tmp_path_factory) -> train_scale.ScaleWork:
 def _rank(ranks: int, rank: int, **changes: object) -> dict:
     row = {"ranks": ranks, "rank": rank, "backend": "gloo" if ranks > 1 else "none", "threads": 1, "step_s": 2.0,
            "tokens": 40, "loss": 0.5, "grad_norm": 1.25, "params_mib": 100.0 / ranks, "optimizer_mib": 200.0 / ranks,
-           "step_peak_mib": 50.0, "load_peak_mib": 20.0, "root_mib": 10.0 if ranks > 1 else 0.0, "parameters": 1000}
+           "step_peak_mib": 50.0, "load_peak_mib": 20.0, "root_mib": 20.0 if ranks > 1 else 0.0, "parameters": 1000}
     return row | changes
 
 
@@ -47,7 +47,7 @@ def test_two_ranks_make_the_update_one_process_makes_and_each_holds_half(tiny_wo
 
 def test_the_floor_is_what_a_rank_holds_with_its_gradient_shard_and_the_root_gathered_with_its_gradient():
     """One process: 100 parameters + 200 AdamW + 100 gradient; each of two ranks: 50 + 100 + 50 + the root's 10
-    twice."""
+    gathered with its 10 of gradient (``root_mib``, 20)."""
     assert train_scale.floor(_rank(1, 0)) == 400
     assert train_scale.floor(_rank(2, 0)) == 220
     row = train_scale.markdown_table([[_rank(1, 0)], [_rank(2, 0), _rank(2, 1)]]).splitlines()[3]

@@ -45,8 +45,6 @@ def section(dtype: str) -> str:
 
 RANKS = (1, 2)
 TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK")
-GATHERED = {"fp32": 4, "bf16": 2}
-"""Bytes of an element of a team's gathered weights (and of their gradient before it is reduced)."""
 UPDATE_REL = {"fp32": 1e-4, "bf16": 0.1}
 """How far a team's loss and gradient norm may be from one process's, relative: float32 sums in another order; with
 bf16, a team computing with bfloat16 weights and activations against autocast over float32 in one process (its
@@ -97,6 +95,7 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     """This process's rank of a team of ``ranks``: a warm-up step, then the measured step."""
     from verbatim.bench.prefixflow import fix_mmap_threshold, peak_rss_mb
     from verbatim.bench.train_step import Workload, step_input
+    from verbatim.jobs.placement import GATHERED_BYTES
     from verbatim.trainer.distributed.sharding import unit_parameters
     from verbatim.trainer.distributed.team import join, leave
     from verbatim.trainer.learner import Learner
@@ -116,8 +115,8 @@ def measure_rank(work: ScaleWork, ranks: int) -> dict[str, Any]:
     config = LearnerConfig(microbatch=work.microbatch, microbatch_tokens=work.microbatch_tokens, lr_schedule="linear",
                            lr_final=0.0, prefixflow=work.prefixflow, dtype=work.dtype)
     learner = Learner(model, config, team=team)
-    # the root's weights, gathered whole for a pass on a team, and so is its gradient
-    root = unit_parameters(learner.model)[0] * GATHERED[work.dtype] if team.size > 1 else 0
+    # the root's weights, gathered whole for a pass on a team, with their whole gradient
+    root = unit_parameters(learner.model)[0] * GATHERED_BYTES[work.dtype] if team.size > 1 else 0
     rows = Workload(groups=work.groups, group_size=work.group_size, prompt=work.prompt, reply=work.reply)
     vocab = int(learner.model.get_input_embeddings().weight.shape[0])
     learner.train_step(step_input(vocab, rows, seed=1, reply=8), at=(1, 2))
@@ -211,7 +210,7 @@ def floor(rank: dict[str, Any]) -> float:
     """The least a rank can hold at its step's peak with no activations at all (MiB): its parameters and AdamW
     state, its gradient's shard, and the root's weights gathered whole with their whole gradient (the output
     layer computes with, and backpropagates into, all of it; in the gather's dtype)."""
-    return rank["params_mib"] + rank["optimizer_mib"] + rank["params_mib"] + 2 * rank["root_mib"]
+    return rank["params_mib"] + rank["optimizer_mib"] + rank["params_mib"] + rank["root_mib"]
 
 
 def markdown_table(teams: Sequence[list[dict[str, Any]]]) -> str:
