@@ -12,6 +12,8 @@ from pathlib import Path
 
 from subprocess_cli import cli_env
 
+from verbatim.engine.reaper import Process, descendants
+
 
 def served(server) -> list[str]:
     """The flags of a run on ``server`` (a ``tiny_server`` or ``vllm_server``: tests/conftest.py) and its model."""
@@ -45,12 +47,20 @@ class Trainer:
     def err(self) -> str:
         return self.stderr.read_text(errors="replace")[-3000:]
 
-    def kill_when(self, condition, timeout: float = 300.0) -> None:
+    def kill_when(self, condition, timeout: float = 300.0, *, session: bool = True) -> set[Process]:
+        """SIGKILL once ``condition()`` holds: to the whole session, or (``session=False``) to the command alone,
+        as the kernel's OOM killer would, leaving its engine's processes to notice and end themselves. Returns
+        the processes that ran below the command when it was killed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if condition():
-                self.kill()
-                return
+                below = descendants(self.proc.pid)
+                if session:
+                    self.kill()
+                else:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(30)
+                return below
             if not self.alive():
                 raise AssertionError(f"the trainer ended before the kill point: {self.err()}")
             time.sleep(0.01)

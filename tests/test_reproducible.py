@@ -10,6 +10,7 @@ batches in both runs, and traces agree in every token id, logprob and policy ver
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from subprocess_cli import cli
 
 from verbatim.engine.chunked_prefill import chunked_seed_risk
+from verbatim.engine.reaper import alive
 from verbatim.harness.rollout import REQUEST_SEEDS, request_seed
 from verbatim.harness.run_diff import steady
 from verbatim.harness.store import read_run
@@ -105,6 +107,13 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
 def _step_rollouts(out: Path, step: int) -> int:
     if not (out / "manifest.json").exists():
         return 0
@@ -118,7 +127,8 @@ def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, d
     """Two 2-step runs of one command. One runs through (on what ``make demo`` installs: tests/test_demo.py), on
     an engine of its own, whose start is timed apart and whose notes go to the run's engine.log, not the terminal.
     The other trains step 1 on the session's engine; a resume samples step 2's rollouts on a fresh engine (a process
-    of its own) serving step 1's checkpoint and is SIGKILLed while it trains on them; a second resume, on the
+    of its own) serving step 1's checkpoint and is SIGKILLed while it trains on them (the command
+    alone, as an OOM kill: its engine's processes must end themselves); a second resume, on the
     session's engine again, trains step 2 again from the checkpoint and the recorded rollouts."""
     from verbatim.jobs.train import run_training
 
@@ -133,7 +143,13 @@ def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, d
     run_training(config_of("train", [*TRAIN, "--steps", "1", "--out", str(broken)], monkeypatch),
                  engine=engine_runner.engine)
     killed = Trainer(tmp_path, "killed", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"])
-    killed.kill_when(lambda: _step_rollouts(broken, 2) == 4)  # every rollout of step 2 recorded: now it trains
+    # every rollout of step 2 recorded: now it trains. Only the command is killed: its engine must not outlive it
+    engine = killed.kill_when(lambda: _step_rollouts(broken, 2) == 4, session=False)
+    assert any("VLLM" in _cmdline(pid) for pid, _ in engine), [_cmdline(pid) for pid, _ in engine]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in engine):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in engine), [_cmdline(pid) for pid, _ in engine if alive((pid, _))]
     assert not (broken / "checkpoints" / "step-000002").exists()
     resumed = config_of("train", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"], monkeypatch)
     run_training(resumed, engine=engine_runner.engine)

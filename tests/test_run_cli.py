@@ -1,82 +1,15 @@
-"""`verbatim run` as a user runs it: a real process, killed mid-run, then resumed."""
+"""`verbatim run` as a user calls it: its bad input, its refusals, a task file. (A run killed with its own engine,
+which must not outlive it: tests/test_reproducible.py; killed and resumed at 21 points: tests/test_kill_resume.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections import Counter
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
-from verbatim.engine.reaper import alive, descendants
 from verbatim.errors import VerbatimError
-from verbatim.harness.store import read_run
-from verbatim.lint.trace import lint_run
-
-ARGS = ["--env", "guess", "--groups", "3", "--group-size", "4", "--max-turns", "2", "--max-tokens", "24",
-        "--kv-cache-gib", "1", "--max-model-len", "2048", "--concurrency", "4"]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "(gone)"
-
-
-def _verbatim(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from verbatim.cli.app import main; main()", *args]
-
-
-@pytest.mark.engine
-@pytest.mark.slow
-def test_killed_run_resumes_with_every_rollout_exactly_once(tmp_path: Path, default_model_dir, engine_runner,
-                                                            monkeypatch):
-    """The command is killed with its own engine, which must not outlive it; the resume (the same command line,
-    given the session's engine) plays the rest, each rollout once. (A command's own start, its engine.log and a
-    quiet terminal: tests/test_reproducible.py.)"""
-    from command_config import config_of
-
-    from verbatim.jobs.run import run_rollouts
-
-    out = tmp_path / "run"
-    proc = subprocess.Popen(_verbatim("run", *ARGS, "--out", str(out)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not list(out.glob("rollouts-*.parquet")):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.2)
-    engine = descendants(proc.pid)  # vLLM's engine core and worker (and the reaper watching them)
-    assert any("VLLM" in _cmdline(pid) for pid, _ in engine), [_cmdline(pid) for pid, _ in engine]
-    os.kill(proc.pid, signal.SIGKILL)  # only the command: its engine must not outlive it
-    proc.wait(30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(alive(p) for p in engine):
-        time.sleep(0.2)
-    assert not any(alive(p) for p in engine), [_cmdline(pid) for pid, _ in engine if alive((pid, _))]
-    before = read_run(out)
-    assert 0 < len(before.rollouts) < 12
-    assert before.manifest.status == "running"
-
-    summary = run_rollouts(config_of("run", [*ARGS, "--out", str(out), "--resume"], monkeypatch),
-                           engine=engine_runner.engine)
-    after = read_run(out)
-    assert after.problems == [] or all("unfinished write" in p for p in after.problems)
-    counts = Counter(r.rollout_id for r in after.rollouts)
-    assert len(counts) == 12 and set(counts.values()) == {1}
-    kept = {r.rollout_id: r for r in before.rollouts}
-    assert all(after_r.same_as(kept[after_r.rollout_id]) for after_r in after.rollouts if after_r.rollout_id in kept)
-    assert after.manifest.status == "completed"
-    assert lint_run(out).ok
-    assert summary.rollouts == 12
-
 
 runner = CliRunner()
 
