@@ -86,14 +86,47 @@ def test_right_padding_never_reaches_a_real_position():
 def test_the_kernels_agree_on_one_attention_and_its_backward():
     q, k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64) for _ in range(3))
     for causal in (False, True):
-        out, lse = attend(q, k, v, causal, 0.4)
-        out_m, lse_m = attend(q, k, v, causal, 0.4, kernel="math")
+        out, lse, _ = attend(q, k, v, causal, 0.4)
+        out_m, lse_m, _ = attend(q, k, v, causal, 0.4, kernel="math")
         torch.testing.assert_close(out, out_m)
         torch.testing.assert_close(lse, lse_m)
         grad = torch.randn_like(out)
         for got, want in zip(attend_backward(grad, q, k, v, out, lse, causal, 0.4),
                              attend_backward(grad, q, k, v, out, lse, causal, 0.4, kernel="math")):
             torch.testing.assert_close(got, want)
+
+
+def test_the_cuda_backward_is_given_what_its_own_forward_returned(monkeypatch):
+    """No GPU here: stand-ins for PyTorch's CUDA flash ops, returning what the CUDA forward returns on the dense path
+    (no cumulative lengths: None, which a defined tensor in their place would turn into the variable-length path),
+    check that each backward gets its own forward's state, and the cascade's output and gradients equal the math
+    kernel's (scripts/gpu_probe.py runs the real ops on a GPU)."""
+    import verbatim.trainer.cascade as cascade
+
+    forwards, backwards = [], []
+
+    def forward(query, key, value, dropout, causal, debug, *, scale):  # noqa: ANN001, ANN202
+        out, lse = cascade._math_attend(query, key, value, causal, scale)
+        state = (None, None, query.shape[2], key.shape[2], torch.tensor([len(forwards)]), torch.tensor([0]))
+        forwards.append(state)
+        return out, lse, *state, torch.empty(0)
+
+    def backward(grad, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, rng_state,  # noqa: ANN001
+                 rng_offset, *, scale):  # noqa: ANN001, ANN202
+        backwards.append((cum_q, cum_k, max_q, max_k, rng_state, rng_offset))
+        return cascade._math_attend_backward(grad, query, key, value, out, lse, causal, scale)
+
+    q, k, v, pk, pv = inputs(2, 4, 2, 5, 6, 8, torch.float64)
+    weight = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    want = torch.autograd.grad((cascade_attention(q, k, v, pk, pv, 0.3, "math") * weight).sum(), (q, k, v, pk, pv))
+    monkeypatch.setattr(cascade, "cuda_flash_ops", lambda: (forward, backward))
+    monkeypatch.setattr(cascade, "_kernel", lambda query, kernel: "cuda")
+    got = torch.autograd.grad((cascade_attention(q, k, v, pk, pv, 0.3) * weight).sum(), (q, k, v, pk, pv))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert len(forwards) == len(backwards) == 2  # the prefix part and the suffix part
+    for state in backwards:
+        assert any(all(x is y for x, y in zip(state, mine)) for mine in forwards), state
 
 
 def test_shapes_that_do_not_fit_are_refused():

@@ -31,11 +31,22 @@ elements (``"math"``, also used by the tests as a second reference).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 Kernel = Literal["auto", "flash", "math"]
+
+
+class Attended(NamedTuple):
+    """One attention's output, its log-sum-exp, and what its kernel's backward needs from its forward."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    state: tuple = ()
+    """CUDA flash: the cumulative sequence lengths (None: the dense path), the longest query and key lengths, and the
+    RNG state and offset, exactly as the forward returned them. An empty tensor in place of a None would be a
+    defined tensor, which selects the kernel's variable-length path. Other kernels keep nothing."""
 
 
 def cascade_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
@@ -55,8 +66,9 @@ class _CascadeAttention(torch.autograd.Function):
     def forward(ctx: Any, query, key, value, prefix_key, prefix_value, scale, kernel):  # noqa: ANN001, ANN205
         groups = query.shape[1] // key.shape[1]
         flat = _flatten_groups(query, groups)
-        prefix_out, prefix_lse = attend(flat, prefix_key, prefix_value, False, scale, kernel)
-        own_out, own_lse = attend(query, _repeat(key, groups), _repeat(value, groups), True, scale, kernel)
+        prefix_out, prefix_lse, prefix_state = attend(flat, prefix_key, prefix_value, False, scale, kernel)
+        own_out, own_lse, own_state = attend(query, _repeat(key, groups), _repeat(value, groups), True, scale,
+                                             kernel)
         prefix_out = _unflatten_groups(prefix_out, query.shape)
         prefix_lse = _unflatten_groups(prefix_lse[..., None], (*query.shape[:3], 1))[..., 0]
         lse = torch.logaddexp(prefix_lse, own_lse)
@@ -64,6 +76,7 @@ class _CascadeAttention(torch.autograd.Function):
                + own_out * torch.exp(own_lse - lse)[..., None]).to(query.dtype)
         ctx.save_for_backward(query, key, value, prefix_key, prefix_value, out, lse)
         ctx.scale, ctx.kernel, ctx.groups = scale, kernel, groups
+        ctx.states = prefix_state, own_state
         return out
 
     @staticmethod
@@ -74,9 +87,9 @@ class _CascadeAttention(torch.autograd.Function):
         flat_lse = _flatten_groups(lse[..., None], groups)[..., 0]
         dq_prefix, d_prefix_key, d_prefix_value = attend_backward(
             _flatten_groups(grad_out, groups), _flatten_groups(query, groups), prefix_key, prefix_value,
-            _flatten_groups(out, groups), flat_lse, False, scale, kernel)
+            _flatten_groups(out, groups), flat_lse, False, scale, kernel, ctx.states[0])
         dq_own, dk_own, dv_own = attend_backward(grad_out, query, _repeat(key, groups), _repeat(value, groups),
-                                                 out, lse, True, scale, kernel)
+                                                 out, lse, True, scale, kernel, ctx.states[1])
         dq = dq_own + _unflatten_groups(dq_prefix, query.shape)
         return (dq, _sum_groups(dk_own, groups), _sum_groups(dv_own, groups), d_prefix_key, d_prefix_value,
                 None, None)
@@ -111,33 +124,41 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float,
-           kernel: Kernel = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+           kernel: Kernel = "auto") -> Attended:
     """softmax(q·kᵀ·scale [causal, top-left]) · v for (B, H, L, d) tensors with equal heads -> (out, lse (B, H, L))."""
     chosen = _kernel(query, kernel)
     if chosen == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
-                                                                          scale=scale)
+        return Attended(*torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                                   scale=scale))
     if chosen == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False,
-                                                                          scale=scale)
-        return out, lse
-    return _math_attend(query, key, value, causal, scale)
+        forward, _ = cuda_flash_ops()
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, rng_offset, _ = forward(query, key, value, 0.0, causal,
+                                                                               False, scale=scale)
+        return Attended(out, lse, (cum_q, cum_k, max_q, max_k, rng_state, rng_offset))
+    return Attended(*_math_attend(query, key, value, causal, scale))
 
 
 def attend_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                    kernel: Kernel = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of :func:`attend` given the (possibly merged) output and log-sum-exp of the whole attention."""
+                    kernel: Kernel = "auto", state: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of :func:`attend` given the (possibly merged) output and log-sum-exp of the whole attention, and
+    the ``state`` its forward returned (:class:`Attended`)."""
     chosen = _kernel(query, kernel)
     if chosen == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
     if chosen == "cuda":
-        empty = torch.empty(0, dtype=torch.int64, device=query.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, lse.contiguous(), empty, empty, query.shape[2], key.shape[2], 0.0,
-            causal, empty, empty, scale=scale)
+        _, backward = cuda_flash_ops()
+        cum_q, cum_k, max_q, max_k, rng_state, rng_offset = state
+        return backward(grad_out, query, key, value, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal,
+                        rng_state, rng_offset, scale=scale)
     return _math_attend_backward(grad_out, query, key, value, out, lse, causal, scale)
+
+
+def cuda_flash_ops() -> tuple[Any, Any]:
+    """PyTorch's CUDA flash attention forward and backward (one place, so a test can stand in for them on a CPU)."""
+    return (torch.ops.aten._scaled_dot_product_flash_attention,
+            torch.ops.aten._scaled_dot_product_flash_attention_backward)
 
 
 def _kernel(query: torch.Tensor, kernel: Kernel) -> str:
