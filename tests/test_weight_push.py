@@ -6,6 +6,7 @@ The evidence that vLLM samples from pushed weights is tests/test_engine.py (a re
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -115,3 +116,42 @@ def test_weights_outside_cpu_memory_are_not_shared():
         assert channel.share({"w": torch.zeros(4, device="meta")}) is None and channel.path is None
     finally:
         channel.close()
+
+
+def test_a_push_to_a_bfloat16_engine_is_cast_to_bfloat16_in_half_the_bytes():
+    """The engine's format, not the trainer's float32, crosses: half the bytes, and the values the engine would
+    get by casting on its side; integer tensors go as they are."""
+    weights = {"embed.weight": torch.randn(64, 32), "norm.weight": torch.ones(32),
+               "ids": torch.arange(6, dtype=torch.int64)}
+    channel, worker = WeightChannel("bfloat16"), Worker()
+    try:
+        path, slots = channel.stage(weights)
+        worker.verbatim_reload_shared(path, slots)
+        got = worker.loaded[-1]
+        assert got["embed.weight"].dtype == torch.bfloat16 and got["ids"].dtype == torch.int64
+        assert torch.equal(got["embed.weight"], weights["embed.weight"].to(torch.bfloat16))
+        assert torch.equal(got["ids"], weights["ids"])
+        assert layout(weights, torch.bfloat16)[1] < 0.6 * layout(weights)[1]
+        assert channel.share(weights) is None  # a float32 learner cannot keep its weights in a bfloat16 buffer
+    finally:
+        channel.close()
+
+
+def test_a_dev_shm_too_small_for_the_buffer_is_one_warning_naming_the_sizes(tmp_path, monkeypatch, capsys):
+    import shutil
+    import tempfile
+
+    import verbatim.engine.weight_push as weight_push
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))
+    monkeypatch.setattr(weight_push, "_warned", set())
+    small = tmp_path / "shm"
+    small.mkdir()
+    assert weight_push.shared_folder(600 << 20, small) == Path(tempfile.gettempdir())
+    assert weight_push.shared_folder(600 << 20, small) == Path(tempfile.gettempdir())
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines  # once, not at every push
+    assert f"{small} has 64 MiB free" in lines[0] and "weight buffer (600 MiB" in lines[0]
+    assert "--shm-size=3g" in lines[0]
+    assert weight_push.shared_folder(16 << 20, small) == small  # room to spare: no word
+    assert capsys.readouterr().err == ""

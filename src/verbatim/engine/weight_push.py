@@ -22,6 +22,7 @@ import ctypes
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,18 +52,21 @@ class Slot:
         return [self.name, self.dtype, list(self.shape), self.offset]
 
 
-def layout(weights: dict[str, torch.Tensor]) -> tuple[list[Slot], int]:
-    """Each tensor's slot, in order, and the buffer's size in bytes. Names that view exactly the same memory
-    (a tied output layer spelled out as its embedding) share one slot: it is copied and read once."""
+def layout(weights: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple[list[Slot], int]:
+    """Each tensor's slot, in order, and the buffer's size in bytes; floating-point tensors stored as ``dtype``
+    (the engine's: a bfloat16 engine is sent bfloat16, half the bytes of the trainer's float32) where given.
+    Names that view exactly the same memory (a tied output layer spelled out as its embedding) share one slot:
+    it is copied and read once."""
     slots, offset, seen = [], 0, {}
     for name, tensor in weights.items():
         key = _same_memory(tensor)
         if key in seen:
             slots.append(Slot(name, *seen[key]))
             continue
-        seen[key] = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
+        stored = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        seen[key] = (str(stored).removeprefix("torch."), tuple(tensor.shape), offset)
         slots.append(Slot(name, *seen[key]))
-        offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        offset += -(-tensor.numel() * torch.empty((), dtype=stored).element_size() // ALIGN) * ALIGN
     return slots, offset
 
 
@@ -70,12 +74,30 @@ def _same_memory(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
 
 
-def shared_folder(size: int) -> Path:
-    """``/dev/shm`` where it holds ``size`` bytes with room to spare, else the temporary folder."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * size:
-        return shm
+SHM = Path("/dev/shm")
+
+
+def shared_folder(size: int, shm: Path = SHM) -> Path:
+    """``/dev/shm`` where it holds ``size`` bytes with room to spare, else the temporary folder, saying so once
+    on stderr where a ``/dev/shm`` is there but too small (docker's default is 64 MB): the buffer then lives in a
+    file the kernel writes back to disk, and every push is slower."""
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        free = shutil.disk_usage(shm).free
+        if free > 2 * size:
+            return shm
+        _warn_once(f"warning: {shm} has {free / 2**20:.0f} MiB free, too little for the weight buffer "
+                   f"({size / 2**20:.0f} MiB, twice that wanted): weights go to the engine through "
+                   f"{tempfile.gettempdir()} instead, slower (docker: --shm-size={-(-2 * size // 2**30) + 1}g)")
     return Path(tempfile.gettempdir())
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    if line not in _warned:
+        _warned.add(line)
+        print(line, file=sys.stderr)
 
 
 def views(buffer: torch.Tensor, slots: list[Slot]) -> list[tuple[str, torch.Tensor]]:
@@ -92,7 +114,10 @@ def views(buffer: torch.Tensor, slots: list[Slot]) -> list[tuple[str, torch.Tens
 class WeightChannel:
     """The trainer's side: one shared buffer per layout, reused push after push."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: str | None = None) -> None:
+        self.dtype = getattr(torch, dtype) if dtype is not None else None
+        """The engine's floating-point format (``dtype``: torch's name, ``bfloat16``): what a push's
+        floating-point tensors are cast to (None: as given)."""
         self.path: Path | None = None
         self.slots: list[Slot] = []
         self._buffer: torch.Tensor | None = None
@@ -101,7 +126,7 @@ class WeightChannel:
         """Copy ``weights`` into the buffer; returns (its path, the slots as lists) for the engine's worker.
         A tensor that already is its slot's view (a learner whose weights live in the buffer, :meth:`share`)
         is not copied."""
-        slots, size = layout(weights)
+        slots, size = layout(weights, self.dtype)
         if self._buffer is None or slots != self.slots:
             self._open(slots, size, shared_folder(size))
         written = set()
@@ -114,11 +139,14 @@ class WeightChannel:
     def share(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """A buffer in ``/dev/shm`` holding a copy of ``weights``, as views by name, for the learner to keep its
         weights in: later pushes of those views copy nothing. ``None`` where a weight is not in CPU memory (a
-        learner on a GPU keeps its own) or ``/dev/shm`` cannot hold them (the temporary folder's file would be
-        written back to disk as the learner trains)."""
-        slots, size = layout(weights)
+        learner on a GPU keeps its own), is not in the engine's format (a float32 learner beside a bfloat16
+        engine: each push casts), or ``/dev/shm`` cannot hold them (the temporary folder's file would be written
+        back to disk as the learner trains)."""
+        slots, size = layout(weights, self.dtype)
+        if any(t.device.type != "cpu" for t in weights.values()) or slots != layout(weights)[0]:
+            return None
         folder = shared_folder(size)
-        if folder != Path("/dev/shm") or any(t.device.type != "cpu" for t in weights.values()):
+        if folder != SHM:
             return None
         self._open(slots, size, folder)
         found = dict(views(self._buffer, slots))
