@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from verbatim.datamodel import Turn
+if TYPE_CHECKING:  # the trainer imports common_prefix on machines with torch alone (scripts/gpu_probe.py)
+    from verbatim.datamodel import Turn
 
 GROUP_PREFILLS = 1
 """How many members of a group may prefill the group's shared prompt: its first request alone."""

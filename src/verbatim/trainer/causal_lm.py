@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.learner_config import Precision
+from verbatim.trainer.modes import Precision
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim); a past of batch 1 (a shared prefix) serves

@@ -7,17 +7,11 @@ Apart from the code they configure (:mod:`verbatim.trainer.learner`, :mod:`~verb
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Precision = Literal["fp32", "bf16"]
-"""The trainer forward's dtype (:mod:`verbatim.trainer.causal_lm`)."""
-Offload = Literal["keep", "recompute", "cpu", "disk"]
-"""Where a shared prompt's activations wait for PrefixFlow's delayed backward (trainer/prefix_offload.py)."""
-OFFLOADS: tuple[str, ...] = get_args(Offload)
-Normaliser = Literal["token", "sequence"]
-KlEstimator = Literal["k3", "k2"]
+from verbatim.trainer.modes import KlEstimator, Normaliser, Offload, Precision
 
 
 class CorrectionConfig(BaseModel):

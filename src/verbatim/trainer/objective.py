@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from verbatim.errors import TrainerError
-from verbatim.trainer.learner_config import KlEstimator, Normaliser
+from verbatim.trainer.modes import KlEstimator, Normaliser
 
 
 def loss_coefficients(weights: torch.Tensor, keep: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from verbatim.trainer.causal_lm import PrefixCausalLM, sequence_logprobs
 from verbatim.trainer.distributed.lockstep import CallShape
-from verbatim.trainer.learner_config import Offload
+from verbatim.trainer.modes import Offload
 from verbatim.trainer.packing import Microbatching
 from verbatim.trainer.prefixflow import PrefixGroup, prefixflow_backward, zero_loss
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from verbatim.trainer.learner_config import OFFLOADS, Offload
+from verbatim.trainer.modes import OFFLOADS, Offload
 
 
 class DormantStore:

@@ -35,7 +35,7 @@ import torch
 from verbatim.errors import TrainerError
 from verbatim.prefix_cache import common_prefix
 from verbatim.trainer.causal_lm import KV, PrefixCausalLM, sequence_logprobs
-from verbatim.trainer.learner_config import Offload
+from verbatim.trainer.modes import Offload
 from verbatim.trainer.prefix_offload import DormantStore
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -24,7 +24,7 @@ import torch
 from verbatim.errors import TrainerError
 from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, sequence_logprobs
 from verbatim.trainer.distributed.lockstep import CallShape
-from verbatim.trainer.learner_config import KlEstimator, Offload
+from verbatim.trainer.modes import KlEstimator, Offload
 from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.packing import Microbatching, padding
 from verbatim.trainer.passes import Agree, alone, forwards, idle_backward, idle_group, masked_batches
