@@ -15,7 +15,8 @@ from verbatim.cli.app import app
 from verbatim.engine.fleet import fleet_gpus, split_devices
 from verbatim.engine.runtime import VLLM_GPU_MEMORY, EngineConfig
 from verbatim.errors import InputError
-from verbatim.jobs.placement import TrainerSize, bytes_per_parameter, check_placement, device_list, trainer_bytes
+from verbatim.jobs.config import device_list
+from verbatim.jobs.placement import TrainerSize, bytes_per_parameter, check_placement, trainer_bytes
 
 GIB = 1 << 30
 runner = CliRunner()
@@ -194,3 +195,102 @@ def test_a_sharded_trainers_rank_needs_its_share_and_what_it_gathers_at_once():
     with pytest.raises(InputError):
         check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=one_billion)  # one process: 14.9
     check_placement([12 * GIB, 12 * GIB], trainer_device="cuda:1", parameters=size, ranks=4)  # a rank: 4.7
+
+
+def test_each_rank_finds_its_device_from_its_local_rank():
+    from verbatim.jobs.placement import machine_devices, rank_device
+
+    assert rank_device("cpu", None, None) == "cpu" and rank_device("cpu", None, 3) == "cpu"
+    assert rank_device("cuda", None, None) == "cuda" and rank_device("cuda", None, 3) == "cuda:3"
+    assert rank_device("cuda:1", None, 0) == "cuda:1"  # one named GPU: every rank's (refused if several)
+    assert rank_device("cpu", (2, 3, 4), 1) == "cuda:3" and rank_device("cuda", (5,), None) == "cuda:5"
+    with pytest.raises(InputError, match="--trainer-devices 2,3 names 2 GPUs for local trainer rank 2"):
+        rank_device("cpu", (2, 3), 2)
+    assert machine_devices("cpu", (2, 3, 4, 5, 6, 7), 6) == [f"cuda:{i}" for i in range(2, 8)]
+    assert machine_devices("cuda", None, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert machine_devices("cuda", None, 1) == ["cuda"]
+
+
+def test_on_this_machine_a_rank_learns_its_local_rank_as_torchrun_would_say_it():
+    from verbatim.trainer.distributed import on_this_machine
+
+    env = on_this_machine(2, 4, 29500)
+    assert env["LOCAL_RANK"] == env["RANK"] == "2" and env["LOCAL_WORLD_SIZE"] == env["WORLD_SIZE"] == "4"
+
+
+def test_engine_on_gpus_0_and_1_and_six_trainer_ranks_on_2_to_7_is_a_placement_the_code_makes():
+    """docs/scale.md's layout: every rank's device checked, the engine's weights against its share of each of its
+    GPUs in its format."""
+    eight = [80 * GIB] * 8
+    qwen3_8b = TrainerSize.of(8_190_735_360, 622_329_856 + 4096, [194_000_000])
+    check_placement(eight, engine_devices=(0, 1), trainer_device="cpu", trainer_devices=(2, 3, 4, 5, 6, 7),
+                    ranks_here=6, parameters=qwen3_8b, dtype="bf16", ranks=6, engine_dtype="bf16")
+    small = eight[:5] + [8 * GIB] + eight[6:]  # GPU 5, local rank 3's, holds too little
+    with pytest.raises(InputError, match=r"--trainer-device cuda:5: each of the 6 trainer ranks needs at least"):
+        check_placement(small, engine_devices=(0, 1), trainer_device="cpu", trainer_devices=(2, 3, 4, 5, 6, 7),
+                        ranks_here=6, parameters=qwen3_8b, dtype="bf16", ranks=6)
+
+
+@pytest.mark.parametrize("engine,trainer,needle", [
+    ((0, 1), (1, 2), "--engine-devices and --trainer-devices both name GPU 1"),
+    ((0, 8), (2,), "--engine-devices names GPU 8, but this process sees 8 GPUs (0..7)"),
+    (None, (2, 9), "--trainer-devices names GPU 9, but this process sees 8 GPUs"),
+    ((0, 0), (2,), "--engine-devices names GPU 0 twice"),
+    (None, (3, 4, 3), "--trainer-devices names GPU 3 twice"),
+])
+def test_device_maps_that_overlap_or_name_a_gpu_not_there_are_refused(engine, trainer, needle):
+    with pytest.raises(InputError) as refused:
+        check_placement([80 * GIB] * 8, engine_devices=engine, trainer_device="cpu", trainer_devices=trainer,
+                        ranks_here=len(trainer))
+    assert needle in str(refused.value)
+
+
+def test_the_engines_weights_are_counted_in_its_format_over_its_gpus():
+    eight_b = 8 * 10**9  # fp32: 29.8 GiB; bf16: 14.9 GiB
+    with pytest.raises(InputError, match=r"the engine's weights in fp32 take 29.8 GiB of GPU 0 .* more than its "
+                       r"share 0.92 of 24.0 GiB"):
+        check_placement([24 * GIB], parameters=eight_b, engine_dtype="fp32")
+    check_placement([24 * GIB], parameters=eight_b, engine_dtype="bf16")
+    check_placement([24 * GIB, 24 * GIB], engine_devices=(0, 1), parameters=eight_b, engine_dtype="fp32")
+    with pytest.raises(InputError, match="--engine-gpu-memory"):
+        check_placement([24 * GIB], gpu_memory=0.5, parameters=eight_b, engine_dtype="bf16")
+
+
+def test_engine_devices_set_its_parallelism_and_name_its_gpus():
+    from verbatim.jobs.config import EngineChoice
+
+    assert EngineChoice(devices=(0, 1)).gpus == (0, 1) and EngineChoice(tensor_parallel=2).gpus == (0, 1)
+    assert EngineChoice(devices=(2, 3), tensor_parallel=2).gpus == (2, 3)
+    with pytest.raises(ValueError, match="--engine-devices 0,1 names 2 GPUs but --engine-tensor-parallel is 4"):
+        EngineChoice(devices=(0, 1), tensor_parallel=4)
+
+
+def test_the_in_process_engines_processes_see_its_devices_while_it_starts(monkeypatch):
+    import os
+
+    from verbatim.engine.server import visible_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with visible_devices((2, 3)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"  # GPUs 2 and 3 of ours
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with visible_devices((1,)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with visible_devices(None):
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--engine-devices", "0,1"], "--engine-devices: this machine has no GPU"),
+    (["--engine-devices", "0,x"], "--engine-devices '0,x' must be GPU indices"),
+    (["--engine-devices", "0,1", "--engine-tensor-parallel", "4"], "names 2 GPUs but --engine-tensor-parallel is 4"),
+    (["--trainer-device", "cuda:1", "--trainer-devices", "2,3"], "both place the trainer: give one"),
+])
+def test_bad_device_maps_are_one_line_exit_2_before_anything_starts(tmp_path, flags, needle):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--env", "guess", *flags, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and len(result.output.strip().splitlines()) <= 2, result.output
+    assert not out.exists()

@@ -44,7 +44,7 @@ def section(dtype: str) -> str:
     return SECTION if dtype == "fp32" else f"{SECTION}-{dtype}"
 
 RANKS = (1, 2)
-TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK")
+TEAM_ENV = (*ENVIRONMENT, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 UPDATE_REL = {"fp32": 1e-4, "bf16": 0.1}
 """How far a team's loss and gradient norm may be from one process's, relative: float32 sums in another order; with
 bf16, a team computing with bfloat16 weights and activations against autocast over float32 in one process (its
@@ -164,8 +164,7 @@ def run_team(work: ScaleWork, ranks: int) -> list[dict[str, Any]]:
     base = {k: v for k, v in os.environ.items() if k not in TEAM_ENV}
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "verbatim.bench.train_scale", job], stdout=subprocess.PIPE,
-                              text=True, env=base if ranks == 1 else base | on_this_machine(rank, ranks, port) | {
-                                  "LOCAL_RANK": str(rank)})
+                              text=True, env=base if ranks == 1 else base | on_this_machine(rank, ranks, port))
              for rank in range(ranks)]
     outputs = [proc.communicate()[0] for proc in procs]
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0 or not outputs[rank].strip()]

@@ -13,6 +13,20 @@ from verbatim.cli.console import console, err_console
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN
 from verbatim.errors import InputError
 
+DTYPE_HELP = ("The engine's number format: auto, bf16, fp16 or fp32 (auto: fp32 on a CPU, which keeps logprobs "
+              "close to the trainer's; bf16 on a GPU).")
+EAGER_HELP = "Run eagerly, without CUDA graphs (default: eager on a CPU, CUDA graphs on a GPU)."
+
+
+def device_settings(dtype: str, eager: bool | None) -> dict[str, object]:
+    """The EngineConfig settings that follow the device this command's engine runs on: its format (refused in one
+    line where the device cannot run it) and its eager mode."""
+    from verbatim.engine.precision import engine_dtype, this_device
+
+    device = this_device()
+    return {"device": device.kind, "dtype": engine_dtype(dtype, device), "enforce_eager": eager}
+
+
 fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
                         no_args_is_help=True)
 
@@ -25,7 +39,8 @@ def serve_command(
     kv_cache_gib: int = typer.Option(2, "--kv-cache-gib", min=1, help="KV cache size in GiB (CPU engine)."),
     max_model_len: int = typer.Option(DEFAULT_MAX_MODEL_LEN, "--max-model-len", min=64,
                                       help="Context length per request: prompt + sampled tokens."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 keeps logprobs close to the trainer's."),
+    dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
+    eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
 ) -> None:
     """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
     import os
@@ -37,7 +52,8 @@ def serve_command(
     warning = check_bind(host, allow_remote)
     if warning:
         err_console.print(warning)
-    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, dtype=dtype)
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                          **device_settings(dtype, eager))
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
     note_start("served", config.model)
@@ -63,6 +79,8 @@ def fleet_up(
                                 "--tensor-parallel of them (CUDA_VISIBLE_DEVICES); --replicas × --tensor-parallel "
                                 "must be named. Default: several replicas get GPUs of their own, in order (or "
                                 "share them, with --gpu-memory); one replica sees what this command sees."),
+    dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
+    eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
 ) -> None:
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
@@ -71,7 +89,7 @@ def fleet_up(
     from verbatim.engine.fleet import replica_gpus
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind
-    from verbatim.jobs.placement import device_list
+    from verbatim.jobs.config import device_list
 
     warning = check_bind(host, allow_remote)
     if warning:
@@ -79,7 +97,8 @@ def fleet_up(
     if gpu_memory is not None and not 0 < gpu_memory <= 1:
         raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
-                          gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices))
+                          gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices),
+                          **device_settings(dtype, eager))
     visible = 0
     if config.devices is None and replicas > 1:  # replicas get GPUs of their own (a CPU machine shows none)
         from verbatim.trainer.reference import visible_gpus

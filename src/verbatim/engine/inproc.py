@@ -28,6 +28,7 @@ from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, co
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource, prefilled
 from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.server import visible_devices
 from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
 from verbatim.engine.weight_push import RECEIVER, WeightChannel
@@ -77,7 +78,7 @@ def engine_args(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
     passes; a test builds vLLM's own config from it without starting an engine)."""
     args: dict[str, Any] = dict(
         model=str(model_dir), dtype=config.dtype, max_model_len=config.max_model_len,
-        block_size=config.block_size, enforce_eager=config.enforce_eager,
+        block_size=config.block_size, enforce_eager=config.eager,
         enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.batched_tokens, enable_chunked_prefill=config.chunked_prefill,
         num_gpu_blocks_override=config.kv_blocks,
@@ -104,13 +105,15 @@ class InprocEngine:
         self.block_size = self.config.block_size
         self.version = 0
         self.vocab_size = 0
+        self.step_tokens = self.config.batched_tokens or 0
+        """Tokens a scheduler step holds (vLLM's ``max_num_batched_tokens``, read back once started)."""
         self._ids = itertools.count()
         self._llm: Any = None
         self._counters = _Counters()
         self._update_lock = asyncio.Lock()
         self._kv = KvProvenance(self.block_size)
         self._weights_dirs: list[Path] = []
-        self._channel = WeightChannel()
+        self._channel = WeightChannel(self.config.dtype)
         self.last_reload = ""
         """How the last in-memory push reached the model: ``direct`` (engine/direct_reload.py) or ``vllm``."""
 
@@ -129,7 +132,8 @@ class InprocEngine:
         args = AsyncEngineArgs(**engine_args(self.config, self.serving_dir))
         note_start("inproc", self.model_dir)
         try:
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
+            with visible_devices(self.config.devices):  # --engine-devices: the GPUs its processes see
+                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
             await self._llm.update_weight_version(str(self.version))
             await self._warm_up(self._llm)
         except Exception as exc:  # vLLM raises plain RuntimeErrors on start-up failure
@@ -137,6 +141,7 @@ class InprocEngine:
                 self.close()
             raise EngineError(f"vLLM failed to start on {self.model_dir}: {str(exc) or type(exc).__name__}") from exc
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        self.step_tokens = int(self._llm.vllm_config.scheduler_config.max_num_batched_tokens)
         self._kv.limit_blocks = max(DEFAULT_LIMIT_BLOCKS, 4 * self._counters.capacity_tokens // self.block_size)
         return self
 
@@ -194,7 +199,7 @@ class InprocEngine:
         """Sample one completion for a token-ID prompt.
 
         A caller's :func:`~verbatim.engine.protocol.when_prefilled` callback runs as the request is queued
-        where the whole prompt fits one scheduler step (``batched_tokens``, the context length unless set
+        where the whole prompt fits one scheduler step (``step_tokens``: on a CPU the context length unless set
         lower): vLLM commits a scheduled prompt's blocks to its prefix cache when it schedules them, so any
         request scheduled after it, in the same step or a later one, reads them instead of prefilling them
         again, and a group's followers need not wait. A prompt prefilled in chunks releases them at its
@@ -219,7 +224,7 @@ class InprocEngine:
         started = time.perf_counter()
         seen: dict[str, Any] = {"first_token_s": 0.0, "final": None, "reads": None, "epoch": self._kv.epoch}
 
-        shared_when_queued = prompt.size <= self.config.batched_tokens
+        shared_when_queued = prompt.size <= self.step_tokens
         if shared_when_queued:
             prefilled()
 

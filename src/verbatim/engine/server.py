@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -59,12 +60,13 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         "--host", host, "--port", str(port),
         "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
         "--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
-        "--max-num-batched-tokens", str(config.batched_tokens),
         "--seed", str(config.seed), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         "--logprobs-mode", LOGPROBS_MODE,
     ]
     argv.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
-    if config.enforce_eager:
+    if config.batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(config.batched_tokens)]
+    if config.eager:
         argv.append("--enforce-eager")
     if not config.chunked_prefill:
         argv.append("--no-enable-chunked-prefill")
@@ -91,6 +93,29 @@ def child_devices(devices: tuple[int, ...], visible: str | None) -> str:
         raise InputError(f"--devices names GPU {beyond[0]}, but CUDA_VISIBLE_DEVICES={visible} shows {len(ours)}",
                          hint=f"name GPUs 0..{len(ours) - 1}, counted within CUDA_VISIBLE_DEVICES")
     return ",".join(ours[d] for d in devices)
+
+
+@contextlib.contextmanager
+def visible_devices(devices: tuple[int, ...] | None) -> Iterator[None]:
+    """While vLLM starts its engine core (and that its workers), ``CUDA_VISIBLE_DEVICES`` shows them ``devices``
+    (indices among the GPUs this process sees: :func:`child_devices`); this process's own view is fixed first
+    (CUDA initialised as it was), so the trainer's ``cuda:N`` still counts every GPU it sees."""
+    if devices is None:
+        yield
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.init()  # CUDA reads CUDA_VISIBLE_DEVICES once, at its initialisation: ours, not the engine's
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = child_devices(devices, before)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class ServerProcess:

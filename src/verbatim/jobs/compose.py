@@ -19,11 +19,19 @@ def make_engine(choice: EngineChoice, routing: Routing, seed: int) -> Any:
         if choice.urls or routing.route:
             raise InputError("--url and --route go with --engine http")
         from verbatim.engine.inproc import InprocEngine
+        from verbatim.engine.precision import engine_dtype, this_device
         from verbatim.engine.runtime import EngineConfig
 
-        return InprocEngine(EngineConfig(model=choice.model, max_model_len=choice.max_model_len,
-                                         kv_cache_gib=choice.kv_cache_gib, seed=seed,
-                                         gpu_memory=choice.gpu_memory, tensor_parallel=choice.tensor_parallel))
+        device = this_device()
+        return InprocEngine(EngineConfig(model=choice.model, device=device.kind,
+                                         dtype=engine_dtype(choice.dtype, device), enforce_eager=choice.eager,
+                                         max_model_len=choice.max_model_len, kv_cache_gib=choice.kv_cache_gib,
+                                         seed=seed, gpu_memory=choice.gpu_memory,
+                                         tensor_parallel=len(choice.gpus), devices=choice.devices))
+    if choice.dtype != "auto" or choice.eager is not None:
+        flag = "--engine-dtype" if choice.dtype != "auto" else "--engine-eager"
+        raise InputError(f"{flag} sets the in-process engine; a served engine's is set where it starts",
+                         hint="verbatim serve --dtype …, verbatim fleet up --dtype …")
     if not choice.urls:  # --engine http
         raise InputError("--engine http needs --url (one per replica)",
                          hint="start servers with 'verbatim fleet up'")
@@ -37,6 +45,22 @@ def make_engine(choice: EngineChoice, routing: Routing, seed: int) -> Any:
     config = RouteConfig.parse(routing.route or "sticky_least_loaded+group", high_water=routing.high_water,
                                admission=routing.admission)
     return Router(engines, config)
+
+
+def engine_record(choice: EngineChoice, engine: Any, cache_policy: str, urls: list[str],
+                  route: str | None) -> dict[str, Any]:
+    """The manifest's ``engine`` object: what served the run, as run and train record it. ``dtype``: the
+    in-process engine's format as resolved for its device (``--engine-dtype auto``: fp32 on a CPU, bf16 on a
+    GPU); None for a served engine, whose format its server chose."""
+    return {"kind": choice.kind, "block_size": engine.block_size, "cache_policy": cache_policy, "urls": urls,
+            "route": route, "dtype": engine_dtype_of(engine)}
+
+
+def engine_dtype_of(engine: Any) -> str | None:
+    """An in-process engine's format, as vLLM names it (``bfloat16``); None for a served engine or a router."""
+    from verbatim.engine.inproc import InprocEngine
+
+    return engine.config.dtype if isinstance(engine, InprocEngine) else None
 
 
 def episode_source(play: PlaySource) -> Any:

@@ -101,6 +101,27 @@ class EngineChoice(Frozen):
     tensor_parallel: int = Field(default=1, ge=1)
     """GPUs the in-process engine spans (vLLM's tensor_parallel_size): GPUs 0..N-1 of those this command
     sees."""
+    devices: tuple[int, ...] | None = None
+    """The GPUs the in-process engine takes, by index among those this command sees, e.g. 0,1 (its tensor
+    parallelism is their number); default: GPUs 0..N-1 for --engine-tensor-parallel N."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """The in-process engine's number format: auto is fp32 on a CPU (sampler logprobs close to the trainer's)
+    and bf16 on a GPU (fp16 before compute capability 8.0). Pushed weights are cast to it."""
+    eager: bool | None = None
+    """Run the in-process engine eagerly, without CUDA graphs (default: eager on a CPU, CUDA graphs on a
+    GPU)."""
+
+    @model_validator(mode="after")
+    def _devices_set_the_parallelism(self) -> EngineChoice:
+        if self.devices is not None and self.tensor_parallel not in (1, len(self.devices)):
+            raise ValueError(f"--engine-devices {show_devices(self.devices)} names {len(self.devices)} GPUs but "
+                             f"--engine-tensor-parallel is {self.tensor_parallel}: leave it out, the devices say it")
+        return self
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """The GPUs the in-process engine takes (on a machine with GPUs): --engine-devices, else 0..N-1."""
+        return self.devices if self.devices is not None else tuple(range(self.tensor_parallel))
 
 
 class Routing(Frozen):
@@ -143,7 +164,7 @@ class PlayConfig(Frozen):
     """The run folder and trackers."""
 
     may_change: ClassVar[tuple[str, ...]] = ("output.resume", "output.out", "output.log", "engine.gpu_memory",
-                                             "engine.tensor_parallel")
+                                             "engine.tensor_parallel", "engine.devices", "engine.eager")
     """Fields a resume may change (dotted paths): where the run is written, where its engine runs, its
     trackers."""
 
@@ -204,6 +225,9 @@ class Placement(Frozen):
     trainer_device: str = "cpu"
     """Where the trainer's model runs: cpu, cuda or cuda:N (the engine places itself; weights reach it through
     CPU memory); a resumed run may move."""
+    trainer_devices: tuple[int, ...] | None = None
+    """The GPUs of the trainer's ranks on each machine, in local-rank order, e.g. 2,3,4,5,6,7: local rank i trains
+    on the i-th (default: --trainer-device; cuda under torchrun or --trainer-procs is GPU LOCAL_RANK)."""
     trainer_procs: int = Field(default=1, ge=1)
     """Trainer processes the model is sharded over (FSDP2: gloo on the CPU, NCCL on GPUs); under torchrun,
     leave it out. docs/scale.md."""
@@ -213,6 +237,13 @@ class Placement(Frozen):
     trainer_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a step's collectives wait for a silent trainer rank before the run stops naming it
     (--trainer-procs > 1 or torchrun)."""
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_device(self) -> Placement:
+        if self.trainer_devices is not None and self.trainer_device not in ("cpu", "cuda"):
+            raise ValueError(f"--trainer-device {self.trainer_device} and --trainer-devices "
+                             f"{show_devices(self.trainer_devices)} both place the trainer: give one")
+        return self
 
 
 class TrainConfig(PlayConfig):
@@ -246,6 +277,7 @@ class TrainConfig(PlayConfig):
         return self
 
     may_change: ClassVar[tuple[str, ...]] = (*PlayConfig.may_change, "placement.trainer_device",
+                                             "placement.trainer_devices",
                                              "placement.trainer_procs", "placement.trainer_timeout_s")
 
     def config(self) -> dict[str, Any]:
@@ -300,6 +332,23 @@ def _non_finite(text: str) -> bool:
         return False
 
 
+def device_list(text: str | None, flag: str = "--devices") -> tuple[int, ...] | None:
+    """``0,1,2,3``: GPU indices, or None when not given."""
+    if text is None:
+        return None
+    try:
+        devices = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise InputError(f"{flag} {text!r} must be GPU indices separated by commas (e.g. 0,1)") from None
+    if any(d < 0 for d in devices):
+        raise InputError(f"{flag} {text!r}: a GPU index is 0 or more")
+    return devices
+
+
+def show_devices(devices: tuple[int, ...] | None) -> str | None:
+    return None if devices is None else ",".join(str(d) for d in devices)
+
+
 def _off_is_none(text: str | None) -> str | None:
     return None if text is None or text.strip().lower() in ("none", "off", "") else text
 
@@ -313,11 +362,17 @@ PLAY_SPECS = {
     "engine.urls": Spec(name="--url"),
     "engine.gpu_memory": Spec(name="--engine-gpu-memory"),
     "engine.tensor_parallel": Spec(name="--engine-tensor-parallel"),
+    "engine.devices": Spec(name="--engine-devices", kind=str, multiple=False, show=show_devices,
+                           parse=lambda text: device_list(text, "--engine-devices")),
+    "engine.dtype": Spec(name="--engine-dtype"),
+    "engine.eager": Spec(name="--engine-eager"),
 }
 RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
 TRAIN_SPECS = {
     **PLAY_SPECS,
     "placement.trainer_timeout_s": Spec(name="--trainer-timeout"),
+    "placement.trainer_devices": Spec(kind=str, multiple=False, show=show_devices,
+                                      parse=lambda text: device_list(text, "--trainer-devices")),
     "plan.context": DERIVED,  # an ablation of bench learn's, not a setting of a run
     "learner.dtype": Spec(name="--trainer-dtype"),
     "learner.checkpoint_layers": Spec(name="--activation-checkpointing"),

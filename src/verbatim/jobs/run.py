@@ -32,7 +32,7 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import MANIFEST, RunManifest, read_manifest
 from verbatim.harness.summary import RunSummary
-from verbatim.jobs.compose import default_renderer, episode_source, existing_run_id, players
+from verbatim.jobs.compose import default_renderer, engine_record, episode_source, existing_run_id, players
 from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import CONFIG_FILE, recorded_config, write_config
@@ -95,8 +95,7 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     route = engine.config.label if isinstance(engine, Router) else None
     manifest = RunManifest(
         run_id=run_id, model=str(model_dir or choice.model), renderer=renderer_name,
-        engine={"kind": choice.kind, "block_size": engine.block_size,
-                "cache_policy": policy.value, "urls": list(recorded.engine.urls), "route": route},
+        engine=engine_record(choice, engine, policy.value, list(recorded.engine.urls), route),
         config={"options": recorded.model_dump(mode="json", exclude={"output": {"resume"}}),
                 "plan": plan.model_dump(exclude={"run_id"})},
     )

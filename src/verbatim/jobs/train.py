@@ -49,21 +49,24 @@ def check(options: TrainConfig) -> int:
                            recorded.config()["train"], upgrade=table.nest)
 
 
-def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
+def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop, Callable[[], Any]]:
     """Resolve every input and build the loop, after :func:`check`; starts nothing (the engine starts in
     :func:`execute`). ``engine``: one the caller started, used instead of the config's (which still says
-    where it is placed)."""
+    where it is placed). Returns the loop, without its learner, and what makes the learner: this rank joins the
+    team and its model goes to its device only once the engine has started, so an engine sharing a GPU with the
+    trainer measures its share against a device the trainer does not fill yet."""
     from verbatim.envs.registry import default_max_turns, load_tasks
     from verbatim.harness.preflight import model_vocab_size, preflight
     from verbatim.jobs.compose import (
         default_renderer,
+        engine_record,
         episode_source,
         existing_run_id,
         make_engine,
         players,
     )
     from verbatim.jobs.placement import check_here
-    from verbatim.jobs.trainer_team import build_learner, join_team, rank_device, team_size
+    from verbatim.jobs.trainer_team import build_learner, join_team, rank_device, ranks_here, team_size
     from verbatim.renderers.registry import get_renderer
     from verbatim.trainer.distributed.lead import Lead
     from verbatim.trainer.distributed.loading import empty_model
@@ -71,7 +74,8 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
 
     out, play, choice, placement = Path(options.output.out), options.play, options.engine, options.placement
     given_engine = engine is not None
-    device = rank_device(trainer_device(placement.trainer_device))
+    asked_device = trainer_device(placement.trainer_device)
+    device = rank_device(asked_device, placement.trainer_devices)
     factory = episode_source(play)
     tasks = _task_source(options, factory, load_tasks)
     if engine is None:  # bad engine options: refused before the tokenizer
@@ -86,9 +90,8 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
     run_id = existing_run_id(out) or uuid.uuid4().hex[:12]
     config = options.config()  # its URLs without credentials
     manifest = RunManifest(run_id=run_id, model=str(model_dir), renderer=renderer_name,
-                           engine={"kind": choice.kind, "block_size": engine.block_size,
-                                   "cache_policy": options.plan.cache_policy.value,
-                                   "urls": config["train"]["engine"]["urls"], "route": options.routing.route},
+                           engine=engine_record(choice, engine, options.plan.cache_policy.value,
+                                                config["train"]["engine"]["urls"], options.routing.route),
                            config=config)
     make_player = players(play, choice.model)
     first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
@@ -98,15 +101,28 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> TrainLoop:
                   max_tokens=options.sampling.max_tokens)
     ranks = team_size(placement.trainer_procs)
     model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
-    check_here(choice, trainer_device=device, parameters=trainer_size(model, ranks), dtype=options.learner.dtype,
-               ranks=ranks, reference=options.learner.loss.kl_coef > 0)  # before the model moves
-    team, announcements = join_team(device, placement.trainer_timeout_s)  # the other ranks wait here for rank 0
-    learner: Any = build_learner(options, model_dir, team, device, model)
-    if announcements is not None:
-        learner = Lead(learner, announcements)
-    return TrainLoop(options.plan, loop, learner, engine, renderer, factory, tasks, out, manifest, model_dir,
+    check_here(choice, trainer_device=asked_device, trainer_devices=placement.trainer_devices,
+               ranks_here=ranks_here(placement.trainer_procs), parameters=trainer_size(model, ranks),
+               dtype=options.learner.dtype, ranks=ranks, reference=options.learner.loss.kl_coef > 0,
+               engine_dtype=placed_dtype(engine))  # every rank of this machine, before the model moves
+
+    def learner_of() -> Any:
+        team, announcements = join_team(device, placement.trainer_timeout_s)  # the other ranks wait here for rank 0
+        learner: Any = build_learner(options, model_dir, team, device, model)
+        return learner if announcements is None else Lead(learner, announcements)
+
+    return TrainLoop(options.plan, loop, None, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=choice.kind == "http" or placement.weight_sync == "folder",
-                     used=choice.kind == "http" or given_engine, make_player=make_player)
+                     used=choice.kind == "http" or given_engine, make_player=make_player), learner_of
+
+
+def placed_dtype(engine: Any) -> str | None:
+    """The in-process engine's format as placement names it (fp32, bf16, fp16); None for a served engine."""
+    from verbatim.engine.precision import short_name
+    from verbatim.jobs.compose import engine_dtype_of
+
+    dtype = engine_dtype_of(engine)
+    return short_name(dtype) if dtype is not None else None
 
 
 def trainer_size(model: Any, ranks: int) -> Any:
@@ -161,12 +177,13 @@ def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     return lambda k: [pool[(k * groups + g) % len(pool)] for g in range(groups)]
 
 
-async def execute(loop: TrainLoop, options: TrainConfig, console: Console, *,
+async def execute(loop: TrainLoop, options: TrainConfig, console: Console, learner_of: Callable[[], Any], *,
                   given_engine: bool = False) -> list[dict[str, Any]]:
-    """The engine started (unless it was given), the steps trained (SIGINT/SIGTERM finish the step being trained,
-    then stop)."""
+    """The engine started (unless it was given), then the learner made (:func:`prepare`), the steps trained
+    (SIGINT/SIGTERM finish the step being trained, then stop)."""
     async with (given(loop.engine) if given_engine else started(loop.engine, console, loop.out)) as start_s:
         loop.engine_start_s = start_s
+        loop.learner = learner_of()  # the engine runs no request yet: blocking its event loop stalls nothing
         write_config(loop.out, flags_of(type(options)), options.recorded(), "train")  # what a rerun repeats
         undo = _stop_on_signals(loop, console)
         try:
@@ -229,11 +246,12 @@ def run_training(config: TrainConfig, console: Console | None = None,
     released = False
     try:
         with named_ranks(followers, config.placement.trainer_timeout_s):
-            loop = prepare(config, engine)
+            loop, learner_of = prepare(config, engine)
             loop.on_step = trackers.after(on_step)
             loop.on_rollout = trackers.rollout
             try:
-                metrics = on_engine_loop(execute(loop, config, console, given_engine=engine is not None), engine)
+                metrics = on_engine_loop(execute(loop, config, console, learner_of, given_engine=engine is not None),
+                                         engine)
                 getattr(loop.learner, "close", lambda: None)()  # a Lead lets its followers go
                 released = True
                 return metrics

@@ -43,10 +43,18 @@ def team_size(procs: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else procs
 
 
-def rank_device(device: str) -> str:
-    """``cuda`` under torchrun means this rank's own GPU (``LOCAL_RANK``)."""
+def rank_device(device: str, devices: tuple[int, ...] | None = None) -> str:
+    """This rank's device (:func:`~verbatim.jobs.placement.rank_device`): the ``LOCAL_RANK``-th of
+    ``--trainer-devices``, or ``--trainer-device``, whose ``cuda`` is GPU ``LOCAL_RANK``."""
+    from verbatim.jobs.placement import rank_device as placed
+
     local = os.environ.get("LOCAL_RANK")
-    return f"cuda:{local}" if device == "cuda" and local is not None else device
+    return placed(device, devices, int(local) if local is not None else None)
+
+
+def ranks_here(procs: int) -> int:
+    """The trainer ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else ``--trainer-procs``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched_by_torchrun() else procs
 
 
 def check_procs(procs: int) -> None:
@@ -109,12 +117,29 @@ def follow_run(config: Any) -> int:
     from verbatim.trainer.distributed.lead import follow
     from verbatim.trainer.reference import trainer_device
 
-    device = rank_device(trainer_device(config.placement.trainer_device))
+    device = rank_device(trainer_device(config.placement.trainer_device), config.placement.trainer_devices)
+    check_own_device(config, resolve(config.engine.model), device)
     team, announcements = join_team(device, config.placement.trainer_timeout_s)
     try:
         return follow(build_learner(config, resolve(config.engine.model), team, device), announcements)
     finally:
         leave_team()
+
+
+def check_own_device(config: Any, model_dir: Path, device: str) -> None:
+    """A follower checks the device it trains on, as rank 0 checked those of its own machine: on another node
+    (torchrun's ``GROUP_RANK`` above 0) no engine shares it. A refusal ends this rank, and torchrun the job."""
+    if not device.startswith("cuda"):
+        return
+    from verbatim.jobs.placement import check_here
+    from verbatim.jobs.train import trainer_size
+    from verbatim.trainer.distributed.loading import empty_model
+
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    same_node = os.environ.get("GROUP_RANK", "0") == "0"
+    check_here(config.engine if same_node else None, trainer_device=device,
+               parameters=trainer_size(empty_model(model_dir), ranks), dtype=config.learner.dtype, ranks=ranks,
+               reference=config.learner.loss.kl_coef > 0)
 
 
 def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: Any = None) -> Any:

@@ -68,7 +68,7 @@ WEIGHTS = "weights"
 class TrainLoop:
     """Plays and trains the plan's steps on one engine (or a router over replicas)."""
 
-    def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner, engine: Any, renderer: Any,
+    def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner | None, engine: Any, renderer: Any,
                  env: EnvFactory, tasks: Callable[[int], Sequence[dict[str, Any]]], out: Path,
                  manifest: RunManifest, model_dir: Path, *, served: bool = False, used: bool = False,
                  make_player: Callable[..., Any] = RolloutPlayer) -> None:

@@ -11,5 +11,6 @@ ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def on_this_machine(rank: int, size: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank`` of a team of ``size`` processes started on this machine, meeting at
-    127.0.0.1:``port`` (what torchrun sets for one node)."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    127.0.0.1:``port`` (what torchrun sets for one node: its rank on the node too, which picks its GPU)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)}
