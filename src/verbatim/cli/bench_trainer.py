@@ -347,6 +347,42 @@ def bench_step(
         write_doc(write, text)
 
 
+@trainer_benches.command("prefixflow-loop")
+def bench_prefixflow_loop(
+    words: int = typer.Option(1500, "--words", min=50, help="Words of each longdoc document (the shared prefix)."),
+    group_size: int = typer.Option(8, "--group-size", min=2, help="Rollouts per group."),
+    reply_tokens: int = typer.Option(32, "--reply-tokens", min=1, help="Most tokens of a reply."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Training steps per arm."),
+    microbatch: int = typer.Option(4, "--microbatch", min=1, help="Rows per microbatch (suffixes under PrefixFlow)."),
+    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
+                               "bench-prefixflow-loop section (docs/benchmarks.md)."),
+) -> None:
+    """PrefixFlow on and off in the real training loop on a long shared document: the actor update's and the
+    whole step's time and memory, against the update's FLOP ideal and the paper's figures."""
+    from verbatim.bench.prefixflow_loop import SECTION, LoopWork, markdown, measure
+    from verbatim.bench.prefixflow_loop import write as write_doc
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+    work = LoopWork(words=words, group_size=group_size, reply_tokens=reply_tokens, steps=steps,
+                    microbatch=microbatch, model=model)
+
+    def show(label: str, arm: dict) -> None:
+        times = [f"{r.get('update_s') or 0:.1f}" for r in arm["history"]]
+        err_console.print(f"{label}: {len(arm['history'])} steps, actor update s by step: {', '.join(times)}")
+
+    result = measure(work, progress=show)
+    defaults = LoopWork()
+    text = markdown(result, command_line(
+        "prefixflow-loop", **{key: None if getattr(work, key) == getattr(defaults, key) else getattr(work, key)
+                              for key in ("words", "group_size", "reply_tokens", "steps", "microbatch")},
+        model=model, write=write))
+    console.print(text)
+    if write is not None:
+        write_doc(write, text)
+
+
 def _prefixflow_exactness(model: str, write: Path | None) -> None:
     from verbatim.bench.prefixflow_exactness import SECTION, measure_table
     from verbatim.engine.models import resolve

@@ -264,7 +264,8 @@ class TrainLoop:
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began
-        times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s}
+        times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s,
+                 "policy": learned.get("policy_s", 0.0), "update": learned.get("update_s", 0.0)}
         record = step_record(n, self.learner.version, rollouts, summary, row_info, learned, times)
         self.history.append(record)
         record["checkpoint_s"] = 0.0

@@ -170,6 +170,7 @@ class Learner:
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,
                                      device=device)
         per_row = row_logprobs(logp_old, mask, batch.lengths, fix.keep)
+        updating = time.perf_counter()  # the actor update from here: forward, backward and optimizer step
         loss, padded = 0.0, 0
         norms = []
         for update_rows in self.update_splits(rows):
@@ -184,7 +185,8 @@ class Learner:
                    "temperature": step.temperature, "kept_tokens": int(fix.keep.sum()),
                    "model_tokens": int(batch.loss_mask.sum()), "correction": fix.metrics.as_dict(),
                    "entropy": entropy / max(int(batch.loss_mask.sum()), 1), "ranks": self.team.size,
-                   "padding_tokens": int(self.team.total(padded))}
+                   "padding_tokens": int(self.team.total(padded)),
+                   "policy_s": updating - started, "update_s": time.perf_counter() - updating}
         if support is not None:
             metrics["outside_support"] = support
         if logp_ref is not None:  # k3's value, an estimate of KL(π_old ‖ π_ref) per model token (0 off the mask)
