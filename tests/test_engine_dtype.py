@@ -99,9 +99,9 @@ def test_bf16_on_a_cpu_without_its_instructions_is_refused_before_the_engine_sta
     assert not (tmp_path / "r").exists()
 
 
-BF16_AGREEMENT = 0.1
+BF16_AGREEMENT = 0.02
 """max |Δ logprob| of a bfloat16 engine against transformers in bfloat16 on the same weights (other kernels, other
-rounding); measured here: 0.03 on the tiny SmolLM2."""
+rounding); measured here: 0.0019 on the tiny SmolLM2, and 0.45 against the base weights after step 1."""
 
 
 @pytest.mark.engine
@@ -132,7 +132,7 @@ def test_a_bf16_engine_on_this_cpu_samples_with_the_pushed_weights_cast_to_bf16(
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2] and all(m["grad_norm"] > 0 for m in metrics)
     if dtype == "bf16":  # μ from bfloat16 arithmetic, π_old from float32: apart by rounding, not by weights
-        assert all(1e-5 < m["mismatch_mean_abs"] < BF16_AGREEMENT / 4 for m in metrics), metrics
+        assert all(1e-5 < m["mismatch_mean_abs"] < BF16_AGREEMENT for m in metrics), metrics
     base, trained = load_model(tiny_smollm2_dir), load_model(tiny_smollm2_dir)
     load_checkpoint(out / "checkpoints" / "step-000001", trained, None)
     base, trained = base.to(torch_dtype).eval(), trained.to(torch_dtype).eval()
