@@ -23,7 +23,8 @@ def built(monkeypatch):
     """The loops whose training would start, in order; training itself is not run."""
     loops = []
 
-    async def stop_here(loop, config, console, **given):
+    async def stop_here(loop, config, console, learner_of, **given):
+        loop.learner = learner_of()  # what execute makes once the engine has started
         loops.append((loop, config))
         loop.engine.close()
         return []
@@ -133,3 +134,38 @@ def test_trackers_are_closed_when_the_team_cannot_start(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no team"):
         run_training(config)
     assert closed == [True]
+
+
+def test_the_learners_model_reaches_its_device_only_once_the_engine_has_started(tmp_path, monkeypatch):
+    """An engine beside the trainer on one GPU measures its share against a device the trainer does not fill yet:
+    execute starts the engine, then makes the learner (a stand-in engine here, which records the order)."""
+    import asyncio
+
+    from rich.console import Console
+
+    from verbatim.jobs.train import execute
+
+    events = []
+
+    class Engine:
+        async def start(self):
+            events.append("engine started")
+            return self
+
+        def close(self):
+            events.append("engine closed")
+
+    class Loop:
+        engine, out, learner, engine_start_s = Engine(), tmp_path, None, 0.0
+
+        async def train(self, resume):
+            events.append(f"trained by {self.learner}")
+            return []
+
+        def stop(self, request):
+            pass
+
+    monkeypatch.setattr("verbatim.jobs.train.write_config", lambda *args: None)
+    config = TrainConfig(play={"env": "guess"}, output={"out": str(tmp_path / "run")})
+    asyncio.run(execute(Loop(), config, Console(quiet=True), lambda: events.append("learner made") or "learner"))
+    assert events == ["engine started", "learner made", "trained by learner", "engine closed"]
