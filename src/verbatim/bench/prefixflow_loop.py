@@ -51,7 +51,11 @@ class LoopWork:
     group_size: int = 8
     reply_tokens: int = 32
     steps: int = 3
-    microbatch: int = 4
+    microbatch_tokens: int = 4096
+    """Both arms' microbatch budget in tokens (``--microbatch-tokens``, at least the context length): one whole
+    sequence of full training, or every suffix of the group under PrefixFlow (whose phase B gets the memory
+    budget of a whole microbatch, as ``bench prefixflow`` gives it). Four whole sequences of 2,400 tokens in one
+    microbatch took more than this machine's 23 GiB."""
     model: str = "default"
     seed: int = 0
 
@@ -59,7 +63,8 @@ class LoopWork:
         return ["--env", "longdoc", "--env-arg", f"words={self.words}", "--env-arg", "questions=1",
                 "--groups", "1", "--group-size", str(self.group_size), "--max-turns", "1",
                 "--max-tokens", str(self.reply_tokens), "--steps", str(self.steps), "--seed", str(self.seed),
-                "--concurrency", "1", "--microbatch", str(self.microbatch), "--model", self.model,
+                "--concurrency", "1", "--microbatch-tokens", str(self.microbatch_tokens),
+                "--max-model-len", str(self.microbatch_tokens), "--model", self.model,
                 "--kl-coef", str(KL_COEF), "--kv-cache-gib", "1", "--out", str(out)]
 
 
@@ -152,7 +157,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
     note = (f"\n\nWorkload: `longdoc`, one group of {work['group_size']} one-turn rollouts a step over a document of "
             f"{work['words']} words (a prompt of {best['prefix_tokens']:.0f} tokens on average, the group's shared "
             f"prefix), replies of {best['reply_tokens']:.1f} tokens on average (at most {work['reply_tokens']}); "
-            f"{work['steps']} steps per arm, {work['microbatch']} rows a microbatch (suffixes, under PrefixFlow), "
+            f"{work['steps']} steps per arm, microbatches of up to {work['microbatch_tokens']} tokens (a whole "
+            "sequence, or all the group's suffixes under PrefixFlow), "
             f"the model `{work['model']}`, float32, seed {work['seed']}, `--kl-coef {KL_COEF}` (every row trains, "
             f"whatever its reward; the reference's forward counts in π_old's column). {result['same_rollouts']} of "
             f"{result['rollouts']} rollouts were token for token the same in both arms. Token ideal "

@@ -353,7 +353,8 @@ def bench_prefixflow_loop(
     group_size: int = typer.Option(8, "--group-size", min=2, help="Rollouts per group."),
     reply_tokens: int = typer.Option(32, "--reply-tokens", min=1, help="Most tokens of a reply."),
     steps: int = typer.Option(3, "--steps", min=1, help="Training steps per arm."),
-    microbatch: int = typer.Option(4, "--microbatch", min=1, help="Rows per microbatch (suffixes under PrefixFlow)."),
+    microbatch_tokens: int = typer.Option(4096, "--microbatch-tokens", min=256,
+                                          help="Both arms' microbatch budget in tokens (and the context length)."),
     model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
     write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's "
                                "bench-prefixflow-loop section (docs/benchmarks.md)."),
@@ -366,7 +367,7 @@ def bench_prefixflow_loop(
     if write is not None:
         docsection.require_section(write, SECTION)
     work = LoopWork(words=words, group_size=group_size, reply_tokens=reply_tokens, steps=steps,
-                    microbatch=microbatch, model=model)
+                    microbatch_tokens=microbatch_tokens, model=model)
 
     def show(label: str, arm: dict) -> None:
         times = [f"{r.get('update_s') or 0:.1f}" for r in arm["history"]]
@@ -376,7 +377,7 @@ def bench_prefixflow_loop(
     defaults = LoopWork()
     text = markdown(result, command_line(
         "prefixflow-loop", **{key: None if getattr(work, key) == getattr(defaults, key) else getattr(work, key)
-                              for key in ("words", "group_size", "reply_tokens", "steps", "microbatch")},
+                              for key in ("words", "group_size", "reply_tokens", "steps", "microbatch_tokens")},
         model=model, write=write))
     console.print(text)
     if write is not None:
