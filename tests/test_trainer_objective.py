@@ -222,6 +222,35 @@ def test_old_logprobs_and_entropy_match_the_plain_forward_and_ignore_the_split(t
         torch.testing.assert_close(one.entropy[i, positions].double(), entropy, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [GROUPS, ((0, 1), (2,), (3, 4, 5), (6,), (7, 8))],
+                         ids=["prompts shared", "a shared model turn in the prefix"])
+@pytest.mark.parametrize("microbatch", [1, 9])
+def test_old_logprobs_with_each_groups_prefix_run_once_equal_the_whole_sequences(tiny, groups, microbatch):
+    """π_old under PrefixFlow: a group's shared prefix runs once and its suffixes over its keys and values; the
+    values equal the whole-sequence pass's to float32 rounding, loss tokens inside the prefix (rows 0 and 1
+    share a model turn) included, and the rows no group shares (and the row with no mask) as before."""
+    lm = prefix_lm(tiny)
+    sequences, mask = step_rows()
+    want = policy_values(lm, sequences, mask, microbatching=Microbatching(9))
+    got = policy_values(lm, sequences, mask, microbatching=Microbatching(microbatch), groups=groups,
+                        prefixflow=True)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+    assert bool((got.logprobs[~mask] == 0).all()) and bool((got.logprobs[mask] < 0).all())
+    calls = {True: [], False: []}
+    real = lm.hidden_states
+    for flow in calls:
+        lm.hidden_states = lambda ids, *a, flow=flow, **k: calls[flow].append(tuple(ids.shape)) or real(ids, *a, **k)
+        try:
+            policy_values(lm, sequences, mask, microbatching=Microbatching(1), groups=groups, prefixflow=flow)
+        finally:
+            del lm.hidden_states
+    prefix = 22 if groups[0] == (0, 1) else 16
+    assert (1, prefix) in calls[True]  # the shared prefix, once
+    fed = {flow: sum(rows * width for rows, width in shapes) for flow, shapes in calls.items()}
+    assert fed[True] <= fed[False] - prefix * (len(groups[0]) - 1)  # its other copies never ran
+
+
 def test_entropy_is_of_the_policy_at_its_temperature_and_a_token_it_cannot_draw_adds_nothing():
     from verbatim.trainer.causal_lm import target_logprobs, target_logprobs_and_entropy
 

@@ -153,8 +153,9 @@ class Learner:
         ours = torch.zeros(rows, dtype=torch.bool, device=device)
         ours[here] = True
         agree = functools.partial(self.team.agree, device=device)  # every rank makes each pass's calls together
+        shared = {"groups": step.groups, "prefixflow": path == "prefixflow"}  # a group's prompt runs once
         with self.placement.gathered():
-            old = policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree)
+            old = policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree, **shared)
             logp_old = self.team.sum_(old.logprobs)
             entropy = self.team.total(float(old.entropy.sum(dtype=torch.float64)))  # each rank's rows
             support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
@@ -164,7 +165,8 @@ class Learner:
         if self.reference is not None:
             with self.reference_placement.gathered():
                 logp_ref = self.team.sum_(policy_values(self.reference_lm(step.temperature), sequences,
-                                                        mask & ours[:, None], self.microbatching, agree).logprobs)
+                                                        mask & ours[:, None], self.microbatching, agree,
+                                                        **shared).logprobs)
         fix = correct(logp_old, self._behaviour(step, batch.logp_mu.to(device), logp_old, mask), mask,
                       batch.versions.to(device), self.version, self.config.correction)
         advantages = torch.as_tensor(np.asarray(step.advantages, dtype=np.float64), dtype=torch.float32,

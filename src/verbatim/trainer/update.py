@@ -27,7 +27,7 @@ from verbatim.trainer.distributed.lockstep import CallShape
 from verbatim.trainer.modes import KlEstimator, Offload
 from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.packing import Microbatching, padding
-from verbatim.trainer.passes import Agree, alone, forwards, idle_backward, idle_group, masked_batches
+from verbatim.trainer.passes import Agree, alone, idle_backward, idle_forward, idle_group
 from verbatim.trainer.prefixflow import _pad, group_from_sequences, prefix_cut, prefixflow_backward
 
 
@@ -91,13 +91,16 @@ class PolicyValues:
 
 
 def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
-                  microbatching: Microbatching = Microbatching(), agree: Agree = alone) -> PolicyValues:
+                  microbatching: Microbatching = Microbatching(), agree: Agree = alone,
+                  groups: Sequence[Sequence[int]] = (), prefixflow: bool = False) -> PolicyValues:
     """The log-probabilities and entropy of ``lm``'s policy where ``loss_mask`` is True, without autograd.
 
-    Right-padded microbatches (``microbatching``) through the model's full-sequence path; rows without a
-    masked token run no forward; on a team, idle forwards keep step with the other ranks (``agree``).
-    The log-probabilities are what :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives
-    (the same chunks of logits, bit for bit); the entropy is taken from those logits.
+    With ``prefixflow``, the rows of each of ``groups`` that share a token prefix (as the update splits them:
+    :func:`split_rows`) run it once, their suffixes in microbatches over its keys and values; the other rows
+    go whole, in right-padded microbatches (``microbatching``). Rows without a masked token run no forward; on
+    a team, idle forwards keep step with the other ranks (``agree``). The log-probabilities are what
+    :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives (the same chunks of logits, bit for
+    bit, on the whole-sequence path); the entropy is taken from those logits.
     """
     lengths = _lengths(sequences)
     if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
@@ -105,14 +108,53 @@ def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_ma
     _check_mask(loss_mask.bool(), lengths, "loss mask")
     learner_lm = lm if isinstance(lm, LearnerLM) else LearnerLM(lm)
     out = torch.zeros((2, *loss_mask.shape), dtype=torch.float32, device=sequences[0].device)
-
-    def visit(picked: list[int]) -> None:
-        values = _row_policy(learner_lm, [sequences[i] for i in picked],
-                             [loss_mask[i, : int(lengths[i])] for i in picked])
-        out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
-
-    forwards(learner_lm, masked_batches(sequences, loss_mask, microbatching), visit, agree)
+    masks = [loss_mask[i, : int(lengths[i])].bool() for i in range(len(sequences))]
+    masked = [i for i in range(len(sequences)) if bool(masks[i].any())]
+    work = split_rows(sequences, groups if prefixflow else [[i] for i in masked], masked, prefixflow, microbatching)
+    agreed = agree(work.shape)
+    with torch.no_grad():
+        for slot, calls in enumerate(agreed.flows):
+            mine = slot < len(work.flows)
+            if mine:
+                _flow_policy(learner_lm, sequences, masks, *work.flows[slot], out)
+            for _ in range(calls - len(work.flows[slot][1]) if mine else calls + 1):  # a slot: prefix + suffixes
+                idle_forward(learner_lm)
+        for slot in range(agreed.plain):
+            if slot < len(work.plain):
+                picked = list(work.plain[slot])
+                values = _row_policy(learner_lm, [sequences[i] for i in picked], [masks[i] for i in picked])
+                out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
+            else:
+                idle_forward(learner_lm)
     return PolicyValues(logprobs=out[0], entropy=out[1])
+
+
+def _flow_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                 members: Sequence[int], splits: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+    """π and its entropy on ``members``' masked tokens, their shared prefix run once (into ``out``)."""
+    rows = [sequences[r] for r in members]
+    cut = prefix_cut(rows)
+    prefix = rows[0][:cut][None]
+    hidden, kv = lm.hidden_states(prefix, keep_kv=True)
+    own = torch.stack([masks[r][:cut] for r in members])
+    positions = torch.nonzero(own.any(dim=0)).flatten()  # loss tokens inside the prefix (shared sampled tokens)
+    if positions.numel():
+        values = lm.token_logprobs_and_entropy(hidden[0, positions - 1], prefix[0, positions])
+        for k, r in enumerate(members):
+            at = positions[own[k, positions]]
+            for which, value in enumerate(values):
+                out[which, r, at] = value[own[k, positions]].float()
+    boundary = hidden[:, -1:]  # predicts every suffix's first token
+    for split in splits:
+        picked = [members[k] for k in split]
+        ids, suffix_masks = _pad([sequences[r][cut:] for r in picked], [masks[r][cut:] for r in picked])
+        suffix_hidden, _ = lm.hidden_states(ids, start=cut, past=kv)  # one prefix copy serves every row
+        states = torch.cat([boundary.expand(len(picked), 1, -1), suffix_hidden[:, :-1]], dim=1)
+        r, s = torch.nonzero(suffix_masks, as_tuple=True)
+        values = lm.token_logprobs_and_entropy(states[r, s], ids[r, s])
+        index = torch.tensor(picked, device=out.device)[r]
+        for which, value in enumerate(values):
+            out[which, index, s + cut] = value.float()
 
 
 @dataclass(frozen=True)
@@ -131,24 +173,33 @@ class RowWork:
 
 
 def row_work(batch: StepBatch, rows: Sequence[int], prefixflow: bool, microbatching: Microbatching) -> RowWork:
-    """Which of ``rows`` go through PrefixFlow (at least two rows of a group with a kept token, sharing a
-    prefix that leaves each a suffix) and which as whole sequences, in microbatches. Rows without a kept
-    token are left out (no forward)."""
+    """Which of ``rows`` go through PrefixFlow and which as whole sequences (:func:`split_rows`), of those with a
+    kept token (the others run no forward)."""
     chosen = _check_rows(batch, rows)
-    trained = {r for r in chosen if bool(batch.keep[r].any())}
-    flows, plain, waste = [], [], 0
-    for group in batch.groups:
-        members = [r for r in group if r in trained]
-        sequences = [batch.sequences[r] for r in members]
-        cut = prefix_cut(sequences) if prefixflow and len(members) >= 2 else 0
+    trained = [r for r in sorted(chosen) if bool(batch.keep[r].any())]
+    return split_rows(batch.sequences, batch.groups, trained, prefixflow, microbatching)
+
+
+def split_rows(sequences: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], rows: Sequence[int],
+               prefixflow: bool, microbatching: Microbatching) -> RowWork:
+    """``rows``' calls: PrefixFlow for at least two rows of a group sharing a prefix that leaves each a suffix
+    (``prefixflow``), their suffixes in microbatches; whole sequences in microbatches for the others."""
+    wanted = set(rows)
+    flows, plain, waste, grouped = [], [], 0, set()
+    for group in groups:
+        members = [r for r in group if r in wanted]
+        grouped.update(members)
+        chosen = [sequences[r] for r in members]
+        cut = prefix_cut(chosen) if prefixflow and len(members) >= 2 else 0
         if cut >= 1:
-            suffixes = [int(s.numel()) - cut for s in sequences]
+            suffixes = [int(s.numel()) - cut for s in chosen]
             splits = microbatching.split(suffixes)
             waste += padding(suffixes, splits)
             flows.append((tuple(members), tuple(tuple(split) for split in splits)))
         else:
             plain += members
-    lengths = [int(batch.sequences[r].numel()) for r in plain]
+    plain += [r for r in rows if r not in grouped]
+    lengths = [int(sequences[r].numel()) for r in plain]
     batches = microbatching.split(lengths)
     flows.sort(key=lambda flow: -len(flow[1]))  # stable: the groups' order among equals
     return RowWork(tuple(flows), tuple(tuple(plain[k] for k in b) for b in batches),
