@@ -164,8 +164,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
             f"{result['rollouts']} rollouts were token for token the same in both arms. Token ideal "
             f"{best['token_ideal']:.2f}x. Means over each arm's steps, measured by `{command}`, each arm a "
             "`verbatim train` process of its own, one after the other. What differs from the paper: a 135 M "
-            "model on CPU cores in float32, eager PyTorch, one process, against its larger models on GPUs; π_old's "
-            "forward runs the whole sequences in both arms here (the trainer step's ratio counts it).")
+            "model on CPU cores in float32, eager PyTorch, one process, against its larger models on GPUs. Under "
+            "PrefixFlow, π_old's and the reference's forwards run the group's prompt once too (the π_old column).")
     return "\n".join(lines) + note
 
 
