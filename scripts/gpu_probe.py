@@ -118,19 +118,11 @@ def policy_loss(group, device: torch.device, seed: int = 1):  # noqa: ANN001, AN
     return loss_fn
 
 
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    found = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return found
-
-
-def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max(rel_err(got[n], want[n]) for n in want)
-
-
 def check_prefixflow(device: torch.device, small: bool) -> dict:
     """PrefixFlow's gradients against full-sequence training's, float32 and bfloat16, on a random Qwen3."""
+    from verbatim.bench.prefixflow_exactness import grads_of as grads
     from verbatim.bench.prefixflow_exactness import make_group
+    from verbatim.bench.prefixflow_exactness import max_rel_err as worst
     from verbatim.trainer.adapters import prefix_lm
     from verbatim.trainer.packing import microbatches
     from verbatim.trainer.prefixflow import full_sequence_backward, prefixflow_backward

