@@ -327,9 +327,11 @@ one worker, the two beside each other. The first holds the tests on this process
 servers (``vllm_server``, ``tiny_server``), the other engine tests (their engines run in processes they start)
 and the modules of :data:`SERVER_MODULES`, whose processes take GBs. Within a group one test runs at a time;
 the rest, pure logic, run in either worker once its group is done."""
-SESSION_MODULES = frozenset({"test_prefixflow_default_model", "test_train_families", "test_engine_start_failure"})
-"""Engine tests beside the session engine's users, for balance (the groups' tests took 1031 s and 892 s, the
-rest 420 s, in a fresh-clone run of 976ddc5); test_prefixflow_default_model runs first of its group, before the
+SESSION_MODULES = frozenset({"test_prefixflow_default_model", "test_train_families", "test_engine_start_failure",
+                             "test_engine_dtype"})
+"""Engine tests beside the session engine's users, for balance (the server group's tests took 979 s and this
+group's 909 s, the rest 466 s, in a fresh-clone run of 523c1d6, test_engine_dtype's 35 s among the server's);
+test_prefixflow_default_model runs first of its group, before the
 session engine (~3 GB) and the in-process trainers (up to ~8 GB) are there, since its process alone takes
 ~10 GB."""
 SERVER_MODULES = frozenset({"test_trainer_distributed", "test_bench_train_scale", "test_bench_train_step"})
