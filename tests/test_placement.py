@@ -294,3 +294,12 @@ def test_bad_device_maps_are_one_line_exit_2_before_anything_starts(tmp_path, fl
     assert result.exit_code == 2, result.output
     assert needle in result.output and len(result.output.strip().splitlines()) <= 2, result.output
     assert not out.exists()
+
+
+def test_a_rank_on_another_node_checks_its_gpu_with_no_engine_beside_it():
+    one_billion = 10**9  # 14.9 GiB: too much beside an engine at vLLM's default share of 80 GiB, fine alone
+    with pytest.raises(InputError, match="shares GPU 0 with the engine"):
+        check_placement([80 * GIB], trainer_device="cuda:0", parameters=one_billion)
+    check_placement([80 * GIB], engine="none", trainer_device="cuda:0", parameters=one_billion)
+    with pytest.raises(InputError, match="the GPU has 8.0 GiB"):
+        check_placement([8 * GIB], engine="none", trainer_device="cuda:0", parameters=one_billion)

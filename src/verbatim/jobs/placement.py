@@ -98,7 +98,8 @@ def check_placement(gpus: Sequence[int], *, engine: str = "inproc", gpu_memory: 
                     ranks_here: int = 1, parameters: TrainerSize | int = 0, dtype: str = "fp32", ranks: int = 1,
                     reference: bool = False, engine_dtype: str | None = None) -> None:
     """Refuse a placement that cannot work. ``gpus``: the memory (bytes) of each GPU this process sees, in
-    index order (empty: none); ``engine_devices``: the in-process engine's GPUs (``--engine-devices``; None:
+    index order (empty: none); ``engine``: ``inproc``, ``http`` (placed where it is started) or ``none`` (no
+    engine on this machine); ``engine_devices``: the in-process engine's GPUs (``--engine-devices``; None:
     0..tensor_parallel-1); ``trainer_device``: ``cpu``, ``cuda`` or ``cuda:N`` (None: no trainer) and
     ``trainer_devices`` (``--trainer-devices``) place the ``ranks_here`` trainer ranks of this machine
     (:func:`rank_device`), each checked; ``ranks``: the team's size; ``reference``: the trainer keeps a KL
@@ -215,18 +216,19 @@ def check_here(choice: EngineChoice | None, trainer_device: str | None = None,
                engine_dtype: str | None = None) -> None:
     """:func:`check_placement` against the GPUs torch sees on this machine, asked only when a GPU is in question
     (a CPU run never loads torch's CUDA). ``choice`` None: no engine on this machine (a rank on another node)."""
-    choice = choice if choice is not None else EngineChoice(kind="http", urls=("elsewhere",))
-    asked = (choice.gpu_memory is not None or choice.tensor_parallel > 1 or choice.devices is not None
-             or trainer_devices is not None or engine_dtype in ("bf16", "fp16")
-             or (trainer_device or "").startswith("cuda"))
+    engine = {"engine": "none"} if choice is None else {
+        "engine": choice.kind, "gpu_memory": choice.gpu_memory, "tensor_parallel": choice.tensor_parallel,
+        "engine_devices": choice.devices}
+    asked = (engine.get("gpu_memory") is not None or engine.get("tensor_parallel", 1) > 1
+             or engine.get("engine_devices") is not None or trainer_devices is not None
+             or engine_dtype in ("bf16", "fp16") or (trainer_device or "").startswith("cuda"))
     if not asked:
         return
     from verbatim.trainer.reference import visible_gpus
 
-    check_placement(visible_gpus(), engine=choice.kind, gpu_memory=choice.gpu_memory,
-                    tensor_parallel=choice.tensor_parallel, engine_devices=choice.devices,
-                    trainer_device=trainer_device, trainer_devices=trainer_devices, ranks_here=ranks_here,
-                    parameters=parameters, dtype=dtype, ranks=ranks, reference=reference, engine_dtype=engine_dtype)
+    check_placement(visible_gpus(), **engine, trainer_device=trainer_device, trainer_devices=trainer_devices,
+                    ranks_here=ranks_here, parameters=parameters, dtype=dtype, ranks=ranks, reference=reference,
+                    engine_dtype=engine_dtype)
 
 
 def _cuda_index(device: str | None) -> int | None:
