@@ -109,15 +109,16 @@ def measure(work: LoopWork, progress: Any = None) -> dict[str, Any]:
 
 def summary(arm: dict[str, Any]) -> dict[str, float]:
     """An arm's means over its steps (the first step too: both arms pay the same first-call costs)."""
+    from verbatim.bench.step_split import split
+
     history = arm["history"]
+    parts = split(arm)  # the mean of each part of a step (bench step's), and of their sum
 
     def mean(key: str) -> float:
         return statistics.fmean(float(r.get(key) or 0.0) for r in history)
 
-    step = [sum(float(r.get(k) or 0.0) for k in ("rollout_s", "train_s", "weight_sync_s", "checkpoint_s"))
-            for r in history]
-    return {"update_s": mean("update_s"), "policy_s": mean("policy_s"), "train_s": mean("train_s"),
-            "rollout_s": mean("rollout_s"), "step_s": statistics.fmean(step),
+    return {"update_s": mean("update_s"), "policy_s": mean("policy_s"), "train_s": parts["train_s"],
+            "rollout_s": parts["rollout_s"], "step_s": parts["step"],
             "peak_rss_mib": max(float(r.get("trainer_peak_rss_mib") or 0.0) for r in history)}
 
 

@@ -216,19 +216,17 @@ def check_here(choice: EngineChoice | None, trainer_device: str | None = None,
                engine_dtype: str | None = None) -> None:
     """:func:`check_placement` against the GPUs torch sees on this machine, asked only when a GPU is in question
     (a CPU run never loads torch's CUDA). ``choice`` None: no engine on this machine (a rank on another node)."""
-    engine = {"engine": "none"} if choice is None else {
-        "engine": choice.kind, "gpu_memory": choice.gpu_memory, "tensor_parallel": choice.tensor_parallel,
-        "engine_devices": choice.devices}
-    asked = (engine.get("gpu_memory") is not None or engine.get("tensor_parallel", 1) > 1
-             or engine.get("engine_devices") is not None or trainer_devices is not None
+    kind, memory, parallel, devices = ("none", None, 1, None) if choice is None else (
+        choice.kind, choice.gpu_memory, choice.tensor_parallel, choice.devices)
+    asked = (memory is not None or parallel > 1 or devices is not None or trainer_devices is not None
              or engine_dtype in ("bf16", "fp16") or (trainer_device or "").startswith("cuda"))
     if not asked:
         return
     from verbatim.trainer.reference import visible_gpus
 
-    check_placement(visible_gpus(), **engine, trainer_device=trainer_device, trainer_devices=trainer_devices,
-                    ranks_here=ranks_here, parameters=parameters, dtype=dtype, ranks=ranks, reference=reference,
-                    engine_dtype=engine_dtype)
+    check_placement(visible_gpus(), engine=kind, gpu_memory=memory, tensor_parallel=parallel, engine_devices=devices,
+                    trainer_device=trainer_device, trainer_devices=trainer_devices, ranks_here=ranks_here,
+                    parameters=parameters, dtype=dtype, ranks=ranks, reference=reference, engine_dtype=engine_dtype)
 
 
 def _cuda_index(device: str | None) -> int | None:

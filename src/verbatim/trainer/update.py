@@ -139,11 +139,10 @@ def _flow_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequen
     own = torch.stack([masks[r][:cut] for r in members])
     positions = torch.nonzero(own.any(dim=0)).flatten()  # loss tokens inside the prefix (shared sampled tokens)
     if positions.numel():
-        values = lm.token_logprobs_and_entropy(hidden[0, positions - 1], prefix[0, positions])
+        values = torch.stack(lm.token_logprobs_and_entropy(hidden[0, positions - 1], prefix[0, positions])).float()
         for k, r in enumerate(members):
-            at = positions[own[k, positions]]
-            for which, value in enumerate(values):
-                out[which, r, at] = value[own[k, positions]].float()
+            mine = own[k, positions]
+            out[:, r, positions[mine]] = values[:, mine]
     boundary = hidden[:, -1:]  # predicts every suffix's first token
     for split in splits:
         picked = [members[k] for k in split]
@@ -151,10 +150,8 @@ def _flow_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequen
         suffix_hidden, _ = lm.hidden_states(ids, start=cut, past=kv)  # one prefix copy serves every row
         states = torch.cat([boundary.expand(len(picked), 1, -1), suffix_hidden[:, :-1]], dim=1)
         r, s = torch.nonzero(suffix_masks, as_tuple=True)
-        values = lm.token_logprobs_and_entropy(states[r, s], ids[r, s])
-        index = torch.tensor(picked, device=out.device)[r]
-        for which, value in enumerate(values):
-            out[which, index, s + cut] = value.float()
+        values = torch.stack(lm.token_logprobs_and_entropy(states[r, s], ids[r, s])).float()
+        out[:, torch.tensor(picked, device=out.device)[r], s + cut] = values
 
 
 @dataclass(frozen=True)
