@@ -142,9 +142,10 @@ class WeightChannel:
         learner on a GPU keeps its own), is not in the engine's format (a float32 learner beside a bfloat16
         engine: each push casts), or ``/dev/shm`` cannot hold them (the temporary folder's file would be written
         back to disk as the learner trains)."""
-        slots, size = layout(weights, self.dtype)
-        if any(t.device.type != "cpu" for t in weights.values()) or slots != layout(weights)[0]:
+        cast = self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype for t in weights.values())
+        if cast or any(t.device.type != "cpu" for t in weights.values()):
             return None
+        slots, size = layout(weights)
         folder = shared_folder(size)
         if folder != SHM:
             return None
