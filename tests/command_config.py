@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from verbatim.cli.app import app
 
-TARGETS = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command"}
+TARGETS = {"run": "verbatim.cli.run.run_command", "train": "verbatim.cli.train.train_command",
+           "eval": "verbatim.cli.evaluate.eval_command"}
 
 
 def config_of(command: str, args: list[str], monkeypatch) -> Any:

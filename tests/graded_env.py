@@ -29,3 +29,21 @@ class GradedFactory:
 
     def tasks(self, count: int, seed: int) -> list[dict[str, Any]]:
         return [{"id": f"graded-{seed}-{i}", "n": seed + i} for i in range(count)]
+
+
+class JudgedEnv(GradedEnv):
+    """The graded env that also says whether a reply solved its task (a reward of 0.5 or more: about half the
+    replies), so that pass@k has samples of both kinds (tests/test_eval_engine.py)."""
+
+    def step(self, message: Message) -> StepResult:
+        graded = super().step(message)
+        return graded.model_copy(update={"info": {"solved": graded.reward >= 0.5}})
+
+
+class JudgedFactory(GradedFactory):
+    """``--env graded_env:JudgedFactory``."""
+
+    name = "judged"
+
+    def make(self) -> JudgedEnv:
+        return JudgedEnv()

@@ -231,3 +231,26 @@ def test_an_agent_that_never_asks_the_model_fails_and_its_reward_is_counted_nowh
     assert {r.info["agent"]["returned_reward"] for r in rollouts} == {1.0}
     assert all(lint["findings"][r.rollout_id] == ["failed"] for r in rollouts)
     assert json.loads((out.parent / "summary.json").read_text())["statuses"] == {"error": 4, "truncated": 2}
+
+
+def test_eval_plays_an_agent_as_run_does(engine_runner, tmp_path):
+    """``verbatim eval --agent … --tasks …``: K samples a task, a rewritten history a second segment as in ``run``,
+    and what the agent says of ``solved`` is what pass@k counts (a task whose agent never says: avg@K only)."""
+    from verbatim.cli.evaluate import eval_command
+    from verbatim.jobs.config import EvalOptions
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS if t["mode"] in ("framework", "rewrite")))
+    out = tmp_path / "eval"
+    options = EvalOptions(play={"agent": str(ROOT / "tests" / "agent_modes.py") + ":play", "tasks": str(tasks),
+                                "max_turns": 4}, sampling={"max_tokens": 24}, engine={"max_model_len": 2048},
+                          output={"out": str(out)}, group_size=2)
+    found = eval_command(options, Console(file=io.StringIO(), width=200), engine=engine_runner.engine)
+    assert (found["tasks"], found["samples"]) == (2, 2)
+    framework, rewrite = found["per_task"]
+    assert framework["pass_at_k"] == {"1": 0.0, "2": 0.0} and rewrite["pass_at_k"] is None
+    assert found["pass_at_k"] == {"1": 0.0, "2": 0.0}  # over the tasks whose agent said
+    assert rewrite["mean_reward"] == 0.5
+    for rollout in by_mode(out)["rewrite"]:
+        first, second = rollout.segments()
+        assert len(first.turns) == 2 and len(second.turns) == 1

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from verbatim.cli.app import app
 from verbatim.errors import InputError, TraceError
-from verbatim.harness.curves import plot_training, series
+from verbatim.harness.curves import evaluations, plot_training, series
 from verbatim.harness.metrics_log import append_metrics, read_metrics, rewrite_metrics
 from verbatim.harness.store import RunManifest, TraceWriter
 
@@ -30,7 +30,7 @@ def _record(step: int, **extra) -> dict:
 
 
 def _run(tmp_path, steps: int = 5, **extra):
-    for step in range(steps):
+    for step in range(1, steps + 1):  # steps count from 1 (step 0's line is an evaluation's)
         append_metrics(tmp_path, _record(step, **extra))
     return tmp_path
 
@@ -51,19 +51,19 @@ def test_records_round_trip(tmp_path):
 def test_a_torn_last_line_is_skipped_and_cut_by_the_next_append(tmp_path):
     _run(tmp_path, steps=2)
     with open(tmp_path / "metrics.jsonl", "ab") as handle:
-        handle.write(b'{"step": 2, "reward_me')  # the writer was killed mid-line
-    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
-    append_metrics(tmp_path, _record(2))
-    assert read_metrics(tmp_path) == [_record(0), _record(1), _record(2)]
+        handle.write(b'{"step": 3, "reward_me')  # the writer was killed mid-line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    append_metrics(tmp_path, _record(3))
+    assert read_metrics(tmp_path) == [_record(1), _record(2), _record(3)]
 
 
 def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
     _run(tmp_path, steps=1)
     with open(tmp_path / "metrics.jsonl", "ab") as handle:
-        handle.write(json.dumps(_record(1)).encode())
-    assert read_metrics(tmp_path) == [_record(0), _record(1)]
-    append_metrics(tmp_path, _record(2))
-    assert read_metrics(tmp_path) == [_record(0), _record(1), _record(2)]
+        handle.write(json.dumps(_record(2)).encode())
+    assert read_metrics(tmp_path) == [_record(1), _record(2)]
+    append_metrics(tmp_path, _record(3))
+    assert read_metrics(tmp_path) == [_record(1), _record(2), _record(3)]
 
 
 def test_a_torn_first_line_leaves_an_empty_log(tmp_path):
@@ -174,6 +174,20 @@ def test_plot_command_defaults_to_curve_png_in_the_run(tmp_path):
     result = runner.invoke(app, ["plot", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "curve.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_run_with_evaluations_plots_them_beside_the_reward(tmp_path):
+    """--eval-every: step 0's line holds only the evaluation before the first step; evaluated steps are points."""
+    held = {"version": 0, "tasks": 2, "samples": 2, "mean_reward": 0.5, "pass_at_k": {"1": 0.25, "2": 0.5}}
+    _run(tmp_path, steps=3)
+    records = read_metrics(tmp_path)
+    records[2]["eval"] = {**held, "version": 2, "pass_at_k": None, "mean_reward": 0.75}  # no "solved": avg@K
+    records = [{"step": 0, "version": 0, "eval": held}, *records]
+    rewrite_metrics(tmp_path, records)
+    assert evaluations([r["step"] for r in records], records) == [(0, 0.25), (3, 0.75)]
+    result = runner.invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"wrote {tmp_path / 'curve.png'} (3 steps, 2 evaluations)"
 
 
 @pytest.mark.parametrize("extra", [

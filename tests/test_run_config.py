@@ -44,7 +44,9 @@ UNUSUAL = TrainConfig(
                           loss=LossConfig(normaliser="sequence", kl_coef=0.05),
                           correction=CorrectionConfig(token_tis_cap=None, sequence_tis="geo_mean",
                                                       token_mask_band=None, sequence_mask_band=(0.25, 4.0))),
-    placement={"trainer_procs": 2})
+    placement={"trainer_procs": 2},
+    evaluation={"eval_every": 2, "eval_groups": 3, "eval_samples": 4, "eval_tasks": "held.jsonl",
+                "eval_temperature": 0.0, "eval_pass_k": (1, 2), "allow_overlap": True})
 
 
 def test_config_toml_read_by_config_gives_the_same_training_config(tmp_path, monkeypatch):
@@ -62,6 +64,17 @@ def test_config_toml_of_a_rollout_run_repeats_it_too(tmp_path, monkeypatch):
                          stop_grace_s=2.5)
     path = write_config(tmp_path / "run", RUN_FLAGS, options, "run")
     assert config_of("run", ["--config", str(path)], monkeypatch) == with_flags(options, resume=False)
+
+
+def test_config_toml_of_an_evaluation_repeats_it_with_its_samples_and_ks(tmp_path, monkeypatch):
+    from verbatim.jobs.config import EVAL_FLAGS, EvalOptions
+
+    options = EvalOptions(play={"env": "guess"}, engine={"model": "runs/x/checkpoints/step-000004"}, groups=3,
+                          group_size=8, pass_k=(1, 8), seed=2)
+    path = write_config(tmp_path / "run", EVAL_FLAGS, options, "eval")
+    assert 'pass_k = "1,8"' in path.read_text() and "samples = 8" in path.read_text()
+    assert config_of("eval", ["--config", str(path)], monkeypatch) == options
+    assert config_of("eval", ["--env", "guess", "--samples", "8", "--pass-k", "2,8"], monkeypatch).pass_k == (2, 8)
 
 
 def test_a_flag_on_the_command_line_still_wins_over_a_recorded_config(tmp_path, monkeypatch):
@@ -158,7 +171,8 @@ def test_a_run_recorded_before_the_config_had_sections_resumes_and_its_changes_a
     assert flat["max_tokens"] == 12 and flat["engine"] == "inproc" and "play" not in flat
     TraceWriter(out, RunManifest(run_id="r", model="m", renderer="r", engine={"block_size": 16},
                                  config={"train": flat}))
-    assert TRAIN_FLAGS.nest(flat) == config.config()["train"]
+    later = {"evaluation"}  # a section added after configs had sections: a resume fills it in (ADDED)
+    assert TRAIN_FLAGS.nest(flat) == {k: v for k, v in config.config()["train"].items() if k not in later}
     assert check(with_flags(config, resume=True)) == 0
     with pytest.raises(InputError, match=r"sampling.max_tokens: 12 -> 13"):
         check(with_flags(config, resume=True, max_tokens=13))
@@ -191,7 +205,10 @@ def test_run_takes_every_rollout_flag_train_takes_with_its_default_or_says_why_n
 
 @pytest.mark.parametrize("command,sections,example", [
     ("train", ["What to play:", "Sampling:", "The loop:", "The learner:", "The team: where the trainer runs:",
-               "The engine:", "Routing over replicas:", "Output:"], "A first training run: verbatim train --env"),
+               "Evaluation on held-out tasks:", "The engine:", "Routing over replicas:", "Output:"],
+     "A first training run: verbatim train --env"),
+    ("eval", ["What to play:", "The run:", "Sampling:", "The engine:", "Routing over replicas:", "Output:"],
+     "Evaluate a training run's newest checkpoint on 8 held-out guess games"),
     ("run", ["What to play:", "The run:", "Sampling:", "The engine:", "Routing over replicas:", "Output:"],
      "A first run: verbatim run --env guess"),
 ])

@@ -9,6 +9,9 @@ Two short real runs on the session's engine (the default model, fp32):
 - overlapping (``max_lag=1``, ``flush``), 3 steps: each token's recorded version is the one whose
   weights give its sampler logprob, checked against every checkpoint's weights.
 
+Both evaluate on held-out tasks (``--eval-every``: every step, and every second step beside the next step's
+rollouts): each evaluation is of the version just pushed, every one of its tokens, and an ordinary trace.
+
 Each run goes through ``verbatim train``'s entry point, given the session's engine (which the run begins with
 the base weights as version 0, and the next test's fixture again).
 """
@@ -43,12 +46,16 @@ AGREEMENT = 1e-3  # fp32 engine vs transformers, max |Δ logprob| (docs/engine.m
 
 
 def train(engine_runner, out: Path, plan: TrainPlan, learner: LearnerConfig, *, temperature: float = 1.0,
-          env: str = "guess", env_args: dict | None = None) -> tuple[TrainLoop, list[dict], int]:
+          env: str = "guess", env_args: dict | None = None, eval_every: int | None = None,
+          ) -> tuple[TrainLoop, list[dict], int]:
     """``verbatim train``'s run (its entry point, given the session's engine, which it begins with the base
-    weights as version 0): the loop, its metrics, and the version it started from."""
+    weights as version 0): the loop, its metrics, and the version it started from. ``eval_every``: evaluate on
+    2 held-out tasks, 2 samples each."""
     play = {"env": env, "env_args": {"high": 8, "max_guesses": 3} if env_args is None else env_args, "max_turns": 2}
+    evaluation = {"eval_every": eval_every, "eval_groups": 2, "eval_samples": 2}
     config = TrainConfig(play=play, sampling={"max_tokens": 12, "temperature": temperature},
-                         engine={"max_model_len": 2048}, output={"out": str(out)}, plan=plan, learner=learner)
+                         engine={"max_model_len": 2048}, output={"out": str(out)}, plan=plan, learner=learner,
+                         evaluation=evaluation)
     ended: list[TrainLoop] = []
     history = run_training(config, engine=engine_runner.engine, on_end=ended.append)
     return ended[0], history, 0
@@ -58,14 +65,15 @@ def train(engine_runner, out: Path, plan: TrainPlan, learner: LearnerConfig, *, 
 def synchronous(session_engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, keep_checkpoints=2, checkpoint_every=1, seed=1)
-    yield train(session_engine, folder / "sync", plan, LearnerConfig(lr=3e-4))
+    yield train(session_engine, folder / "sync", plan, LearnerConfig(lr=3e-4), eval_every=1)
     shutil.rmtree(folder, ignore_errors=True)  # 1.6 GB of checkpoints: CI's disk is not ours to fill
 
 
 def test_a_synchronous_step_trains_on_its_own_policy(synchronous):
     """π − μ before the optimizer step is engine/trainer agreement, nothing more, at every step."""
-    loop, history, _ = synchronous
-    assert [r["step"] for r in history] == [1, 2]  # steps count from 1, as the console and the checkpoints do
+    loop, lines, _ = synchronous
+    assert [r["step"] for r in lines] == [0, 1, 2]  # steps count from 1, as the console and the checkpoints do;
+    history = lines[1:]  # step 0's line is the evaluation before the first step
     # the learner's weights lived in the engine's shared buffer (one storage), set up before the first step
     assert len({p.untyped_storage().data_ptr() for p in loop.learner.model.parameters()}) == 1
     assert loop.share_s > 0
@@ -141,7 +149,7 @@ def test_the_training_run_is_an_ordinary_run_directory(synchronous):
     assert len({r.rollout_id for r in rollouts}) == len(rollouts) == 2 * 2 * 2
     assert all(r.rollout_id.startswith(f"s{r.info['step']:04d}-") for r in rollouts)
     lines = [json.loads(x) for x in (loop.out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["version"] for x in lines] == [start + 1, start + 2] == [r["version"] for r in history]
+    assert [x["version"] for x in lines] == [start, start + 1, start + 2] == [r["version"] for r in history]
     assert sorted(p.name for p in (loop.out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
     from typer.testing import CliRunner
 
@@ -156,7 +164,7 @@ def overlapping(session_engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
     plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.FLUSH,
                      keep_checkpoints=3, checkpoint_every=1, seed=2)  # every version's weights kept
-    yield train(session_engine, folder / "lag1", plan, LearnerConfig(lr=3e-4))
+    yield train(session_engine, folder / "lag1", plan, LearnerConfig(lr=3e-4), eval_every=2)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -182,7 +190,44 @@ def test_each_token_records_the_version_that_sampled_it(overlapping, default_mod
             assert np.abs(pi - tokens.logprob[at]).max() < AGREEMENT, (rollout.rollout_id, int(version))
             seen.add((step, int(version)))
     assert (2, start) in seen, "step 2 never played while step 1 trained: no overlap was tested"
-    assert all(set(r["policy_lag"]) <= {"0", "1"} for r in history)
+    assert all(set(r["policy_lag"]) <= {"0", "1"} for r in history if r["step"] > 0)
+
+
+def evaluations_are_of_the_version_just_pushed(loop: TrainLoop, history: list[dict], steps: list[int]) -> None:
+    """Each evaluation's line, folder and tokens name the version after its step, its figures are its trace's, it
+    lints clean, and none of its rollouts reached the training trace."""
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+    from verbatim.harness.evaluation import folder_figures
+
+    evaluated = {r["step"]: r["eval"] for r in history if "eval" in r}
+    assert sorted(evaluated) == steps and all(evaluated[n]["version"] == n for n in steps)
+    trained = {r.rollout_id for r in read_run(loop.out).rollouts}
+    for step in steps:
+        folder = loop.out / "eval" / f"step-{step:06d}"
+        rollouts = read_run(folder).rollouts
+        assert len(rollouts) == 2 * 2 and not trained & {r.rollout_id for r in rollouts}
+        sampled = np.concatenate([r.tokens.policy_version[r.tokens.source == Source.MODEL] for r in rollouts])
+        assert sampled.size and set(sampled.tolist()) == {step}
+        assert folder_figures(folder, version=step) == evaluated[step]
+        assert sorted(r.task["id"] for r in rollouts if r.rollout_id.endswith("-r00")) == ["eval-0", "eval-1"]
+        lint = CliRunner().invoke(app, ["lint", "trace", str(folder)])
+        assert lint.exit_code == 0, lint.output[-2000:]
+    assert sorted(p.name for p in (loop.out / "eval").iterdir()) == [f"step-{n:06d}" for n in steps]
+
+
+def test_evaluations_before_the_first_step_and_after_each_are_of_the_weights_just_pushed(synchronous):
+    loop, history, _ = synchronous
+    evaluations_are_of_the_version_just_pushed(loop, history, [0, 1, 2])
+    assert set(history[0]) == {"step", "version", "eval"}  # step 0: the evaluation's line of its own
+
+
+def test_under_max_lag_an_evaluation_holds_its_version_while_the_next_step_plays(overlapping):
+    """--max-lag 1 --eval-every 2 over 3 steps: evaluated after steps 0, 2 and 3, each of one version though the
+    next step's rollouts play beside it."""
+    loop, history, _ = overlapping
+    evaluations_are_of_the_version_just_pushed(loop, history, [0, 2, 3])
 
 
 def test_a_trainer_fed_re_rendered_contexts_trains_tokens_the_model_never_sampled(engine_runner, default_model_dir,

@@ -5,11 +5,14 @@ architecture and tokenizer at 13 MB, since the processes, not the model, are the
 talks to it with ``--engine http`` (weights reach it through a folder published under RUN_DIR/weights and
 /collective_rpc), so each process starts in seconds and can be killed:
 
-1. during step 2's rollouts (right after step 1's checkpoint, step-000001, appears);
+1. during step 2's rollouts (right after step 1's checkpoint, step-000001, appears), then during the
+   evaluation of step 2's weights (``--eval-every 2``; it began after step-000002 was written);
 2. during step 3's optimizer step (its rollouts all written, no step-000003 yet);
 3. during step 3's checkpoint write, after the resumed trainer trained it again (a `.tmp-*` folder exists);
 4. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
-   (every step once, every rollout once, steps counted from 1 in every file), and the run lints clean.
+   (every step once, every rollout once, steps counted from 1 in every file), and the run lints clean;
+   the evaluation that finished was not played again, the one the kill cut short was finished once, each
+   with the weights it began with.
 
 Also here, with the same server: a resume with a changed setting, an env without rewards (a failed
 run), and SIGINT (an interrupted run) resumed, finished, extended and read back from its checkpoints.
@@ -39,11 +42,23 @@ ARGS = ["--env", "graded_env:GradedFactory", "--steps", str(STEPS), "--groups", 
 """Graded rewards (tests/graded_env.py): every step updates the weights and the optimizer's moments, so a
 checkpoint holds both and takes long enough (a few tenths of a second for the tiny model) for a kill to land
 while it is written."""
+EVALUATE = ["--eval-every", "2", "--eval-groups", "2", "--eval-samples", str(SIZE)]
+"""Evaluations before step 1 and after steps 2 and 4 (the env never says solved: avg@K only)."""
 
 
 def checkpoints(out: Path) -> list[str]:
     root = out / "checkpoints"
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def evaluation(out: Path, step: int) -> dict[str, bytes]:
+    """The files of the evaluation after ``step``, by name."""
+    return {p.name: p.read_bytes() for p in (out / "eval" / f"step-{step:06d}").glob("rollouts-*")}
+
+
+def eval_rollouts(out: Path, step: int) -> int:
+    folder = out / "eval" / f"step-{step:06d}"
+    return len(read_run(folder).rollouts) if (folder / "manifest.json").exists() else 0
 
 
 def step_rollouts(out: Path, step: int) -> int:
@@ -55,11 +70,17 @@ def step_rollouts(out: Path, step: int) -> int:
 def test_sigkill_in_every_phase_then_resume_continues_exactly(tiny_server, tmp_path):
     out = tmp_path / "run"
     args = [*ARGS, *served(tiny_server), "--out", str(out), "--keep-checkpoints", "3",
-            "--checkpoint-every", "1"]
+            "--checkpoint-every", "1", *EVALUATE]
 
     first = Trainer(tmp_path, "1", args)  # killed during step 2's rollouts
     first.kill_when(lambda: "step-000001" in checkpoints(out))
     assert step_rollouts(out, 2) < GROUPS * SIZE
+    before = evaluation(out, 0)  # finished before step 1's weights were pushed
+    assert len(before) == 1
+
+    evaluating = Trainer(tmp_path, "1b", [*args, "--resume"])  # killed during the evaluation after step 2
+    evaluating.kill_when(lambda: (out / "eval" / "step-000002").is_dir())
+    assert "step-000002" in checkpoints(out) and eval_rollouts(out, 2) < GROUPS * SIZE
 
     second = Trainer(tmp_path, "2", [*args, "--resume"])  # killed during step 3's optimizer step
     second.kill_when(lambda: step_rollouts(out, 3) == GROUPS * SIZE)
@@ -73,8 +94,17 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(tiny_server, tmp_p
     assert last.wait(600) == 0, last.err()
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in metrics] == list(range(0, STEPS + 1))  # step 0: the evaluation before step 1
+    assert [m["version"] for m in metrics] == list(range(0, STEPS + 1))
+    assert {m["step"]: m["eval"]["version"] for m in metrics if "eval" in m} == {0: 0, 2: 2, 4: 4}
+    assert all("never said whether a rollout solved" in m["eval"]["why_no_pass_at_k"] for m in metrics if "eval" in m)
+    assert evaluation(out, 0) == before  # finished: read back, never played again
+    for step in (0, 2, 4):  # the one the kill cut short was played to the end once, by the weights it began with
+        rollouts = read_run(out / "eval" / f"step-{step:06d}").rollouts
+        assert sorted(Counter(r.rollout_id for r in rollouts).values()) == [1] * GROUPS * SIZE
+        assert {int(v) for r in rollouts for v in r.tokens.policy_version if v >= 0} == {step}
+        lint = CliRunner().invoke(app, ["lint", "trace", str(out / "eval" / f"step-{step:06d}")])
+        assert lint.exit_code == 0, lint.output[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     assert summary["weight_share_s"] == 0  # served: weights go through a published folder, nothing is shared

@@ -237,7 +237,8 @@ def open_page(page, url: str) -> None:
 @pytest.mark.slow
 def test_click_through_run_rollout_colouring_group(page, site):
     open_page(page, site)
-    assert page.locator(".chart[data-chart='reward'] circle.point").count() == 4
+    assert page.locator(".chart[data-chart='reward'] circle.point").count() == 4 + 2  # and the evaluations'
+    assert page.locator(".chart[data-chart='reward'] g[data-series='held-out'] circle.point").count() == 2
     assert page.locator(".chart[data-chart='policy entropy (nats)'] circle.point").count() == 4
     assert page.locator("#list-count").inner_text() == "3 of 3 rollouts"
     page.select_option("#f-lint", "misses")

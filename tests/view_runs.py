@@ -108,7 +108,11 @@ def write_run(path: Path, renderer, model_dir: str, batches: list[list[Rollout]]
     return path
 
 
-def step_metrics(steps: int = 4) -> list[dict]:
+def step_metrics(steps: int = 4, evaluated: tuple[int, ...] = (0, 3)) -> list[dict]:
+    """Lines of metrics.jsonl; those of ``evaluated`` steps with an evaluation's figures (--eval-every)."""
     return [{"step": k, "version": k + 1, "reward_mean": 0.2 + 0.15 * k, "mismatch_mean_abs": 0.01 / (k + 1),
              "cache_hit_rate": 0.5 + 0.1 * k, "rollout_s": 3.0 + k, "train_s": 2.0, "weight_sync_s": 0.4,
-             "checkpoint_s": 0.2, "entropy": 1.5 - 0.2 * k} for k in range(steps)]
+             "checkpoint_s": 0.2, "entropy": 1.5 - 0.2 * k,
+             **({"eval": {"version": k + 1, "tasks": 4, "samples": 2, "mean_reward": 0.1 * k,
+                          "success_rate": 0.1 * k, "pass_at_k": {"1": 0.1 * k, "2": 0.15 * k}}}
+                if k in evaluated else {})} for k in range(steps)]

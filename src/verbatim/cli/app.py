@@ -33,7 +33,7 @@ from verbatim.cli.show import show_command
 from verbatim.cli.view import view_command
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.errors import VerbatimError, shorten, stacks_on_request
-from verbatim.jobs.config import RUN_FLAGS, TRAIN_FLAGS
+from verbatim.jobs.config import EVAL_FLAGS, RUN_FLAGS, TRAIN_FLAGS
 
 try:  # typer >= 0.24 vendors click as typer._click
     from typer._click import exceptions as click_errors
@@ -214,6 +214,12 @@ def _run(options: Any, summary_json: str | None, force: bool) -> None:
     run_command(options, console, summary_json, replace=force)
 
 
+def _eval(options: Any, summary_json: str | None, force: bool) -> None:
+    from verbatim.cli.evaluate import eval_command
+
+    eval_command(options, console, summary_json, replace=force)
+
+
 def _train(options: Any, summary_json: str | None, force: bool) -> None:
     from verbatim.cli.train import train_command
 
@@ -228,6 +234,12 @@ TRAIN_EXAMPLE = ("A first training run: verbatim train --env guess --env-arg hig
 app.command("run", epilog=RUN_EXAMPLE, cls=SectionedHelp)(job_command(
     RUN_FLAGS, _run, "Play groups of multi-turn rollouts on the engine; write a token-exact trace and print a "
                      "summary."))
+EVAL_EXAMPLE = ("Evaluate a training run's newest checkpoint on 8 held-out guess games, 4 samples each: verbatim eval "
+                "--env guess --env-arg high=5 --model runs/first-train --out runs/first-eval; then verbatim show "
+                "runs/first-eval.")
+app.command("eval", epilog=EVAL_EXAMPLE, cls=SectionedHelp)(job_command(
+    EVAL_FLAGS, _eval, "Evaluate a model or a training run's checkpoint on held-out tasks, K samples each: avg@K, "
+                       "success rate and pass@k, per task and overall, from a token-exact trace."))
 app.command("train", epilog=TRAIN_EXAMPLE, cls=SectionedHelp)(job_command(
     TRAIN_FLAGS, _train, "Train the model with RL on its own token-exact rollouts: play, learn, push weights, "
                          "repeat."))

@@ -28,7 +28,8 @@ FORCE = "force"
 CONFIG = "config"
 
 PANELS = {"play": "What to play", "": "The run", "sampling": "Sampling", "plan": "The loop",
-          "learner": "The learner", "placement": "The team: where the trainer runs", "engine": "The engine",
+          "learner": "The learner", "placement": "The team: where the trainer runs",
+          "evaluation": "Evaluation on held-out tasks", "engine": "The engine",
           "routing": "Routing over replicas", "output": "Output"}
 """``--help``'s sections: a flag's config section (its field path's first part; "" for a top-level field), in
 this order."""

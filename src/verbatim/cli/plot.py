@@ -26,6 +26,9 @@ def plot_command(
     if out is not None:
         check_output_file(out, "--out", existing_ok=force)
     records = read_metrics(run_dir)
+    steps = sum(1 for r in records if r.get("step") != 0)  # step 0's line: the evaluation before the first step
+    evaluated = sum(1 for r in records if r.get("eval"))
     written = plot_training(records, out or run_dir / "curve.png", title=f"{run_dir.resolve().name}: "
-                            f"{len(records)} steps")
-    console.print(f"wrote {written} ({len(records)} steps)", soft_wrap=True)
+                            f"{steps} steps")
+    more = f", {evaluated} evaluations" if evaluated else ""
+    console.print(f"wrote {written} ({steps} steps{more})", soft_wrap=True)

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from verbatim.harness.evaluation import headline
 from verbatim.harness.step_metrics import StepMetrics, steps_of
 from verbatim.jobs.train import TrainConfig, run_training
 from verbatim.paths import check_output_file, check_run_dir
@@ -23,6 +24,14 @@ from verbatim.rl.train import TrainLoop
 
 
 def step_line(step: StepMetrics, steps: int) -> str:
+    """A step's line (and its evaluation's); step 0's line is the evaluation before the first step."""
+    evaluated = f"eval v{step.version}: {headline(step.eval)}" if step.eval is not None else ""
+    if not step.trained:
+        return f"before step 1 · {evaluated}"
+    return _trained_line(step, steps) + (f"\n  {evaluated}" if evaluated else "")
+
+
+def _trained_line(step: StepMetrics, steps: int) -> str:
     return (f"step {step.step}/{steps} · v{step.version} · reward {_fmt(step.reward_mean, '.3f')}"
             f" · success {_fmt(step.success_rate, '.0%')} · loss {_fmt(step.loss, '+.4f')} · |Δlogp| "
             f"{_fmt(step.mismatch_mean_abs, '.1e')} · cache hit {_fmt(step.cache_hit_rate, '.0%')} · rollout "
@@ -31,13 +40,18 @@ def step_line(step: StepMetrics, steps: int) -> str:
 
 
 def reward_table(history: list[StepMetrics], out: Path) -> Table:
+    """A row per step; with evaluations, their headline (pass@1, else avg@K) in a column of its own."""
+    evaluated = any(r.eval is not None for r in history)
     table = Table(title=f"training ({out})")
-    for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit"):
+    for column in ("step", "version", "reward", "success", "loss", "grad norm", "|Δ logp|", "cache hit",
+                   *(("eval",) if evaluated else ())):
         table.add_column(column, justify="right")
     for r in history:
         table.add_row(str(r.step), str(r.version), _fmt(r.reward_mean, ".3f"), _fmt(r.success_rate, ".0%"),
                       _fmt(r.loss, "+.4f"), _fmt(r.grad_norm, ".3f"), _fmt(r.mismatch_mean_abs, ".1e"),
-                      _fmt(r.cache_hit_rate, ".0%"))
+                      _fmt(r.cache_hit_rate, ".0%"), *((_fmt(r.eval_score(), ".3f"),) if evaluated else ()))
+    if evaluated:
+        table.caption = "eval: held-out pass@1 (avg@K where the env never says solved), after the step's update"
     return table
 
 
@@ -45,9 +59,12 @@ def _fmt(value: Any, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def summary(history: list[StepMetrics], options: TrainConfig, wall_s: float,
+def summary(lines: list[StepMetrics], options: TrainConfig, wall_s: float,
             engine_start_s: float = 0.0, share_s: float = 0.0) -> dict[str, Any]:
+    history = [r for r in lines if r.trained]
+    evaluations = [{"step": r.step, **r.eval} for r in lines if r.eval is not None]
     return {"steps": len(history), "final_version": history[-1].version if history else 0,
+            **({"eval_by_step": evaluations} if evaluations else {}),
             "mean_reward_by_step": [r.reward_mean for r in history],
             "success_rate_by_step": [r.success_rate for r in history],
             "mismatch_by_step": [r.mismatch_mean_abs for r in history],

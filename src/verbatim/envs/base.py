@@ -53,7 +53,9 @@ class EnvFactory(Protocol):
     ``task`` can take (guess: its guesses). ``verbatim run`` and ``train`` use it as the default
     ``--max-turns``, so a default run is never cut before the env could finish. Where an env
     knows whether an episode succeeded it says so as ``info["solved"]`` (a bool) in each
-    :class:`StepResult`; the last one is the rollout's, counted by the run summary.
+    :class:`StepResult`; the last one is the rollout's, counted by the run summary. A factory may define
+    ``held_out(task) -> bool``, a rule on a task's content: training never draws a task it holds out, and
+    evaluation (``verbatim eval``, ``train --eval-every``) draws only those (envs/held_out.py).
     """
 
     name: str

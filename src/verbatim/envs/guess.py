@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from verbatim.datamodel import Message
 from verbatim.envs.answers import first_number
 from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.held_out import SHARE
 from verbatim.envs.taskfile import TaskSpec, parse_task
 
 SYSTEM = "You are playing a guessing game. Reply with one whole number only."
@@ -124,6 +125,12 @@ class GuessFactory:
     def turns_needed(self, task: dict[str, Any]) -> int:
         """One model turn per guess."""
         return parse_task(GuessTask, task, self.name).max_guesses
+
+    def held_out(self, task: dict[str, Any]) -> bool:
+        """Held out from training for evaluation (envs/held_out.py): one target in five, the third of every five
+        from the range's low end (1..5 holds out 3; 1..50 holds out 3, 8, …, 48)."""
+        t = parse_task(GuessTask, task, self.name)
+        return (t.target - t.low) % SHARE == 2
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"guess:{seed}")

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from verbatim.datamodel import Message
 from verbatim.envs.answers import final_number, mentions
 from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.held_out import SHARE
 from verbatim.envs.taskfile import TaskSpec, parse_task
 from verbatim.errors import InputError
 
@@ -176,6 +177,10 @@ class LongDocFactory:
     def turns_needed(self, task: dict[str, Any]) -> int:
         """One model turn per question."""
         return len(parse_task(LongDocTask, task, self.name).questions)
+
+    def held_out(self, task: dict[str, Any]) -> bool:
+        """Held out from training for evaluation (envs/held_out.py): the documents of one seed in five."""
+        return int(task["doc_seed"]) % SHARE == 0
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"longdoc-tasks:{seed}")

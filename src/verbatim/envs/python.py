@@ -18,6 +18,7 @@ from pydantic import Field
 
 from verbatim.datamodel import Message
 from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.held_out import hashed_share
 from verbatim.envs.sandbox import SandboxLimits, run_python
 from verbatim.envs.taskfile import TaskSpec, parse_task
 
@@ -97,6 +98,10 @@ class PythonFactory:
     def turns_needed(self, task: dict[str, Any]) -> int:
         """One model turn per attempt."""
         return parse_task(PythonTask, task, self.name).max_attempts
+
+    def held_out(self, task: dict[str, Any]) -> bool:
+        """Held out from training for evaluation (envs/held_out.py): one task in five by a hash of its content."""
+        return hashed_share(task)
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"python:{seed}")

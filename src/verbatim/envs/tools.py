@@ -18,6 +18,7 @@ from pydantic import Field
 from verbatim.datamodel import Message, ToolCall
 from verbatim.envs.answers import final_number, numbers_match
 from verbatim.envs.base import Reset, StepResult
+from verbatim.envs.held_out import hashed_share
 from verbatim.envs.taskfile import TaskSpec, parse_task
 from verbatim.envs.tool_functions import TOOL_DEFINITIONS, TOOL_SUMMARY, UNITS, format_number, run_tool
 from verbatim.errors import InputError
@@ -108,6 +109,10 @@ class ToolsFactory:
     def turns_needed(self, task: dict[str, Any]) -> int:
         """The task's ``max_steps``: the episode ends there at the latest."""
         return parse_task(ToolsTask, task, self.name).max_steps
+
+    def held_out(self, task: dict[str, Any]) -> bool:
+        """Held out from training for evaluation (envs/held_out.py): one task in five by a hash of its content."""
+        return hashed_share(task)
 
     def tasks(self, count: int, seed: int) -> Sequence[dict[str, Any]]:
         rng = random.Random(f"tools:{seed}")

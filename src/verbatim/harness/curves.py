@@ -3,7 +3,8 @@ per step.
 
 Four panels share the step axis:
 
-1. mean reward (and the success rate, when the env reports one);
+1. mean reward (and the success rate, when the env reports one; with ``--eval-every``, held-out pass@1, or avg@K
+   where the env never says solved, at each evaluated step, 0 the one before the first);
 2. the policy's entropy, mean nats per model token (a collapse toward 0 is a policy that stopped exploring);
 3. the mismatch, mean |log π − log μ| over trained tokens (log scale when every value is positive);
 4. the prefix-cache hit rate (0..1).
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from verbatim.errors import InputError, install_hint
+from verbatim.harness.evaluation import score
 
 
 def plot_training(records: Sequence[dict[str, Any]], out_png: str | Path, title: str) -> Path:
@@ -60,6 +62,12 @@ def series(records: Sequence[dict[str, Any]], key: str) -> list[float]:
     return values
 
 
+def evaluations(steps: list[int], records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+    """The evaluated steps and their held-out figure (pass@1, else avg@K): the points of the eval curve."""
+    found = [(step, score(record.get("eval"))) for step, record in zip(steps, records)]
+    return [(step, value) for step, value in found if value is not None]
+
+
 def _step(number: int, record: dict[str, Any]) -> int:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
@@ -76,6 +84,9 @@ def _reward_panel(axis: Any, steps: list[int], records: Sequence[dict[str, Any]]
     success = series(records, "success_rate")
     if _present(success):
         axis.plot(steps, success, marker=".", color="#4a9a5b", label="success rate")
+    held = evaluations(steps, records)
+    if held:  # --eval-every: pass@1 on held-out tasks (avg@K where the env never says solved)
+        axis.plot(*zip(*held), marker="s", linestyle="--", color="#222222", label="held-out (eval)")
     axis.set_ylabel("reward")
     axis.legend(loc="best", fontsize="small")
     axis.grid(alpha=0.3)

@@ -58,9 +58,29 @@ def ks(samples: int) -> tuple[int, ...]:
     return (*found, samples)
 
 
-def summary(tasks: Sequence[TaskScore]) -> dict[str, object]:
+def check_ks(asked: Sequence[int], samples: int, flag: str = "--pass-k") -> tuple[int, ...]:
+    """The k an eval reports: ``asked`` (checked against the ``samples`` each task gets), else :func:`ks`."""
+    if not asked:
+        return ks(samples)
+    wrong = [k for k in asked if not 1 <= k <= samples]
+    if wrong:
+        raise InputError(f"{flag} {','.join(map(str, asked))}: pass@{wrong[0]} needs 1 <= k <= the {samples} "
+                         "samples a task gets", hint=f"ask for k up to {samples}, or raise the samples per task")
+    return tuple(sorted(set(asked)))
+
+
+def ks_fit(asked: Sequence[int], samples: int, flag: str) -> None:
+    """:func:`check_ks` as a config's rule across two fields: pydantic's ValueError (``--config`` waits for
+    both)."""
+    try:
+        check_ks(asked, samples, flag)
+    except InputError as exc:
+        raise ValueError(exc.message) from None
+
+
+def summary(tasks: Sequence[TaskScore], asked: Sequence[int] = ()) -> dict[str, object]:
     """The eval's figures: mean reward (avg@K), success rate and pass@k over the tasks that say "solved" (the
-    mean of their estimates), k up to the fewest samples any task has."""
+    mean of their estimates), for the k ``asked`` (default :func:`ks`), up to the fewest samples any task has."""
     if not tasks:
         raise InputError("an evaluation needs at least one task")
     judged = [t for t in tasks if t.solved is not None]
@@ -69,7 +89,8 @@ def summary(tasks: Sequence[TaskScore]) -> dict[str, object]:
                                   "mean_reward": sum(t.mean_reward for t in tasks) / len(tasks)}
     if judged:
         figures["success_rate"] = sum(t.success_rate or 0.0 for t in judged) / len(judged)
-        figures["pass_at_k"] = {str(k): sum(t.pass_at(k) or 0.0 for t in judged) / len(judged) for k in ks(fewest)}
+        figures["pass_at_k"] = {str(k): sum(t.pass_at(k) or 0.0 for t in judged) / len(judged)
+                                for k in check_ks(asked, fewest)}
     else:
         figures["success_rate"] = figures["pass_at_k"] = None
         figures["why_no_pass_at_k"] = "the env never said whether a rollout solved its task: avg@K only"

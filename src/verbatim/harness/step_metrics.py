@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from verbatim.harness.evaluation import score
+
 
 class StepMetrics(BaseModel):
     """A step's record: what every consumer reads; other keys pass through (``model_extra``)."""
@@ -42,6 +44,18 @@ class StepMetrics(BaseModel):
     rollout_s: float | None = None
     train_s: float | None = None
     weight_sync_s: float | None = None
+    eval: dict[str, Any] | None = None
+    """The evaluation of this step's weights on held-out tasks (``--eval-every``; harness/evaluation.py's
+    figures); step 0's line holds only the evaluation before the first step."""
+
+    @property
+    def trained(self) -> bool:
+        """A line of a trained step (not step 0's, which records the evaluation before the first)."""
+        return self.step >= 1
+
+    def eval_score(self) -> float | None:
+        """The evaluation's headline: pass@1 where the env says solved, else avg@K; None without one."""
+        return score(self.eval)
 
     @property
     def errors(self) -> int:

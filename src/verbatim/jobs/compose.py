@@ -113,3 +113,31 @@ def existing_run_id(out: Path) -> str | None:
     from verbatim.harness.store import read_manifest
 
     return read_manifest(out).run_id if (out / "manifest.json").exists() else None
+
+
+def checkpoint_model(model: str) -> str:
+    """The model folder ``model`` names: a training run's newest complete checkpoint for its run folder, a
+    checkpoint folder only when it is complete; any other name as it is (engine/models.resolve judges it)."""
+    from verbatim.rl.train_resume import CHECKPOINTS
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return model
+    if (path / "manifest.json").is_file() and not (path / "config.json").is_file():
+        steps = _complete_steps(path / CHECKPOINTS)
+        if not steps:
+            raise InputError(f"--model {model}: the run in {path} has no complete checkpoint to play",
+                             hint="train it further (a checkpoint is written every --checkpoint-every steps and "
+                                  "at the last), or give a model folder")
+        return str(path / CHECKPOINTS / f"step-{max(steps):06d}")
+    if path.parent.name == CHECKPOINTS and path.name.startswith("step-"):
+        if path.name not in {f"step-{s:06d}" for s in _complete_steps(path.parent)}:
+            raise InputError(f"--model {model} is not a complete checkpoint (its weights, optimizer or state.json "
+                             "are missing)", hint=f"give one of the complete checkpoints in {path.parent}")
+    return model
+
+
+def _complete_steps(root: Path) -> list[int]:
+    from verbatim.trainer.checkpoint import checkpoint_steps
+
+    return checkpoint_steps(root)

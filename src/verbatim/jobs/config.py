@@ -22,8 +22,9 @@ from verbatim.engine.protocol import CachePolicy, Sampling
 from verbatim.engine.runtime import DEFAULT_MAX_MODEL_LEN, MAX_SEED
 from verbatim.engine.server_url import redact
 from verbatim.errors import InputError
+from verbatim.harness.pass_at_k import ks_fit
 from verbatim.jobs.flag_table import DERIVED, FlagTable, Spec, put
-from verbatim.rl.plan import TrainPlan
+from verbatim.rl.plan import EvalPlan, TrainPlan
 from verbatim.trackers.fanout import TrackerNames
 from verbatim.trainer.learner_config import LearnerConfig
 
@@ -89,7 +90,8 @@ class EngineChoice(Frozen):
     kind: Literal["inproc", "http"] = "inproc"
     """inproc (bundled vLLM) or http."""
     model: str = "default"
-    """Bundled model name or Hugging Face folder."""
+    """Bundled model name or Hugging Face folder; for run and eval also a training run's folder (its newest
+    checkpoint) or one of its checkpoints, RUN_DIR/checkpoints/step-N."""
     urls: tuple[str, ...] = ()
     """vLLM server URL (with --engine http); repeat for replicas."""
     max_model_len: int = Field(default=DEFAULT_MAX_MODEL_LEN, ge=256)
@@ -198,6 +200,39 @@ class RunOptions(PlayConfig):
     """On SIGINT/SIGTERM, seconds the playing rollouts get to finish."""
 
     may_change: ClassVar[tuple[str, ...]] = (*PlayConfig.may_change, "stop_grace_s")
+    DEFAULT_GROUPS: ClassVar[int] = 2
+    """Groups played from the env's own task generator when --groups is not given."""
+    HELD_OUT: ClassVar[bool] = False
+    """Whether the env's generated tasks are its held-out part (an evaluation's), not all of them."""
+
+
+class EvalOutput(Output):
+    """Where an evaluation is written, and who else is told."""
+
+    out: str = _default(Output, "out", "runs/eval")
+
+
+class EvalOptions(RunOptions):
+    """Everything ``verbatim eval`` was asked to do: a run whose groups are held-out tasks, each played K times,
+    scored by pass@k (recorded in the manifest and ``config.toml``)."""
+
+    groups: int | None = Field(default=None, ge=1)
+    """Tasks (default: every task of --tasks, else 8 from the env's held-out part, which training never draws
+    from)."""
+    group_size: int = Field(default=4, ge=1)
+    """Samples per task (K): pass@k for k up to K."""
+    pass_k: tuple[int, ...] = ()
+    """The k of pass@k to report, e.g. 1,4 (default: 1, the powers of two below K, and K)."""
+    output: EvalOutput = Field(default_factory=EvalOutput)
+    """The run folder and trackers."""
+
+    DEFAULT_GROUPS: ClassVar[int] = EvalPlan.DEFAULT_GROUPS
+    HELD_OUT: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _ks_fit_the_samples(self) -> EvalOptions:
+        ks_fit(self.pass_k, self.group_size, "--pass-k")
+        return self
 
 
 class TrainSampling(SamplingConfig):
@@ -261,6 +296,8 @@ class TrainConfig(PlayConfig):
     """How the trainer steps."""
     placement: Placement = Field(default_factory=Placement)
     """Where the trainer runs."""
+    evaluation: EvalPlan = Field(default_factory=EvalPlan)
+    """When and on what the run evaluates its policy."""
 
     @model_validator(mode="after")
     def _version_lag_mask_follows_max_lag(self) -> TrainConfig:
@@ -350,6 +387,20 @@ def show_devices(devices: tuple[int, ...] | None) -> str | None:
     return None if devices is None else ",".join(str(d) for d in devices)
 
 
+def parse_ks(text: str | None) -> tuple[int, ...]:
+    """``1,4,8``: the k of pass@k; empty or left out: the default."""
+    if text is None or not str(text).strip():
+        return ()
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError("must be whole numbers separated by commas (e.g. 1,4)") from None
+
+
+def show_ks(ks: tuple[int, ...]) -> str | None:
+    return ",".join(str(k) for k in ks) or None
+
+
 def _off_is_none(text: str | None) -> str | None:
     return None if text is None or text.strip().lower() in ("none", "off", "") else text
 
@@ -369,6 +420,8 @@ PLAY_SPECS = {
     "engine.eager": Spec(name="--engine-eager"),
 }
 RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
+EVAL_SPECS = {**RUN_SPECS, "group_size": Spec(name="--samples"),
+              "pass_k": Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks)}
 TRAIN_SPECS = {
     **PLAY_SPECS,
     "placement.trainer_timeout_s": Spec(name="--trainer-timeout"),
@@ -382,6 +435,7 @@ TRAIN_SPECS = {
     "learner.correction.sequence_mask_band": Spec(kind=str, parse=parse_band, show=show_band),
     "learner.correction.sequence_tis": Spec(parse=_off_is_none),
     "learner.correction.max_version_lag": DERIVED,  # follows --max-lag
+    "evaluation.eval_pass_k": Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks),
 }
 
 
@@ -389,8 +443,11 @@ TRAIN_SPECS = {
 def flags_of(kind: type[PlayConfig]) -> FlagTable:
     """The flag table of a config class: ``RunOptions``'s, ``TrainConfig``'s, or a subclass's (its own fields are
     flags by the rule)."""
-    return FlagTable(kind, TRAIN_SPECS if issubclass(kind, TrainConfig) else RUN_SPECS)
+    specs = TRAIN_SPECS if issubclass(kind, TrainConfig) else EVAL_SPECS if issubclass(kind, EvalOptions) \
+        else RUN_SPECS
+    return FlagTable(kind, specs)
 
 
 RUN_FLAGS = flags_of(RunOptions)
+EVAL_FLAGS = flags_of(EvalOptions)
 TRAIN_FLAGS = flags_of(TrainConfig)

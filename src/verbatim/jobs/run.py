@@ -32,7 +32,14 @@ from verbatim.harness.rollout import LoopConfig
 from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import MANIFEST, RunManifest, read_manifest
 from verbatim.harness.summary import RunSummary
-from verbatim.jobs.compose import default_renderer, engine_record, episode_source, existing_run_id, players
+from verbatim.jobs.compose import (
+    checkpoint_model,
+    default_renderer,
+    engine_record,
+    episode_source,
+    existing_run_id,
+    players,
+)
 from verbatim.jobs.config import RunOptions, flags_of
 from verbatim.jobs.engine_start import given, on_engine_loop, started
 from verbatim.jobs.run_record import CONFIG_FILE, recorded_config, write_config
@@ -40,16 +47,15 @@ from verbatim.jobs.stop_signals import on_stop_signals
 from verbatim.paths import check_run_dir
 from verbatim.trackers.fanout import open_trackers
 
-DEFAULT_GROUPS = 2
-"""Groups a run plays from the env's own task generator when --groups is not given."""
-
 
 def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict[str, Any]]]:
     """The tasks to play, and the options with --groups and --max-turns filled in where not given.
 
-    A task file gives one group per task unless --groups says fewer; the env's generator gives
-    DEFAULT_GROUPS. --max-turns defaults to the most turns the env's tasks may need.
+    A task file gives one group per task unless --groups says fewer; the env's generator gives the options'
+    ``DEFAULT_GROUPS`` (an evaluation's: from the env's held-out part, envs/held_out.py). --max-turns defaults to
+    the most turns the env's tasks may need.
     """
+    from verbatim.envs.held_out import eval_tasks
     from verbatim.envs.registry import default_max_turns, load_tasks
 
     play = options.play
@@ -57,8 +63,9 @@ def with_tasks(options: RunOptions, factory: Any) -> tuple[RunOptions, list[dict
         tasks = list(load_tasks(play.tasks))  # an empty file is refused there
         groups = options.groups or len(tasks)
     else:
-        groups = options.groups or DEFAULT_GROUPS
-        tasks = list(factory.tasks(groups, options.seed))
+        groups = options.groups or options.DEFAULT_GROUPS
+        tasks = eval_tasks(factory, groups, options.seed) if options.HELD_OUT else \
+            list(factory.tasks(groups, options.seed))
     play = play.model_copy(update={"max_turns": play.max_turns or default_max_turns(factory, tasks[:groups])})
     return options.model_copy(update={"groups": groups, "play": play}), tasks
 
@@ -75,6 +82,8 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
 
+    model = checkpoint_model(options.engine.model)  # a training run's folder: its newest checkpoint
+    options = options.model_copy(update={"engine": options.engine.model_copy(update={"model": model})})
     policy = options.cache_policy
     factory = episode_source(options.play)
     options, tasks = with_tasks(options, factory)

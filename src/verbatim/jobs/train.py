@@ -96,9 +96,11 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
     make_player = players(play, choice.model)
     first = Run(options.plan.run_plan(run_id, 0), loop, engine, renderer, factory, tasks(0), out, manifest,
                 make_player=make_player)
+    evaluator = _evaluator(options, factory, tasks, loop, engine, renderer, manifest, make_player)
     if play.env is not None:  # the first step's prompts fit the context with --max-tokens (an agent's: when it asks)
-        preflight(first, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
-                  max_tokens=options.sampling.max_tokens)
+        for run in (first, *([evaluator.run(0, 0)] if evaluator else [])):
+            preflight(run, vocab_size=model_vocab_size(model_dir), max_model_len=choice.max_model_len,
+                      max_tokens=options.sampling.max_tokens)
     ranks = team_size(placement.trainer_procs)
     model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
     check_here(choice, trainer_device=asked_device, trainer_devices=placement.trainer_devices,
@@ -113,7 +115,29 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
 
     return TrainLoop(options.plan, loop, None, engine, renderer, factory, tasks, out, manifest, model_dir,
                      served=choice.kind == "http" or placement.weight_sync == "folder",
-                     used=choice.kind == "http" or given_engine, make_player=make_player), learner_of
+                     used=choice.kind == "http" or given_engine, make_player=make_player,
+                     evaluator=evaluator), learner_of
+
+
+def _evaluator(options: TrainConfig, factory: Any, tasks: Any, loop: Any, engine: Any, renderer: Any,
+               manifest: Any, make_player: Any) -> Any:
+    """What plays the run's evaluations (``--eval-every``), None without them: its tasks (refused before the engine
+    starts when they are not held out), its turns and its temperature."""
+    from verbatim.envs.registry import default_max_turns
+    from verbatim.jobs.evaluate import training_eval_tasks
+    from verbatim.rl.evaluate import Evaluator, eval_run_plan
+
+    plan = options.evaluation
+    held_out = training_eval_tasks(options, factory, tasks)
+    if held_out is None:
+        return None
+    sampling = loop.sampling if plan.eval_temperature is None else \
+        loop.sampling.model_copy(update={"temperature": plan.eval_temperature})
+    turns = options.play.max_turns or default_max_turns(factory, held_out)
+    run_plan = eval_run_plan(plan, len(held_out), options.plan.seed, options.plan.concurrency)
+    return Evaluator(plan, options.plan.steps, held_out, loop.model_copy(update={"sampling": sampling,
+                                                                                  "max_turns": turns}),
+                     run_plan, engine, factory, renderer, manifest, Path(options.output.out), make_player)
 
 
 def placed_dtype(engine: Any) -> str | None:
@@ -167,10 +191,12 @@ def check_split(options: TrainConfig, ranks: int) -> None:
 
 def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     """Step k's tasks: the env's generator seeded by (seed, k), or the task file's in turn."""
+    from verbatim.envs.held_out import draw
+
     plan, groups = options.plan, options.plan.groups
-    if options.play.tasks is None:
-        factory.tasks(groups, plan.seed)  # a generator that fails does so now, before the engine starts
-        return lambda k: list(factory.tasks(groups, plan.task_seed(k)))
+    if options.play.tasks is None:  # never the env's held-out tasks (envs/held_out.py)
+        draw(factory, groups, plan.task_seed(0), held_out=False)  # a generator that fails does so now
+        return lambda k: draw(factory, groups, plan.task_seed(k), held_out=False)
     pool = list(load_tasks(options.play.tasks))
     if not pool:
         raise InputError(f"{options.play.tasks} holds no tasks")

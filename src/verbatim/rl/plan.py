@@ -3,13 +3,14 @@ the loop itself is :mod:`verbatim.rl.train`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from verbatim.datamodel import Frozen
 from verbatim.engine.protocol import CachePolicy
 from verbatim.engine.runtime import MAX_SEED
+from verbatim.harness.pass_at_k import ks_fit
 from verbatim.harness.run import RunPlan
 from verbatim.trainer.advantages import Advantage
 
@@ -62,3 +63,37 @@ class TrainPlan(Frozen):
         """What step ``k + 1`` plays (``k`` steps trained before it): its groups, ids ``s{k+1:04d}-…``."""
         return RunPlan(run_id=run_id, groups=self.groups, group_size=self.group_size, seed=self.seed,
                        concurrency=self.concurrency, batch_size=max(self.group_size, 4), step=k + 1)
+
+
+class EvalPlan(Frozen):
+    """When and on what a training run evaluates its policy: held-out tasks, K samples each (recorded in the run's
+    config; rl/evaluate.py plays them)."""
+
+    eval_every: int | None = Field(default=None, ge=1)
+    """Evaluate on held-out tasks before the first step, every N steps and after the last, with the weights just
+    pushed (RUN_DIR/eval/step-N; pass@k in metrics.jsonl's eval objects); default: no evaluation."""
+    eval_groups: int | None = Field(default=None, ge=1)
+    """Held-out tasks an evaluation plays (default: every task of --eval-tasks, else 8 from the env's held-out
+    part)."""
+    eval_samples: int = Field(default=4, ge=1)
+    """Samples per held-out task (K): pass@k for k up to K."""
+    eval_tasks: str | None = None
+    """JSONL file of evaluation tasks (default: the env's held-out part, which training never draws from)."""
+    eval_temperature: float | None = Field(default=None, ge=0)
+    """Evaluation's sampling temperature (default: training's --temperature; 0 samples greedily)."""
+    eval_pass_k: tuple[int, ...] = ()
+    """The k of pass@k an evaluation reports, e.g. 1,4 (default: 1, the powers of two below K, and K)."""
+    allow_overlap: bool = False
+    """Evaluate on tasks equal to training tasks (the same file as --tasks and --eval-tasks): refused without it."""
+
+    DEFAULT_GROUPS: ClassVar[int] = 8
+
+    @model_validator(mode="after")
+    def _ks_fit_the_samples(self) -> EvalPlan:
+        ks_fit(self.eval_pass_k, self.eval_samples, "--eval-pass-k")
+        return self
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether the weights after ``step`` (0: before the first) are evaluated in a run of ``steps`` steps."""
+        every = self.eval_every
+        return every is not None and (step == 0 or step % every == 0 or step == steps)

@@ -13,7 +13,10 @@ Steps are counted from 1 (in the console, the files and the docs). Step ``n``:
 4. every ``checkpoint_every`` steps, at the last planned step and at the step a stopped run ends on,
    an atomic checkpoint ``RUN_DIR/checkpoints/step-{n:06d}`` (weights, optimizer, RNG, version,
    config, the metrics so far, and the model's config and tokenizer files: a loadable model folder);
-   then the step's line ``"step": n`` in ``RUN_DIR/metrics.jsonl``.
+   then, where ``--eval-every`` makes step ``n`` due, the evaluation of version ``n`` on held-out tasks
+   (rl/evaluate.py: ``RUN_DIR/eval/step-{n:06d}``; the next steps play meanwhile, the next push waits), then
+   the step's line ``"step": n`` in ``RUN_DIR/metrics.jsonl`` (with the evaluation's figures as ``eval``;
+   the evaluation before the first step plays beside step 1 and has a line of its own, step 0).
 
 The manifest says ``running`` while steps remain, ``completed`` once the last planned step is
 trained, ``interrupted`` after a signal (or any stop) that leaves planned steps undone, and
@@ -54,6 +57,7 @@ from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer
 from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
+from verbatim.rl.evaluate import Evaluator
 from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import closed_input, rerendered_input
 from verbatim.rl.train_resume import CHECKPOINTS, set_aside, trained_steps
@@ -71,7 +75,7 @@ class TrainLoop:
     def __init__(self, plan: TrainPlan, loop: LoopConfig, learner: Learner | None, engine: Any, renderer: Any,
                  env: EnvFactory, tasks: Callable[[int], Sequence[dict[str, Any]]], out: Path,
                  manifest: RunManifest, model_dir: Path, *, served: bool = False, used: bool = False,
-                 make_player: Callable[..., Any] = RolloutPlayer) -> None:
+                 make_player: Callable[..., Any] = RolloutPlayer, evaluator: Evaluator | None = None) -> None:
         self.plan, self.loop, self.learner, self.engine = plan, loop, learner, engine
         self.make_player = make_player
         """Each step's :class:`Run` plays with it (an env's rollout loop, or an agent's endpoint)."""
@@ -96,6 +100,10 @@ class TrainLoop:
         self._progress = asyncio.Condition()
         self._runs: set[Run] = set()
         self.stopped: StopRequest | None = None
+        self.evaluator = evaluator
+        """Plays the run's evaluations (``--eval-every``; rl/evaluate.py), None without them."""
+        self._evaluating: tuple[int, asyncio.Task] | None = None
+        """The evaluation a (re)started run owes its first step's weights, played beside that step."""
 
     @property
     def checkpoints(self) -> Path:
@@ -127,6 +135,8 @@ class TrainLoop:
         self._producing = True
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(start, queue))
+        if self._owes_evaluation(start):  # before the first step, or one a stop or a kill cut short
+            self._evaluating = (start, asyncio.create_task(self._evaluate(start)))
         try:
             for k in range(start, self.plan.steps):
                 played = await self._next(queue, producer)
@@ -140,7 +150,10 @@ class TrainLoop:
             raise
         finally:
             producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            owed = [self._evaluating[1]] if self._evaluating is not None else []
+            for task in owed:
+                task.cancel()
+            await asyncio.gather(producer, *owed, return_exceptions=True)
 
     def _record_status(self, writer: TraceWriter, status: str) -> None:
         """The run's status in its manifest (as the steps' plays last wrote it, with the engine's block size)."""
@@ -261,6 +274,7 @@ class TrainLoop:
         await asyncio.to_thread(write_logprobs, step_file(self.out, n), found, meta)  # before the commit: a
         # step trained again after a crash writes it again
         await self._wait_for_older_steps(n)
+        await self._settle_evaluation()  # its weights stay in the engine until it ends
         began = time.perf_counter()
         await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began
@@ -271,12 +285,48 @@ class TrainLoop:
         record["checkpoint_s"] = 0.0
         if n % self.plan.checkpoint_every == 0 or n == self.plan.steps or self.stopped is not None:
             record["checkpoint_s"] = await self._checkpoint(n)
-        append_metrics(self.out, record)
-        async with self._progress:
+        async with self._progress:  # the next steps may play while this version is evaluated
             self._trained = n
             self._progress.notify_all()
+        if self._owes_evaluation(n):
+            record["eval"] = await self._evaluate(n)
+        append_metrics(self.out, record)
         if self.on_step:
             self.on_step(record)
+
+    # -- evaluating -------------------------------------------------------------------------
+
+    def _owes_evaluation(self, step: int) -> bool:
+        """The weights after ``step`` are to be evaluated and their line records no evaluation yet."""
+        if self.evaluator is None or not self.evaluator.due(step):
+            return False
+        return not any(r.get("step") == step and "eval" in r for r in self.history)
+
+    async def _evaluate(self, step: int) -> dict[str, Any]:
+        """The evaluation of the engine's weights, the learner's version after ``step``; a stop stops it."""
+        run = self.evaluator.run(step, self.learner.version)
+        self._runs.add(run)
+        try:
+            return await self.evaluator.play(run, self.learner.version)
+        finally:
+            self._runs.discard(run)
+
+    async def _settle_evaluation(self) -> None:
+        """Wait for the evaluation begun with the run (before its first push) and record it: step 0's line of its
+        own, or the eval object of the step the run resumed from."""
+        owed, self._evaluating = self._evaluating, None
+        if owed is None:
+            return
+        step, task = owed
+        found = await task
+        line = next((r for r in self.history if r.get("step") == step), None)
+        if line is None:
+            line = {"step": step, "version": found["version"]}
+            self.history = sorted([*self.history, line], key=lambda r: r.get("step", 0))
+        line["eval"] = found
+        rewrite_metrics(self.out, self.history)
+        if self.on_step:
+            self.on_step(line)
 
     async def _wait_for_older_steps(self, n: int) -> None:
         """Under a fixed lag, hold step ``n``'s weights back until step ``n + L``, the last to sample with older

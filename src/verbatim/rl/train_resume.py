@@ -42,6 +42,8 @@ from verbatim.harness.store import (
 )
 
 CHECKPOINTS = "checkpoints"
+EVAL_DIR = "eval"
+"""Where a run's evaluations are written, a folder per evaluated step (rl/evaluate.py)."""
 _STEPS_KEY = "plan.steps"
 _EVERY_KEY = "plan.checkpoint_every"
 """How often a run checkpoints may change on a resume: it changes no step's result."""
@@ -94,7 +96,9 @@ def check_changes(saved: dict[str, Any], now: dict[str, Any]) -> None:
 
 ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.logprob_chunk": None,
          "learner.prefix_activations": None, "plan.fixed_lag": False, "learner.loss.kl_coef": 0.0,
-         "learner.loss.kl_estimator": None}
+         "learner.loss.kl_estimator": None, "evaluation.eval_every": None, "evaluation.eval_groups": None,
+         "evaluation.eval_samples": None, "evaluation.eval_tasks": None, "evaluation.eval_temperature": None,
+         "evaluation.eval_pass_k": None, "evaluation.allow_overlap": None}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
 every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
@@ -148,7 +152,8 @@ def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
     (nothing is deleted); returns that folder, or None when there was nothing.
 
     A resume trains those steps again from the checkpoint's weights, so their records describe weights
-    that no longer exist: their ``metrics.jsonl`` lines, their trainer logprob files, and every batch file
+    that no longer exist: their ``metrics.jsonl`` lines, their trainer logprob files, their evaluations'
+    folders (``eval/step-N``), and every batch file
     holding a rollout that the resumed run could not have played (a step past ``trained + 1 + max_lag``,
     or a token sampled by a version past ``trained``). The rollouts it could have played (sampled by the
     checkpoint's version or earlier) stay in the trace, and the loop plays only the missing ones."""
@@ -162,10 +167,15 @@ def set_aside(out: Path, trained: int, max_lag: int) -> Path | None:
     lines = read_metrics(out) if metrics_path(out).is_file() else []
     later = [r for r in lines if isinstance(r.get("step"), int) and r["step"] > trained]
     files = sorted(p for p in (out / STEP_DIR).glob("step-*.parquet") if _step_of(p) > trained)
-    if not (moved or later or files):
+    evaluations = sorted(p for p in (out / EVAL_DIR).glob("step-*") if _step_of(p) > trained)
+    if not (moved or later or files or evaluations):
         return None
     folder = new_folder(out / DISCARDED / f"after-step-{trained:06d}")
     (folder / STEP_DIR).mkdir(parents=True)
+    if evaluations:
+        (folder / EVAL_DIR).mkdir()
+    for path in evaluations:  # of weights trained again
+        os.replace(path, folder / EVAL_DIR / path.name)
     if later:
         (folder / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in later))
         rewrite_metrics(out, [r for r in lines if r not in later])

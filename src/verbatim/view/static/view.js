@@ -68,7 +68,12 @@
     const box = h("div", { class: "charts", id: "charts" });
     const series = (name, key) => ({ name, points: metrics.map((m) => [m.step, m[key] ?? null]) });
     const chart = VerbatimChart.line;
-    chart(box, "reward", [series("reward", "reward_mean")]);
+    const rewards = [series("reward", "reward_mean")];
+    if (metrics.some((m) => m.eval)) {  // --eval-every: held-out pass@1 (avg@K where the env never says solved)
+      const held = (m) => (m.eval ? (m.eval.pass_at_k ? m.eval.pass_at_k["1"] : m.eval.mean_reward) : null);
+      rewards.push({ name: "held-out", points: metrics.map((m) => [m.step, held(m)]) });
+    }
+    chart(box, "reward", rewards);
     chart(box, "mismatch |log π − log μ|", [series("mismatch", "mismatch_mean_abs")]);
     chart(box, "cache hit rate", [series("hit rate", "cache_hit_rate")]);
     if (metrics.some((m) => m.entropy != null)) {  // runs trained before the metric have none
