@@ -71,11 +71,11 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
     assert "seed 1 · re-rendered context: 25% of its trained rollouts re-render to other tokens than the model " \
            "saw; 30 of its 400 trained reply tokens were never sampled" in " ".join(text.split())
     assert "; 10 of its 80 trained replies were trained as other ids than sampled" in " ".join(text.split())
-    assert "| seed 1 · re-rendered context | 0.000 | 0.000 | +0.000 | – |" in text
+    assert "| seed 1 · re-rendered context | 0.000 | 0.000 | +0.000 | – | – | – |" in text
     assert "seed 1 · cut replies closed: the traced tokens, and after each reply cut by max tokens the stop token " \
            "the re-render adds, trained with the reply's advantage: 30 of its 400 trained reply tokens" \
            in " ".join(text.split())
-    assert "| seed 1 · cut replies closed | 0.000 | 0.000 | +0.000 | 0.0e+00 |" in text  # μ is the trace's
+    assert "| seed 1 · cut replies closed | 0.000 | 0.000 | +0.000 | – | – | 0.0e+00 |" in text  # μ is the trace's
 
 
 def _gains(result_gains: dict[str, list[float]], settings: LearnSettings) -> list[dict]:
@@ -104,6 +104,24 @@ def test_repeats_give_each_setting_its_mean_and_spread_and_say_which_ablation_di
     assert "Every run:" in text and "| seed 2 · cut replies closed |" in text
 
 
+def test_held_out_pass_at_k_before_the_first_step_and_after_the_last_is_each_runs_and_each_settings():
+    settings = LearnSettings(eval_samples=4)
+    results = _gains({"on-policy": [0.4, 0.5], "re-rendered context": [0.45, 0.55]}, settings)
+    for n, result in enumerate(results):
+        evaluated = [{"step": 0, "version": 0, "eval": {"pass_at_k": {"1": 0.125, "2": 0.2, "4": 0.25}}}]
+        result["history"] = evaluated + result["history"]
+        if n != 3:  # the last run stopped before its last evaluation
+            result["history"][-1]["eval"] = {"pass_at_k": {"1": 0.5 + 0.25 * n, "2": 0.6, "4": 0.75}}
+    text = learn.markdown(results, settings, "verbatim bench learn --repeats 2", None)
+    assert "| on-policy | 2 | 0.000 ± 0.000 | 0.450 ± 0.071 | +0.450 ± 0.071 | 0.125 ± 0.000 | 0.625 ± 0.177 |" \
+        in text
+    assert "| re-rendered context | 2 | 0.000 ± 0.000 | 0.500 ± 0.071 | +0.500 ± 0.071 | 0.125 ± 0.000 | " \
+        "1.000 ± 0.000 |" in text
+    assert "| seed 1 | 0.000 | 0.500 | +0.500 | 0.125 → 0.750 | 0.250 → 0.750 |" in text
+    assert "| seed 1 · re-rendered context | 0.000 | 0.550 | +0.550 | – | – |" in text
+    assert "Held out: 8 games × 4 samples of the target training never draws" in text
+
+
 def test_repeats_pick_the_seeds_and_refuse_too_few():
     assert learn.learn_seeds(None, None) == [0, 1] and learn.learn_seeds([5], None) == [5]
     assert learn.learn_seeds(None, 3) == [0, 1, 2] and learn.learn_seeds([7, 8, 9, 10], 3) == [7, 8, 9]
@@ -117,8 +135,10 @@ def test_a_training_run_reports_each_step_it_logs_while_it_plays(tmp_path):
     import sys
 
     metrics = tmp_path / "metrics.jsonl"
-    script = ("import time, sys\nfor step in range(1, 4):\n    time.sleep(0.3)\n"
-              f"    open({str(metrics)!r}, 'a').write('{{\"step\": %d}}\\n' % step)\nsys.exit(7)")
+    script = (f"import time, sys\nopen({str(metrics)!r}, 'a').write('{{\"step\": 0, \"eval\": {{}}}}\\n')\n"
+              "for step in range(1, 4):\n    time.sleep(0.3)\n"
+              f"    open({str(metrics)!r}, 'a').write('{{\"step\": %d, \"reward_mean\": 0}}\\n' % step)\n"
+              "sys.exit(7)")  # step 0's line, the evaluation before the first step, is no trained step
     seen = []
     code = learn.wait_reporting_steps(subprocess.Popen([sys.executable, "-c", script]), metrics, seen.append,
                                       every_s=0.1)

@@ -3,7 +3,7 @@
 The session's one server (tests/conftest.py: vLLM's start-up is the expensive part); the CLI process
 talks to it with ``--engine http`` and starts in seconds, so it can be killed many times:
 
-- SIGKILL at 21 points spread over a run, each followed by ``--resume``;
+- SIGKILL at 15 points spread over a run, each followed by ``--resume``;
 - SIGTERM once (graceful) and SIGINT twice (at once), each with its exit code;
 - a run whose ``--url`` carries credentials leaves them in no file and no output;
 - the server killed mid-run: the run stops with one line (the next test that needs a server starts another).
@@ -31,7 +31,7 @@ from verbatim.harness.store import batch_files, read_run
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-GROUPS, GROUP_SIZE, BATCH = 16, 2, 4  # the CLI writes max(group size, 4) rollouts per file
+GROUPS, GROUP_SIZE, BATCH = 12, 2, 4  # the CLI writes max(group size, 4) rollouts per file
 SHORT = ["--env", "guess", "--group-size", str(GROUP_SIZE), "--max-turns", "2", "--max-tokens", "6",
          "--max-model-len", "2048", "--concurrency", "8", "--seed", "3"]
 
@@ -139,10 +139,10 @@ def assert_whole(out: Path, groups: int, statuses: set[str]) -> None:
     assert lint.exit_code == 0, lint.output[-3000:]
 
 
-def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(vllm_server, tmp_path):
+def test_sigkill_at_15_points_then_resume_keeps_every_rollout_exactly_once(vllm_server, tmp_path):
     out, rng = tmp_path / "run", random.Random(8)
     batches = GROUPS * GROUP_SIZE // BATCH
-    targets = sorted(rng.randrange(batches - 2) for _ in range(18))  # kill once this many files exist…
+    targets = sorted(rng.randrange(batches - 2) for _ in range(12))  # kill once this many files exist…
     kills = [("startup", rng.uniform(0.2, 2.0)) for _ in range(3)] + [("files", t) for t in targets]
     resume = run_args(vllm_server, out)  # --resume is added at go time, once a manifest exists to resume
 
@@ -166,7 +166,7 @@ def test_sigkill_at_21_points_then_resume_keeps_every_rollout_exactly_once(vllm_
             assert proc.alive(), f"kill {number} came too late: {proc.err()[-1500:]}"
             proc.kill()
             mid_run += check_after_kill(out, seen)
-        assert mid_run >= 15, f"only {mid_run} of {len(kills)} kills landed mid-run"
+        assert mid_run >= 10, f"only {mid_run} of {len(kills)} kills landed mid-run"
 
         final = waiting.pop(0).go(*resuming())
         assert final.wait(600) == 0, final.err()[-3000:]

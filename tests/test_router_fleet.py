@@ -176,9 +176,9 @@ def full_reuse(out: Path) -> tuple[int, int]:
 
 
 def test_admission_keeps_the_cache_when_the_kv_space_cannot_hold_every_rollout(fleet, renderer, tmp_path):
-    # 8 rollouts of ~350–550 tokens each with distinct documents: ~4,000 tokens of live context against
+    # 8 rollouts of ~300–500 tokens each with distinct documents: ~3,500 tokens of live context against
     # 2 × 1,280 tokens of KV. Without admission they evict each other's history between turns.
-    settings = dict(seed=5, words=200, groups=8, group_size=1, high_water=0.75, max_tokens=48)
+    settings = dict(seed=5, words=200, groups=8, group_size=1, high_water=0.75, max_tokens=24)
     without, _ = play(fleet.urls, "sticky_least_loaded", renderer, tmp_path / "off", admission=False, **settings)
     with_, _ = play(fleet.urls, "sticky_least_loaded", renderer, tmp_path / "on", admission=True, **settings)
     reused_off, reused_on = full_reuse(tmp_path / "off"), full_reuse(tmp_path / "on")

@@ -1,5 +1,5 @@
 """`verbatim run` as a user calls it: its bad input, its refusals, a task file. (A run killed with its own engine,
-which must not outlive it: tests/test_reproducible.py; killed and resumed at 21 points: tests/test_kill_resume.py.)"""
+which must not outlive it: tests/test_reproducible.py; killed and resumed at 15 points: tests/test_kill_resume.py.)"""
 
 from __future__ import annotations
 

@@ -157,16 +157,20 @@ def _table_ids(name: str, table) -> list[str]:
 @pytest.mark.engine
 @pytest.mark.slow
 def test_train_logs_every_step_to_each_tracker_as_metrics_jsonl_has_it(offline, engine_runner):
-    """``verbatim train --log …`` for every tracker, through its entry point, given the session's engine."""
+    """``verbatim train --log …`` for every tracker, through its entry point, given the session's engine; with
+    ``--eval-every 2`` the evaluations (step 0's before the first step, step 2's after the last) are scalars too."""
     out = offline / "logged"
     run_training(TrainConfig(play={"env": "graded_env:GradedFactory"}, sampling={"max_tokens": 8},
                              engine={"max_model_len": 1024}, output={"out": str(out), "log": ALL},
-                             plan=TrainPlan(steps=2, groups=2, group_size=2, seed=3)), engine=engine_runner.engine)
+                             plan=TrainPlan(steps=2, groups=2, group_size=2, seed=3),
+                             evaluation={"eval_every": 2, "eval_groups": 1, "eval_samples": 2}),
+                 engine=engine_runner.engine)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = {r["step"]: scalars({k: v for k, v in r.items() if k != "step"}) for r in records}
+    assert [step for step, found in expected.items() if "eval/mean_reward" in found] == [0, 2]
     trace = read_run(out)
     ids = {step: sorted(r.rollout_id for r in trace.rollouts if r.info["step"] == step)[:ROLLOUTS_SHOWN]
-           for step in expected}
+           for step in expected if step > 0}  # step 0 played no training rollouts: no table
     for name, (steps, tables, config) in _read_all(out, "logged").items():
         _close(steps, expected)
         assert {step: _table_ids(name, table) for step, table in tables.items()} == ids, name

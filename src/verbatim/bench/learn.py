@@ -27,7 +27,9 @@ none; and every seed again with a trainer fed re-rendered contexts (rl/rerendere
 chat template over each rollout's messages, as a message-keeping harness trains, without sampler
 logprobs) and with only the re-render's addition to the traced tokens: a trained stop token after
 each reply cut by max tokens. The verdict compares the mean reward of the last five steps with the
-first five.
+first five. Every run also evaluates on held-out tasks (``--eval-every``: before the first step and after the
+last): guess's held-out part, the target training never draws (3 in 1..5, envs/held_out.py), so the table
+says whether what a run learned carries over to a game it never trained on, beside its training reward.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError, TrainerError
-from verbatim.harness.step_metrics import steps_of
+from verbatim.harness.step_metrics import StepMetrics, steps_of
 from verbatim.jobs.config import EngineChoice, Placement, PlaySource, TrainConfig, TrainOutput, TrainSampling
-from verbatim.rl.plan import TrainPlan
+from verbatim.rl.plan import EvalPlan, TrainPlan
 from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
 
 SECTION = "bench-learn"
@@ -86,6 +88,10 @@ class LearnSettings(Frozen):
     lr: float = 3e-5
     lr_schedule: str = "cosine"
     lr_final: float = 0.1
+    eval_groups: int = 8
+    """Held-out tasks evaluated before the first step and after the last (guess's held-out target)."""
+    eval_samples: int = 4
+    """Samples per held-out task (K of pass@K)."""
 
 
 ABLATIONS = {
@@ -148,12 +154,35 @@ def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
                        max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
                        checkpoint_every=run.checkpoint_every),
         learner=LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule, lr_final=settings.lr_final,
-                              correction=correction))
+                              correction=correction),
+        evaluation=EvalPlan(eval_every=settings.steps, eval_groups=settings.eval_groups,
+                            eval_samples=settings.eval_samples))
+
+
+def trained(history: list[dict[str, Any]]) -> list[StepMetrics]:
+    """The run's trained steps (not step 0's line, the evaluation before the first step)."""
+    return [r for r in steps_of(history) if r.trained]
+
+
+def trained_lines(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`trained`'s lines as metrics.jsonl holds them."""
+    return [line for line, step in zip(history, steps_of(history)) if step.trained]
+
+
+def held_out(history: list[dict[str, Any]], samples: int) -> dict[str, float | None]:
+    """Held-out pass@1 and pass@K before the first step and after the last (None where not evaluated)."""
+    evaluated = [r.eval for r in steps_of(history) if r.eval is not None]
+    figures: dict[str, float | None] = {}
+    for when, found in (("before", evaluated[0] if evaluated else None),
+                        ("after", evaluated[-1] if len(evaluated) > 1 else None)):
+        passes = (found or {}).get("pass_at_k") or {}
+        figures[f"pass1_{when}"], figures[f"passk_{when}"] = passes.get("1"), passes.get(str(samples))
+    return figures
 
 
 def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
     """Mean reward of the first and the last ``WINDOW`` steps, and the difference."""
-    rewards = [r.reward_mean or 0.0 for r in steps_of(history)]
+    rewards = [r.reward_mean or 0.0 for r in trained(history)]
     if len(rewards) < 2 * WINDOW:
         raise InputError(f"--steps must be at least {2 * WINDOW} to compare the first and last {WINDOW} steps")
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
@@ -163,14 +192,14 @@ def gain(history: list[dict[str, Any]]) -> tuple[float, float, float]:
 def require_clean_runs(results: list[dict[str, Any]]) -> None:
     """No table over a run whose steps recorded an errored rollout (bench/failures.py)."""
     for result in results:
-        history = steps_of(result["history"])
+        history = trained(result["history"])
         errors = [f"step {r.step} had an errored rollout (its trace says why)"
                   for r in history for _ in range(r.errors)]
         require_clean(f"{result['run']['label']}: rollouts", errors, total=sum(r.rollouts for r in history))
 
 
 def row(result: dict[str, Any]) -> dict[str, Any]:
-    history = steps_of(result["history"])
+    history = trained(result["history"])
     first, last, delta = gain(result["history"])
     rerendered = result["run"].get("context") == "rerendered"  # its π_old stands in for μ: no mismatch to show
     mismatch = [] if rerendered else [r.mismatch_mean_abs for r in history if r.mismatch_mean_abs is not None]
@@ -180,7 +209,8 @@ def row(result: dict[str, Any]) -> dict[str, Any]:
             "dropped": sum(dropped) / len(dropped) if dropped else 0.0,
             "hybrid": sum(r.hybrid_tokens for r in history),
             "cache_hit": sum(r.cache_hit_rate or 0.0 for r in history) / len(history),
-            "wall_min": result["wall_s"] / 60}
+            "wall_min": result["wall_s"] / 60,
+            **held_out(result["history"], result.get("settings", {}).get("eval_samples", 0))}
 
 
 def verdict(results: list[dict[str, Any]]) -> str:
@@ -197,11 +227,13 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
     grouped = by_setting(results, row)
     repeated = any(len(rows) > 1 for rows in grouped.values())
     head = repeats_markdown(grouped, WINDOW) + "\nEvery run:\n\n" if repeated else ""
-    lines = [f"| run | first {WINDOW} steps | last {WINDOW} steps | gain | mean \\|Δ logp\\| | dropped | hybrid tokens "
-             "| cache hit | minutes |", "|---|---|---|---|---|---|---|---|---|"]
+    k = settings.eval_samples
+    lines = [f"| run | first {WINDOW} steps | last {WINDOW} steps | gain | held-out pass@1 | held-out pass@{k} "
+             "| mean \\|Δ logp\\| | dropped | hybrid tokens | cache hit | minutes |", "|" + "---|" * 11]
     for r in map(row, results):
         mismatch = "–" if r["mismatch"] is None else f"{r['mismatch']:.1e}"
-        lines.append(f"| {r['run']} | {r['first']:.3f} | {r['last']:.3f} | {r['gain']:+.3f} | {mismatch} | "
+        lines.append(f"| {r['run']} | {r['first']:.3f} | {r['last']:.3f} | {r['gain']:+.3f} | "
+                     f"{before_after(r, 'pass1')} | {before_after(r, 'passk')} | {mismatch} | "
                      f"{r['dropped']:.1%} | {r['hybrid']} | {r['cache_hit']:.0%} | {r['wall_min']:.1f} |")
     text = head + "\n".join(lines) + "\n\n" + verdict(results) + "\n" + rerender_note(results)
     if image:
@@ -210,8 +242,17 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
     text += (f"\nMeasured by `{command}`: guess 1..{ENV_ARGS['high']} with {ENV_ARGS['max_guesses']} guesses, "
              f"{s.steps} steps × {s.groups} groups × {s.group_size} rollouts, ≤ {s.max_turns} turns of ≤ "
              f"{s.max_tokens} tokens, lr {s.lr:g} ({s.lr_schedule} to {s.lr_final:g}× at the last step), grpo, AdamW, "
-             "fp32 engine and trainer, default model.\n")
+             "fp32 engine and trainer, default model. Held out: "
+             f"{s.eval_groups} games × {s.eval_samples} samples of the target training never draws (the env's "
+             "held-out part, envs/held_out.py: 3 in 1..5), evaluated before the first step and after the last "
+             "(before → after).\n")
     return text
+
+
+def before_after(r: dict[str, Any], key: str) -> str:
+    """A held-out figure before the first step and after the last: ``0.125 → 0.531``."""
+    before, after = r.get(f"{key}_before"), r.get(f"{key}_after")
+    return "–" if before is None or after is None else f"{before:.3f} → {after:.3f}"
 
 
 def rerender_note(results: list[dict[str, Any]]) -> str:
@@ -225,7 +266,7 @@ def _total(history: list[dict[str, Any]], key: str) -> float:
 
 
 def _rerendered_note(result: dict[str, Any]) -> str:
-    history = result["history"]
+    history = trained_lines(result["history"])
     changed = _total(history, "rerendered_changed") / len(history)
     replies, reencoded = _total(history, "rerendered_replies"), _total(history, "rerendered_reencoded")
     other_ids = (f"; {reencoded} of its {replies} trained replies were trained as other ids than sampled "
@@ -240,7 +281,7 @@ def _rerendered_note(result: dict[str, Any]) -> str:
 
 
 def _closed_note(result: dict[str, Any]) -> str:
-    history = result["history"]
+    history = trained_lines(result["history"])
     return (f"\n{result['run']['label']}: the traced tokens, and after each reply cut by max tokens the stop "
             f"token the re-render adds, trained with the reply's advantage: "
             f"{_total(history, 'rerendered_never_sampled')} of its {_total(history, 'model_tokens')} trained "
@@ -249,7 +290,7 @@ def _closed_note(result: dict[str, Any]) -> str:
 
 def example(result: dict[str, Any], command: str) -> str:
     """One run's metrics.jsonl, a few steps of it, as a table (docs/trainer.md)."""
-    history = result["history"]
+    history = trained_lines(result["history"])
     shown = history[:3] + history[-2:] if len(history) > 5 else history
     lines = ["| step | reward | loss | grad norm | \\|Δ logp\\| | k3 | prompt | cached | prefill | generated "
              "| rollout s | train s | sync s | checkpoint s | trainer RSS MiB | engine RSS MiB |",
@@ -327,7 +368,7 @@ def wait_reporting_steps(child: subprocess.Popen, metrics: Path, watch: Any, eve
             code = child.wait(timeout=every_s)
         except subprocess.TimeoutExpired:
             code = None
-        steps = metrics.read_bytes().count(b"\n") if watch and metrics.exists() else 0
+        steps = metrics.read_bytes().count(b'"reward_mean"') if watch and metrics.exists() else 0  # trained
         if watch and steps > seen:
             seen = steps
             watch(steps)

@@ -40,7 +40,7 @@ def smoothed(rewards: list[float], window: int = WINDOW) -> list[float]:
 
 
 def _rewards(result: dict[str, Any]) -> list[float]:
-    return [r.reward_mean or 0.0 for r in steps_of(result["history"])]
+    return [r.reward_mean or 0.0 for r in steps_of(result["history"]) if r.trained]
 
 
 def curves(results: list[dict[str, Any]]) -> list[Curve]:

@@ -55,16 +55,24 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{mean:{fmt}} ± {sd:{fmt.lstrip('+')}}"  # a mean may carry its sign, a spread has none
 
 
+def _held(rows: list[dict[str, Any]], key: str) -> str:
+    """A held-out figure's mean ± sd over the runs that evaluated (``–`` where none did)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return _cell(values, ".3f") if values else "–"
+
+
 def markdown(grouped: dict[str, list[dict[str, Any]]], window: int) -> str:
     """One row per setting (mean ± standard deviation over its runs), a verdict per ablation, each run's gain."""
-    lines = [f"| setting | runs | first {window} steps | last {window} steps | gain | mean \\|Δ logp\\| | dropped "
-             "| hybrid tokens | cache hit | minutes | versus on-policy |", "|" + "---|" * 11]
+    lines = [f"| setting | runs | first {window} steps | last {window} steps | gain | held-out pass@1 before | "
+             "held-out pass@1 after | mean \\|Δ logp\\| | dropped | hybrid tokens | cache hit | minutes | "
+             "versus on-policy |", "|" + "---|" * 13]
     base = [r["gain"] for r in grouped.get(ON_POLICY, [])]
     for name, rows in grouped.items():
         mismatch = [r["mismatch"] for r in rows if r["mismatch"] is not None]
         verdict = "–" if name == ON_POLICY or not base else differs(base, [r["gain"] for r in rows])
         lines.append(f"| {name} | {len(rows)} | {_cell([r['first'] for r in rows], '.3f')} | "
                      f"{_cell([r['last'] for r in rows], '.3f')} | {_cell([r['gain'] for r in rows], '+.3f')} | "
+                     f"{_held(rows, 'pass1_before')} | {_held(rows, 'pass1_after')} | "
                      f"{_cell(mismatch, '.1e') if mismatch else '–'} | {_cell([r['dropped'] for r in rows], '.1%')} | "
                      f"{statistics.fmean(r['hybrid'] for r in rows):.0f} | "
                      f"{statistics.fmean(r['cache_hit'] for r in rows):.0%} | "

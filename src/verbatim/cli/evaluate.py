@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from verbatim.cli.run import summary_table, warn_outcome, write_summary_json
+from verbatim.cli.run import summary_table, warn_ignored_fields, warn_outcome, write_summary_json
 from verbatim.harness.evaluation import headline
 from verbatim.jobs.config import EvalOptions
 from verbatim.jobs.evaluate import run_eval
@@ -27,6 +27,7 @@ def eval_command(options: EvalOptions, console: Console, summary_json: str | Non
     console.print(summary_table(summary, Path(out)))
     warn_outcome(console, out, summary.statuses, cut=summary.cut_at_max_turns, breaks=summary.history_breaks,
                  first=summary.first_error)
+    warn_ignored_fields(summary.ignored_request_fields, console)
     console.print(task_table(found))
     if found.get("why_no_pass_at_k"):
         console.print(f"no pass@k: {found['why_no_pass_at_k']}", markup=False)

@@ -306,10 +306,12 @@ class TrainLoop:
         """The evaluation of the engine's weights, the learner's version after ``step``; a stop stops it."""
         run = self.evaluator.run(step, self.learner.version)
         self._runs.add(run)
+        began = time.perf_counter()
         try:
-            return await self.evaluator.play(run, self.learner.version)
+            found = await self.evaluator.play(run, self.learner.version)
         finally:
             self._runs.discard(run)
+        return found | {"wall_s": round(time.perf_counter() - began, 3)}
 
     async def _settle_evaluation(self) -> None:
         """Wait for the evaluation begun with the run (before its first push) and record it: step 0's line of its
