@@ -115,3 +115,23 @@ def test_figures_of_an_env_that_never_says_solved_are_avg_at_k_and_say_why():
     found = figures([_rollout(0, 0, None), _rollout(0, 1, None)])
     assert found["pass_at_k"] is None and "never said whether a rollout solved" in found["why_no_pass_at_k"]
     assert score(found) == found["mean_reward"] == 0.0 and found["per_task"][0]["pass_at_k"] is None
+
+
+def test_a_run_trained_to_its_last_step_owes_the_evaluation_a_kill_cut_short(tmp_path):
+    """--resume of a run whose last step is checkpointed but whose last evaluation never wrote its line plays that
+    evaluation, rather than saying the run is complete."""
+    from verbatim.harness.metrics_log import rewrite_metrics
+    from verbatim.jobs.train import owes_last_evaluation
+
+    out = tmp_path / "run"
+    out.mkdir()
+    config = TrainConfig(play={"env": "guess"}, plan={"steps": 2}, output={"out": str(out)},
+                         evaluation={"eval_every": 1})
+    lines = [{"step": 0, "version": 0, "eval": {}}, {"step": 1, "version": 1, "eval": {}}, {"step": 2, "version": 2}]
+    rewrite_metrics(out, lines)
+    assert owes_last_evaluation(config)
+    rewrite_metrics(out, [*lines[:2], {**lines[2], "eval": {}}])
+    assert not owes_last_evaluation(config)
+    rewrite_metrics(out, lines)
+    assert not owes_last_evaluation(config.model_copy(update={"evaluation": config.evaluation.model_copy(
+        update={"eval_every": None})}))

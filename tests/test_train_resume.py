@@ -9,7 +9,8 @@ talks to it with ``--engine http`` (weights reach it through a folder published 
    evaluation of step 2's weights (``--eval-every 2``; it began after step-000002 was written);
 2. during step 3's optimizer step (its rollouts all written, no step-000003 yet);
 3. during step 3's checkpoint write, after the resumed trainer trained it again (a `.tmp-*` folder exists);
-4. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
+4. during the evaluation after the last step (every step trained and checkpointed: a resume owes only it);
+5. then ``--resume`` to the end: step count, versions, metrics and trace continue exactly
    (every step once, every rollout once, steps counted from 1 in every file), and the run lints clean;
    the evaluation that finished was not played again, the one the kill cut short was finished once, each
    with the weights it began with.
@@ -90,8 +91,12 @@ def test_sigkill_in_every_phase_then_resume_continues_exactly(tiny_server, tmp_p
     third.kill_when(lambda: any(name.startswith(".tmp-") for name in checkpoints(out)))
     assert "step-000003" not in checkpoints(out)
 
-    last = Trainer(tmp_path, "4", [*args, "--resume", "--summary-json", str(tmp_path / "summary.json")])
-    assert last.wait(600) == 0, last.err()
+    fourth = Trainer(tmp_path, "4", [*args, "--resume"])  # killed during the evaluation after the last step
+    fourth.kill_when(lambda: (out / "eval" / f"step-{STEPS:06d}").is_dir())
+    assert f"step-{STEPS:06d}" in checkpoints(out) and eval_rollouts(out, STEPS) < GROUPS * SIZE
+
+    last = Trainer(tmp_path, "5", [*args, "--resume", "--summary-json", str(tmp_path / "summary.json")])
+    assert last.wait(600) == 0, last.err()  # every step trained, the last evaluation owed: it plays that
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(0, STEPS + 1))  # step 0: the evaluation before step 1

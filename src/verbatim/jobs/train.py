@@ -140,6 +140,17 @@ def _evaluator(options: TrainConfig, factory: Any, tasks: Any, loop: Any, engine
                      run_plan, engine, factory, renderer, manifest, Path(options.output.out), make_player)
 
 
+def owes_last_evaluation(config: TrainConfig) -> bool:
+    """A run whose steps are all trained but whose evaluation after the last did not finish (a kill during it):
+    a resume plays that, not "complete"."""
+    from verbatim.harness.metrics_log import metrics_path, read_metrics
+
+    steps, out = config.plan.steps, Path(config.output.out)
+    if not config.evaluation.due(steps, steps) or not metrics_path(out).is_file():
+        return False
+    return not any(r.get("step") == steps and "eval" in r for r in read_metrics(out))
+
+
 def placed_dtype(engine: Any) -> str | None:
     """The in-process engine's format as placement names it (fp32, bf16, fp16); None for a served engine."""
     from verbatim.engine.precision import short_name
@@ -257,7 +268,7 @@ def run_training(config: TrainConfig, console: Console | None = None,
     check_procs(config.placement.trainer_procs)
     trained = check(config)
     out = Path(config.output.out)
-    if config.output.resume and trained >= config.plan.steps:
+    if config.output.resume and trained >= config.plan.steps and not owes_last_evaluation(config):
         from verbatim.harness.metrics_log import read_metrics
 
         console.print(f"{out} is complete: all {trained} steps are trained (pass a higher --steps with "

@@ -145,6 +145,7 @@ class TrainLoop:
                     raise RunInterrupted(f"{self.stopped.reason}: stopped after step {k + 1} of "
                                          f"{self.plan.steps}", exit_code=self.stopped.exit_code,
                                          hint="rerun the same command with --resume to go on")
+            await self._settle_evaluation()  # a resume whose steps were all trained owed only the last one
         except RunInterrupted:
             await self._keep_last_step()
             raise
