@@ -136,7 +136,7 @@ class TrainLoop:
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(start, queue))
         if self._owes_evaluation(start):  # before the first step, or one a stop or a kill cut short
-            self._evaluating = (start, asyncio.create_task(self._evaluate(start)))
+            self._evaluating = (start, asyncio.create_task(self._evaluate(start, self.learner.version)))
         try:
             for k in range(start, self.plan.steps):
                 played = await self._next(queue, producer)
@@ -290,7 +290,7 @@ class TrainLoop:
             self._trained = n
             self._progress.notify_all()
         if self._owes_evaluation(n):
-            record["eval"] = await self._evaluate(n)
+            record["eval"] = await self._evaluate(n, self.learner.version)
         append_metrics(self.out, record)
         if self.on_step:
             self.on_step(record)
@@ -303,13 +303,13 @@ class TrainLoop:
             return False
         return not any(r.get("step") == step and "eval" in r for r in self.history)
 
-    async def _evaluate(self, step: int) -> dict[str, Any]:
-        """The evaluation of the engine's weights, the learner's version after ``step``; a stop stops it."""
-        run = self.evaluator.run(step, self.learner.version)
+    async def _evaluate(self, step: int, version: int) -> dict[str, Any]:
+        """The evaluation of the engine's weights, ``version``, the learner's after ``step``; a stop stops it."""
+        run = self.evaluator.run(step, version)
         self._runs.add(run)
         began = time.perf_counter()
         try:
-            found = await self.evaluator.play(run, self.learner.version)
+            found = await self.evaluator.play(run, version)
         finally:
             self._runs.discard(run)
         return found | {"wall_s": round(time.perf_counter() - began, 3)}
