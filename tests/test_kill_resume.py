@@ -166,7 +166,8 @@ def test_sigkill_at_15_points_then_resume_keeps_every_rollout_exactly_once(vllm_
             assert proc.alive(), f"kill {number} came too late: {proc.err()[-1500:]}"
             proc.kill()
             mid_run += check_after_kill(out, seen)
-        assert mid_run >= 10, f"only {mid_run} of {len(kills)} kills landed mid-run"
+        after_a_file = sum(t > 0 for t in targets)  # the others land before any rollout, as start-up kills do
+        assert mid_run >= after_a_file - 2, f"only {mid_run} of the {after_a_file} kills after a file landed mid-run"
 
         final = waiting.pop(0).go(*resuming())
         assert final.wait(600) == 0, final.err()[-3000:]
