@@ -135,9 +135,9 @@ def test_a_training_run_reports_each_step_it_logs_while_it_plays(tmp_path):
     import sys
 
     metrics = tmp_path / "metrics.jsonl"
-    script = (f"import time, sys\nopen({str(metrics)!r}, 'a').write('{{\"step\": 0, \"eval\": {{}}}}\\n')\n"
-              "for step in range(1, 4):\n    time.sleep(0.3)\n"
-              f"    open({str(metrics)!r}, 'a').write('{{\"step\": %d, \"reward_mean\": 0}}\\n' % step)\n"
+    script = (f"import time, sys\nopen({str(metrics)!r}, 'a').write('{{\"step\": 0, \"version\": 0, \"eval\": "
+              "{}}\\n')\nfor step in range(1, 4):\n    time.sleep(0.3)\n"
+              f"    open({str(metrics)!r}, 'a').write('{{\"step\": %d, \"version\": %d}}\\n' % (step, step))\n"
               "sys.exit(7)")  # step 0's line, the evaluation before the first step, is no trained step
     seen = []
     code = learn.wait_reporting_steps(subprocess.Popen([sys.executable, "-c", script]), metrics, seen.append,

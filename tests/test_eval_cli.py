@@ -112,9 +112,12 @@ def test_figures_count_an_unfinished_sample_as_unsolved_and_check_the_version():
 
 
 def test_figures_of_an_env_that_never_says_solved_are_avg_at_k_and_say_why():
-    found = figures([_rollout(0, 0, None), _rollout(0, 1, None)])
-    assert found["pass_at_k"] is None and "never said whether a rollout solved" in found["why_no_pass_at_k"]
-    assert score(found) == found["mean_reward"] == 0.0 and found["per_task"][0]["pass_at_k"] is None
+    """Failed samples too: a task whose samples all failed is not judged where the env never judges."""
+    found = figures([_rollout(0, 0, None), _rollout(0, 1, None), _rollout(1, 0, None, "error"),
+                     _rollout(1, 1, None, "error")])
+    assert found["pass_at_k"] is None and found["success_rate"] is None
+    assert "never said whether a rollout solved" in found["why_no_pass_at_k"]
+    assert score(found) == found["mean_reward"] == 0.0 and [t["pass_at_k"] for t in found["per_task"]] == [None] * 2
 
 
 def test_a_run_trained_to_its_last_step_owes_the_evaluation_a_kill_cut_short(tmp_path):
@@ -135,3 +138,21 @@ def test_a_run_trained_to_its_last_step_owes_the_evaluation_a_kill_cut_short(tmp
     rewrite_metrics(out, lines)
     assert not owes_last_evaluation(config.model_copy(update={"evaluation": config.evaluation.model_copy(
         update={"eval_every": None})}))
+
+
+def test_a_run_recorded_before_held_out_tasks_resumes_only_as_it_trained(tmp_path):
+    """Training draws only the tasks an env's rule keeps since issue #46: a run recorded before trained on every
+    generated task, so its resume must say --no-hold-out (or its steps would play other tasks)."""
+    from verbatim.harness.store import RunManifest, TraceWriter
+    from verbatim.jobs.train import check
+
+    out = tmp_path / "run"
+    config = TrainConfig(play={"env": "guess"}, plan={"steps": 2}, output={"out": str(out), "resume": True})
+    recorded = config.config()
+    del recorded["train"]["plan"]["hold_out"]
+    del recorded["train"]["evaluation"]
+    TraceWriter(out, RunManifest(run_id="r", model="m", renderer="r", engine={"block_size": 16}, config=recorded))
+    with pytest.raises(InputError, match="plan.hold_out: False -> True"):
+        check(config)
+    old_way = config.model_copy(update={"plan": config.plan.model_copy(update={"hold_out": False})})
+    assert check(old_way) == 0

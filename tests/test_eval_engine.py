@@ -44,5 +44,6 @@ def test_eval_reports_the_pass_at_k_its_own_trace_gives(engine_runner, tmp_path)
     assert [row["task"] for row in written["per_task"]] == [f"eval-{i}" for i in range(TASKS)]
     assert written["run"]["rollouts"] == TASKS * SAMPLES
     assert f"eval: pass@1 {written['pass_at_k']['1']:.3f}, pass@4" in printed.getvalue()
+    assert "'verbatim eval --config" in (out / "config.toml").read_text()  # what repeats it
     lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
     assert lint.exit_code == 0, lint.output[-2000:]

@@ -53,3 +53,13 @@ def test_an_evals_figures_average_the_tasks_and_say_why_when_no_task_is_judged()
     assert unjudged["mean_reward"] == pytest.approx(0.3)
     with pytest.raises(InputError):
         summary([])
+
+
+def test_asked_ks_are_reported_with_pass_at_1_and_checked_against_the_samples():
+    from verbatim.harness.pass_at_k import check_ks
+
+    assert check_ks((4, 2), 4) == (1, 2, 4) and check_ks((), 8) == (1, 2, 4, 8)
+    scores = [TaskScore("t", (1.0, 0.0, 0.0, 1.0), (True, False, False, True))]
+    assert list(summary(scores, (4,))["pass_at_k"]) == ["1", "4"]
+    with pytest.raises(InputError, match="pass@5 needs 1 <= k <= the 4 samples"):
+        check_ks((5,), 4)

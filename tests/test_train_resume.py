@@ -207,17 +207,20 @@ def test_an_env_without_rewards_is_one_line_and_writes_no_checkpoint(tiny_server
 def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_checkpoints(tiny_server, tmp_path):
     out = tmp_path / "run"
     common = ["--env", "guess", "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens", "8",
-              "--max-model-len", "1024", *served(tiny_server), "--out", str(out)]
+              "--max-model-len", "1024", *served(tiny_server), "--out", str(out), "--eval-every", "1",
+              "--eval-groups", "1", "--eval-samples", "2"]
     args = [*common, "--steps", "2"]
     first = Trainer(tmp_path, "1", args)
     deadline = time.monotonic() + 300
-    while not list(out.glob("rollouts-*")) and time.monotonic() < deadline and first.alive():
+    while not (out / "eval" / "step-000001").is_dir() and time.monotonic() < deadline and first.alive():
         time.sleep(0.01)
-    os.kill(first.proc.pid, signal.SIGINT)
+    os.kill(first.proc.pid, signal.SIGINT)  # during the evaluation of step 1's weights
     assert first.wait(300) == 130, first.err()
-    # during step 1's play (its rollouts finish, untrained) or during its training ("stopped after step 1 of 2")
     assert "interrupted by SIGINT" in first.err()
     assert json.loads((out / "manifest.json").read_text())["status"] == "interrupted"  # was "completed"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1] and "eval" not in lines[1]  # the step's line, its evaluation cut
+    assert "step-000001" in checkpoints(out)  # a stop checkpoints where it ends: the resume evaluates from there
 
     finished = Trainer(tmp_path, "2", [*args, "--resume"])
     assert finished.wait(300) == 0, finished.err()
@@ -228,7 +231,9 @@ def test_sigint_records_interrupted_then_resume_finishes_extends_and_reads_the_c
     extended = Trainer(tmp_path, "3", [*common, "--steps", "3", "--resume"])  # the one setting a resume may raise
     assert extended.wait(300) == 0, extended.err()
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["step"], m["version"]) for m in metrics] == [(1, 1), (2, 2), (3, 3)]
+    assert [(m["step"], m["version"]) for m in metrics] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [m["eval"]["version"] for m in metrics] == [0, 1, 2, 3]
+    assert len(read_run(out / "eval" / "step-000001").rollouts) == 2  # the cut one finished once
     counts = Counter(r.rollout_id for r in read_run(out).rollouts)
     assert set(counts.values()) == {1} and len(counts) == 3 * 4
 

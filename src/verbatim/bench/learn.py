@@ -49,6 +49,7 @@ from verbatim.datamodel import Frozen
 from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError, TrainerError
+from verbatim.harness.metrics_log import read_metrics
 from verbatim.harness.step_metrics import StepMetrics, steps_of
 from verbatim.jobs.config import EngineChoice, Placement, PlaySource, TrainConfig, TrainOutput, TrainSampling
 from verbatim.rl.plan import EvalPlan, TrainPlan
@@ -360,15 +361,15 @@ def _train_in_child(run: LearnRun, settings: LearnSettings, model: str, root: Pa
 
 
 def wait_reporting_steps(child: subprocess.Popen, metrics: Path, watch: Any, every_s: float = 5.0) -> int:
-    """Wait for ``child`` to exit, calling ``watch(steps)`` whenever the count of lines in ``metrics`` (one a
-    finished step) has grown; its exit code."""
+    """Wait for ``child`` to exit, calling ``watch(steps)`` whenever the count of trained steps in ``metrics``
+    (a line each; not step 0's, the evaluation before the first) has grown; its exit code."""
     seen = 0
     while True:
         try:
             code = child.wait(timeout=every_s)
         except subprocess.TimeoutExpired:
             code = None
-        steps = metrics.read_bytes().count(b'"reward_mean"') if watch and metrics.exists() else 0  # trained
+        steps = len(trained(read_metrics(metrics.parent))) if watch and metrics.exists() else 0
         if watch and steps > seen:
             seen = steps
             watch(steps)

@@ -21,13 +21,14 @@ def plot_command(
     """Plot a training run's metrics.jsonl: mean reward, mismatch |log π − log μ| and cache hit rate per step."""
     from verbatim.harness.curves import plot_training
     from verbatim.harness.metrics_log import read_metrics
+    from verbatim.harness.step_metrics import is_trained
     from verbatim.paths import check_output_file
 
     if out is not None:
         check_output_file(out, "--out", existing_ok=force)
     records = read_metrics(run_dir)
-    steps = sum(1 for r in records if r.get("step") != 0)  # step 0's line: the evaluation before the first step
-    evaluated = sum(1 for r in records if r.get("eval"))
+    steps = sum(map(is_trained, records))  # step 0's line: the evaluation before the first step
+    evaluated = sum(bool(r.get("eval")) for r in records)
     written = plot_training(records, out or run_dir / "curve.png", title=f"{run_dir.resolve().name}: "
                             f"{steps} steps")
     more = f", {evaluated} evaluations" if evaluated else ""

@@ -8,7 +8,8 @@ holds out (``held_out=True``), both from the env's own seeded generator: no eval
 by construction, however small the task space.
 
 A factory without the rule still gets eval tasks from seeds training never uses (:func:`eval_seed`); tasks of
-a small space may then repeat training's, which :func:`overlap` counts and a training run's evaluation drops.
+a small space may then repeat training's, which :func:`overlap` finds and a training run refuses unless
+``--allow-overlap`` (jobs/evaluate.py).
 Pure: no I/O beyond the factory's own generator.
 """
 

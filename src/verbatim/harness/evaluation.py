@@ -3,8 +3,8 @@
 An evaluation is an ordinary run (``verbatim eval``, or ``RUN_DIR/eval/step-N/`` of ``train --eval-every``):
 each group is one task and its members are the task's K samples. The figures are computed from the rollouts
 alone, so a trace gives them again (:func:`folder_figures`): what ``--summary-json`` and ``metrics.jsonl`` say
-is what the trace holds. A sample that did not finish (an error, or cut at ``--max-turns``) did not solve its
-task; a task whose env never says whether a sample solved it gets avg@K only (harness/pass_at_k.py).
+is what the trace holds. Where the env says whether a sample solved its task, a sample that did not finish (an
+error) did not; where it never says, the evaluation gets avg@K only (harness/pass_at_k.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from verbatim.harness.store import read_run
 from verbatim.harness.transcript import solved
 
 
-def sample_solved(rollout: Rollout) -> bool | None:
-    """Whether a sample solved its task: what the env said, False for one that did not finish, None where an env
-    that finished it never says."""
+def sample_solved(rollout: Rollout, judged: bool) -> bool | None:
+    """Whether a sample solved its task: what the env said; in an evaluation whose env says it (``judged``),
+    False for a sample that did not finish (an error, before the env could say); None otherwise."""
     said = solved(rollout)
-    if said is None and rollout.status != "ok":
+    if said is None and judged and rollout.status != "ok":
         return False
     return said
 
@@ -36,7 +36,8 @@ def figures(rollouts: Sequence[Rollout], asked: Sequence[int] = (), version: int
     if version is not None:
         check_version(rollouts, version)
     rollouts = sorted(rollouts, key=lambda r: r.rollout_id)  # tasks in plan order, as the trace is not
-    rows = [{"task_id": r.group_id, "reward": r.reward, "solved": sample_solved(r)} for r in rollouts]
+    judged = any(solved(r) is not None for r in rollouts)  # the env says "solved" at all
+    rows = [{"task_id": r.group_id, "reward": r.reward, "solved": sample_solved(r, judged)} for r in rollouts]
     scores = by_task(rows)
     found = summary(scores, asked)
     labels = {r.group_id: r.task.get("id", r.group_id) for r in rollouts}

@@ -59,14 +59,15 @@ def ks(samples: int) -> tuple[int, ...]:
 
 
 def check_ks(asked: Sequence[int], samples: int, flag: str = "--pass-k") -> tuple[int, ...]:
-    """The k an eval reports: ``asked`` (checked against the ``samples`` each task gets), else :func:`ks`."""
+    """The k an eval reports: ``asked`` and 1 (every curve's figure), checked against the ``samples`` each task
+    gets; else :func:`ks`."""
     if not asked:
         return ks(samples)
     wrong = [k for k in asked if not 1 <= k <= samples]
     if wrong:
         raise InputError(f"{flag} {','.join(map(str, asked))}: pass@{wrong[0]} needs 1 <= k <= the {samples} "
                          "samples a task gets", hint=f"ask for k up to {samples}, or raise the samples per task")
-    return tuple(sorted(set(asked)))
+    return tuple(sorted({1, *asked}))
 
 
 def ks_fit(asked: Sequence[int], samples: int, flag: str) -> None:

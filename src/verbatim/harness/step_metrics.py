@@ -51,7 +51,7 @@ class StepMetrics(BaseModel):
     @property
     def trained(self) -> bool:
         """A line of a trained step (not step 0's, which records the evaluation before the first)."""
-        return self.step >= 1
+        return is_trained({"step": self.step})
 
     def eval_score(self) -> float | None:
         """The evaluation's headline: pass@1 where the env says solved, else avg@K; None without one."""
@@ -61,6 +61,13 @@ class StepMetrics(BaseModel):
     def errors(self) -> int:
         """Rollouts of the step that ended in an error."""
         return self.statuses.get("error", 0)
+
+
+def is_trained(record: Mapping[str, Any]) -> bool:
+    """A metrics.jsonl line of a trained step: steps count from 1, and step 0's line holds only the evaluation
+    before the first step (``--eval-every``)."""
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 1
 
 
 def steps_of(records: Iterable[Mapping[str, Any]]) -> list[StepMetrics]:

@@ -204,6 +204,8 @@ class RunOptions(PlayConfig):
     """Groups played from the env's own task generator when --groups is not given."""
     HELD_OUT: ClassVar[bool] = False
     """Whether the env's generated tasks are its held-out part (an evaluation's), not all of them."""
+    COMMAND: ClassVar[str] = "run"
+    """The command these options are of (the run folder's config.toml names it)."""
 
 
 class EvalOutput(Output):
@@ -222,12 +224,13 @@ class EvalOptions(RunOptions):
     group_size: int = Field(default=4, ge=1)
     """Samples per task (K): pass@k for k up to K."""
     pass_k: tuple[int, ...] = ()
-    """The k of pass@k to report, e.g. 1,4 (default: 1, the powers of two below K, and K)."""
+    """The k of pass@k to report beside pass@1, e.g. 2,4 (default: 1, the powers of two below K, and K)."""
     output: EvalOutput = Field(default_factory=EvalOutput)
     """The run folder and trackers."""
 
     DEFAULT_GROUPS: ClassVar[int] = EvalPlan.DEFAULT_GROUPS
     HELD_OUT: ClassVar[bool] = True
+    COMMAND: ClassVar[str] = "eval"
 
     @model_validator(mode="after")
     def _ks_fit_the_samples(self) -> EvalOptions:
@@ -420,8 +423,9 @@ PLAY_SPECS = {
     "engine.eager": Spec(name="--engine-eager"),
 }
 RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
-EVAL_SPECS = {**RUN_SPECS, "group_size": Spec(name="--samples"),
-              "pass_k": Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks)}
+KS_SPEC = Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks)
+"""A list of k for pass@k, written ``1,4``."""
+EVAL_SPECS = {**RUN_SPECS, "group_size": Spec(name="--samples"), "pass_k": KS_SPEC}
 TRAIN_SPECS = {
     **PLAY_SPECS,
     "placement.trainer_timeout_s": Spec(name="--trainer-timeout"),
@@ -435,7 +439,7 @@ TRAIN_SPECS = {
     "learner.correction.sequence_mask_band": Spec(kind=str, parse=parse_band, show=show_band),
     "learner.correction.sequence_tis": Spec(parse=_off_is_none),
     "learner.correction.max_version_lag": DERIVED,  # follows --max-lag
-    "evaluation.eval_pass_k": Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks),
+    "evaluation.eval_pass_k": KS_SPEC,
 }
 
 

@@ -64,7 +64,8 @@ def training_eval_tasks(options: TrainConfig, factory: Any, training: Callable[[
             tasks = eval_tasks(factory, plan.eval_groups or plan.DEFAULT_GROUPS, options.plan.seed)
         except InputError as exc:
             raise InputError(f"--eval-every: {exc.message}", hint="give --eval-tasks FILE") from None
-    by_construction = plan.eval_tasks is None and options.play.tasks is None and rule_of(factory) is not None
+    by_construction = plan.eval_tasks is None and options.play.tasks is None and rule_of(factory) is not None \
+        and options.plan.hold_out
     if not (by_construction or plan.allow_overlap):
         trained = [t for k in range(options.plan.steps) for t in training(k)] if options.play.tasks is None \
             else load_tasks(options.play.tasks)

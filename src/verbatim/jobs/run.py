@@ -212,7 +212,7 @@ def run_rollouts(options: RunOptions, console: Console | None = None, *,
         summary = on_engine_loop(execute(run, engine_used, options.output.resume, console, options.stop_grace_s,
                                          trackers.rollout, engine_given=engine is not None,
                                          record=lambda: write_config(run.out, flags_of(type(options)), resolved,
-                                                                     "run")), engine)
+                                                                     options.COMMAND)), engine)
         trackers.step(summary.model_dump())
         return summary
     finally:

@@ -144,11 +144,10 @@ def owes_last_evaluation(config: TrainConfig) -> bool:
     """A run whose steps are all trained but whose evaluation after the last did not finish (a kill during it):
     a resume plays that, not "complete"."""
     from verbatim.harness.metrics_log import metrics_path, read_metrics
+    from verbatim.rl.evaluate import owes_evaluation
 
     steps, out = config.plan.steps, Path(config.output.out)
-    if not config.evaluation.due(steps, steps) or not metrics_path(out).is_file():
-        return False
-    return not any(r.get("step") == steps and "eval" in r for r in read_metrics(out))
+    return metrics_path(out).is_file() and owes_evaluation(config.evaluation, steps, steps, read_metrics(out))
 
 
 def placed_dtype(engine: Any) -> str | None:
@@ -205,9 +204,13 @@ def _task_source(options: TrainConfig, factory: Any, load_tasks: Any) -> Any:
     from verbatim.envs.held_out import draw
 
     plan, groups = options.plan, options.plan.groups
-    if options.play.tasks is None:  # never the env's held-out tasks (envs/held_out.py)
-        draw(factory, groups, plan.task_seed(0), held_out=False)  # a generator that fails does so now
-        return lambda k: draw(factory, groups, plan.task_seed(k), held_out=False)
+    if options.play.tasks is None:  # not the env's held-out tasks (envs/held_out.py) unless --no-hold-out
+        def drawn(k: int) -> list[dict[str, Any]]:
+            return draw(factory, groups, plan.task_seed(k), held_out=False) if plan.hold_out else \
+                list(factory.tasks(groups, plan.task_seed(k)))
+
+        drawn(0)  # a generator that fails does so now, before the engine starts
+        return drawn
     pool = list(load_tasks(options.play.tasks))
     if not pool:
         raise InputError(f"{options.play.tasks} holds no tasks")

@@ -58,6 +58,11 @@ class Evaluator:
         return figures(run.rollouts, self.plan.eval_pass_k, version)
 
 
+def owes_evaluation(plan: EvalPlan, step: int, steps: int, lines: Sequence[dict[str, Any]]) -> bool:
+    """The weights after ``step`` are due an evaluation and ``lines`` (metrics.jsonl's) record none for it."""
+    return plan.due(step, steps) and not any(r.get("step") == step and "eval" in r for r in lines)
+
+
 def eval_run_plan(plan: EvalPlan, tasks: int, seed: int, concurrency: int) -> RunPlan:
     """An evaluation's plan: a group per task, K samples each, sampling seeds the same at every evaluation."""
     return RunPlan(run_id="eval", groups=tasks, group_size=plan.eval_samples, seed=seed, concurrency=concurrency,

@@ -47,6 +47,9 @@ class TrainPlan(Frozen):
     the steps after the newest checkpoint again. 1 checkpoints every step."""
     concurrency: int = Field(default=16, ge=1)
     """Live rollouts at most."""
+    hold_out: bool = True
+    """Train only on the env's tasks its held-out rule keeps, leaving the rest to evaluation (envs/held_out.py;
+    --no-hold-out: every generated task, as runs recorded before the rule trained)."""
     allow_truncated_sampling: bool = False
     """Train on rollouts sampled under --top-p/--top-k, masks the trainer's π does not reproduce; each step's
     metrics count the sampled tokens outside π's mask (outside_support). Off, such a step is refused."""
@@ -82,7 +85,8 @@ class EvalPlan(Frozen):
     eval_temperature: float | None = Field(default=None, ge=0)
     """Evaluation's sampling temperature (default: training's --temperature; 0 samples greedily)."""
     eval_pass_k: tuple[int, ...] = ()
-    """The k of pass@k an evaluation reports, e.g. 1,4 (default: 1, the powers of two below K, and K)."""
+    """The k of pass@k an evaluation reports beside pass@1, e.g. 2,4 (default: 1, the powers of two below K, and
+    K)."""
     allow_overlap: bool = False
     """Evaluate on tasks equal to training tasks (the same file as --tasks and --eval-tasks): refused without it."""
 

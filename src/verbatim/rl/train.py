@@ -57,7 +57,7 @@ from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
 from verbatim.harness.rollout import LoopConfig, RolloutPlayer
 from verbatim.harness.run import Run, StopRequest
 from verbatim.harness.store import RunLock, RunManifest, TraceWriter, clear_unfinished_writes, read_manifest
-from verbatim.rl.evaluate import Evaluator
+from verbatim.rl.evaluate import Evaluator, owes_evaluation
 from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import closed_input, rerendered_input
 from verbatim.rl.train_resume import CHECKPOINTS, set_aside, trained_steps
@@ -135,8 +135,10 @@ class TrainLoop:
         self._producing = True
         queue: asyncio.Queue = asyncio.Queue()
         producer = asyncio.create_task(self._produce(start, queue))
-        if self._owes_evaluation(start):  # before the first step, or one a stop or a kill cut short
-            self._evaluating = (start, asyncio.create_task(self._evaluate(start, self.learner.version)))
+        if self._owes_evaluation(start):  # before the first step, or one a stop or a kill cut short: a stop
+            # does not cut it (the step being trained ends with it), it lasts no longer than an evaluation
+            owed = self.evaluator.run(start, self.learner.version)
+            self._evaluating = (start, asyncio.create_task(self._evaluate(owed, self.learner.version)))
         try:
             for k in range(start, self.plan.steps):
                 played = await self._next(queue, producer)
@@ -146,6 +148,10 @@ class TrainLoop:
                                          f"{self.plan.steps}", exit_code=self.stopped.exit_code,
                                          hint="rerun the same command with --resume to go on")
             await self._settle_evaluation()  # a resume whose steps were all trained owed only the last one
+            if self.stopped is not None and self._owes_evaluation(self.plan.steps):
+                raise RunInterrupted(f"{self.stopped.reason}: stopped before the evaluation after the last step",
+                                     exit_code=self.stopped.exit_code,
+                                     hint="rerun the same command with --resume to evaluate")
         except RunInterrupted:
             await self._keep_last_step()
             raise
@@ -289,8 +295,9 @@ class TrainLoop:
         async with self._progress:  # the next steps may play while this version is evaluated
             self._trained = n
             self._progress.notify_all()
-        if self._owes_evaluation(n):
-            record["eval"] = await self._evaluate(n, self.learner.version)
+        found = await self._stoppable_evaluation(n) if self._owes_evaluation(n) and self.stopped is None else None
+        if found is not None:  # else none was due, or a stop came first or cut it: a resume finishes it
+            record["eval"] = found
         append_metrics(self.out, record)
         if self.on_step:
             self.on_step(record)
@@ -299,19 +306,27 @@ class TrainLoop:
 
     def _owes_evaluation(self, step: int) -> bool:
         """The weights after ``step`` are to be evaluated and their line records no evaluation yet."""
-        if self.evaluator is None or not self.evaluator.due(step):
-            return False
-        return not any(r.get("step") == step and "eval" in r for r in self.history)
+        return self.evaluator is not None and owes_evaluation(self.evaluator.plan, step, self.plan.steps,
+                                                              self.history)
 
-    async def _evaluate(self, step: int, version: int) -> dict[str, Any]:
-        """The evaluation of the engine's weights, ``version``, the learner's after ``step``; a stop stops it."""
-        run = self.evaluator.run(step, version)
+    async def _stoppable_evaluation(self, step: int) -> dict[str, Any] | None:
+        """The evaluation after ``step``, which a stop cuts (None then: the step's line goes without it, and a
+        resume, from this step's checkpoint, finishes it)."""
+        run = self.evaluator.run(step, self.learner.version)
         self._runs.add(run)
-        began = time.perf_counter()
         try:
-            found = await self.evaluator.play(run, version)
+            return await self._evaluate(run, self.learner.version)
+        except RunInterrupted:
+            if self.stopped is None:
+                raise
+            return None
         finally:
             self._runs.discard(run)
+
+    async def _evaluate(self, run: Run, version: int) -> dict[str, Any]:
+        """``run``, the evaluation of the engine's weights, ``version``; its figures, with the seconds it took."""
+        began = time.perf_counter()
+        found = await self.evaluator.play(run, version)
         return found | {"wall_s": round(time.perf_counter() - began, 3)}
 
     async def _settle_evaluation(self) -> None:
