@@ -295,9 +295,10 @@ class TrainLoop:
         async with self._progress:  # the next steps may play while this version is evaluated
             self._trained = n
             self._progress.notify_all()
-        found = await self._stoppable_evaluation(n) if self._owes_evaluation(n) and self.stopped is None else None
-        if found is not None:  # else none was due, or a stop came first or cut it: a resume finishes it
-            record["eval"] = found
+        evaluated = await self._stoppable_evaluation(n) if self._owes_evaluation(n) and self.stopped is None \
+            else None
+        if evaluated is not None:  # else none was due, or a stop came first or cut it: a resume finishes it
+            record["eval"] = evaluated
         append_metrics(self.out, record)
         if self.on_step:
             self.on_step(record)
