@@ -156,3 +156,21 @@ def test_a_run_recorded_before_held_out_tasks_resumes_only_as_it_trained(tmp_pat
         check(config)
     old_way = config.model_copy(update={"plan": config.plan.model_copy(update={"hold_out": False})})
     assert check(old_way) == 0
+
+
+def test_a_run_folder_names_its_newest_complete_checkpoint(tmp_path):
+    from verbatim.jobs.compose import checkpoint_model
+
+    run = tmp_path / "run"
+    (run / "manifest.json").parent.mkdir()
+    (run / "manifest.json").write_text("{}")
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = run / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        for name in ("model.safetensors", "optimizer.pt", "rng.pt", "config.json")[:4 if complete else 1]:
+            (folder / name).write_text("x")
+        (folder / "state.json").write_text(json.dumps({"schema": 1, "step": step}))
+    assert checkpoint_model(str(run)) == str(run / "checkpoints" / "step-000004")
+    assert checkpoint_model(str(run / "checkpoints" / "step-000002")) == str(run / "checkpoints" / "step-000002")
+    with pytest.raises(InputError, match="is not a complete checkpoint"):
+        checkpoint_model(str(run / "checkpoints" / "step-000006"))

@@ -50,7 +50,7 @@ from verbatim.durable import strict_json
 from verbatim.engine.protocol import CachePolicy
 from verbatim.errors import InputError, TrainerError
 from verbatim.harness.metrics_log import read_metrics
-from verbatim.harness.step_metrics import StepMetrics, steps_of
+from verbatim.harness.step_metrics import StepMetrics, is_trained, steps_of
 from verbatim.jobs.config import EngineChoice, Placement, PlaySource, TrainConfig, TrainOutput, TrainSampling
 from verbatim.rl.plan import EvalPlan, TrainPlan
 from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
@@ -160,14 +160,14 @@ def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
                             eval_samples=settings.eval_samples))
 
 
-def trained(history: list[dict[str, Any]]) -> list[StepMetrics]:
-    """The run's trained steps (not step 0's line, the evaluation before the first step)."""
-    return [r for r in steps_of(history) if r.trained]
-
-
 def trained_lines(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`trained`'s lines as metrics.jsonl holds them."""
-    return [line for line, step in zip(history, steps_of(history)) if step.trained]
+    """The run's lines of trained steps (not step 0's, the evaluation before the first step)."""
+    return [line for line in history if is_trained(line)]
+
+
+def trained(history: list[dict[str, Any]]) -> list[StepMetrics]:
+    """:func:`trained_lines` as typed steps."""
+    return steps_of(trained_lines(history))
 
 
 def held_out(history: list[dict[str, Any]], samples: int) -> dict[str, float | None]:

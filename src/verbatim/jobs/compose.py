@@ -124,20 +124,21 @@ def checkpoint_model(model: str) -> str:
     if not path.is_dir():
         return model
     if (path / "manifest.json").is_file() and not (path / "config.json").is_file():
-        steps = _complete_steps(path / CHECKPOINTS)
-        if not steps:
+        complete = _complete(path / CHECKPOINTS)
+        if not complete:
             raise InputError(f"--model {model}: the run in {path} has no complete checkpoint to play",
                              hint="train it further (a checkpoint is written every --checkpoint-every steps and "
                                   "at the last), or give a model folder")
-        return str(path / CHECKPOINTS / f"step-{max(steps):06d}")
+        return str(path / CHECKPOINTS / complete[-1])
     if path.parent.name == CHECKPOINTS and path.name.startswith("step-"):
-        if path.name not in {f"step-{s:06d}" for s in _complete_steps(path.parent)}:
+        if path.name not in _complete(path.parent):
             raise InputError(f"--model {model} is not a complete checkpoint (its weights, optimizer or state.json "
                              "are missing)", hint=f"give one of the complete checkpoints in {path.parent}")
     return model
 
 
-def _complete_steps(root: Path) -> list[int]:
-    from verbatim.trainer.checkpoint import checkpoint_steps
+def _complete(root: Path) -> list[str]:
+    """The folder names of ``root``'s complete checkpoints, oldest first."""
+    from verbatim.trainer.checkpoint import checkpoint_steps, step_dir_name
 
-    return checkpoint_steps(root)
+    return [step_dir_name(step) for step in checkpoint_steps(root)]
