@@ -259,6 +259,21 @@ def session_engine(default_model_dir: Path):
     runner.close()
 
 
+@pytest.fixture(scope="session")
+def lora_engine(default_model_dir: Path):
+    """An engine started for LoRA adapters up to rank 8 (tests/test_lora_engine.py), which the session's engine is
+    not: the engine tests' group starts it after the session's servers have stopped."""
+    from verbatim.engine.inproc import InprocEngine
+    from verbatim.engine.runtime import EngineConfig
+
+    engine = InprocEngine(EngineConfig(model=str(default_model_dir), kv_cache_gib=1, max_model_len=2048,
+                                       lora_rank=8, lora_slots=4))
+    runner = EngineRunner(engine)
+    runner.run(engine.start())
+    yield runner
+    runner.close()
+
+
 @pytest.fixture
 def engine_runner(session_engine, default_model_dir: Path):
     """The session's engine as a test finds it: the base weights as version 0 and an empty prefix cache

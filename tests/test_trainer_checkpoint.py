@@ -111,7 +111,7 @@ def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
 def test_weights_side_by_side_in_one_storage_are_saved_as_they_are(tmp_path):
     """A learner whose weights live in the engine's shared buffer: views side by side in one storage are
     saved without a copy each, and load back as the same weights."""
-    from verbatim.trainer.checkpoint import _deduplicated
+    from verbatim.trainer.checkpoint import deduplicated
 
     model, optimizer = _trained(steps=1)
     params = list(model.parameters())
@@ -120,10 +120,10 @@ def test_weights_side_by_side_in_one_storage_are_saved_as_they_are(tmp_path):
     for p in params:
         p.data = buffer[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    tensors, aliases = _deduplicated(model.state_dict())
+    tensors, aliases = deduplicated(model.state_dict())
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert all(tensors[n].data_ptr() == t.data_ptr() for n, t in model.state_dict().items() if n in tensors)
-    overlapping, _ = _deduplicated({"a": buffer[:10], "b": buffer[5:15]})
+    overlapping, _ = deduplicated({"a": buffer[:10], "b": buffer[5:15]})
     assert overlapping["b"].data_ptr() != buffer[5:15].data_ptr()  # overlapping memory: a copy of its own
     path = save_checkpoint(tmp_path, 1, model, optimizer, {})
     other, other_optimizer = _fresh()

@@ -73,7 +73,7 @@ def rl_like_loss(group: PrefixGroup, seed: int = 1):
 
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return grads
 

@@ -271,6 +271,23 @@ def export(
     console.print(result.line(), soft_wrap=True, markup=False, highlight=False)
 
 
+@app.command("export-model")
+def export_model_command(
+    source: str = typer.Argument(..., help="A training run's folder (its newest complete checkpoint) or one "
+                                           "checkpoint, RUN_DIR/checkpoints/step-N."),
+    out: str = typer.Option(..., "--out", help="The model folder to write (missing or empty)."),
+    merge: bool = typer.Option(False, "--merge", help="A LoRA run's adapter folded into its base model: a Hugging "
+                                                      "Face folder that loads without peft."),
+    force: bool = typer.Option(False, "--force", help="Replace what --out holds."),
+) -> None:
+    """Write a training run's model as a folder of its own: a whole model's Hugging Face folder, a LoRA run's PEFT
+    adapter folder, or with --merge the base model with the adapter folded in."""
+    from verbatim.jobs.export_model import export_model
+
+    console.print(str(export_model(source, out, merge=merge, force=force)), soft_wrap=True, markup=False,
+                  highlight=False)
+
+
 # mismatch lives in cli/lint.py beside 'lint trace': both check what a run recorded.
 app.command("mismatch")(mismatch_report)
 # plot draws a training run's metrics.jsonl (cli/plot.py).

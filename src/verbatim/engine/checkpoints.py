@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def state_dict_checkpoint(state_dict: dict[str, Any], like: str | os.PathLike[st
     """Save a state dict as a one-file checkpoint folder beside ``like``'s metadata."""
     from safetensors.torch import save_file
 
-    folder = Path(tempfile.mkdtemp(prefix=_TEMPORARY, dir=parent))
+    folder = temporary_folder(parent)
     try:
         _copy_metadata(Path(like), folder)
         save_file(_own_storage(state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -95,16 +96,23 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     and so are later ones: publishing ``version`` again (a resumed run's checkpoint, or its base weights) means
     the versions above it were trained past the checkpoint and will be trained again.
     """
+    weights = untie_state_dict(state_dict) if serves_untied(like) else state_dict
+    return publish(lambda parent: state_dict_checkpoint(weights, like, parent=parent), root, version, keep,
+                   "weights")
+
+
+def publish(write: Callable[[Path], Path], root: str | os.PathLike[str], version: int, keep: int = 2,
+            what: str = "weights") -> Path:
+    """``root/v{version:06d}`` published as :func:`publish_weights` publishes weights, its files written by
+    ``write`` into a temporary folder it makes in the parent it is given (a LoRA run's adapter, too)."""
     root = Path(root)
     final = root / f"v{version:06d}"
     try:
         _remove_temporaries(root)  # a write a killed trainer never finished
         root.mkdir(parents=True, exist_ok=True)
-        weights = untie_state_dict(state_dict) if serves_untied(like) else state_dict
-        folder = state_dict_checkpoint(weights, like, parent=root)
-        _rename_over(folder, final)
+        _rename_over(write(root), final)
     except OSError as exc:
-        raise InputError(f"cannot publish the version {version} weights in {root}: {exc.strerror or exc}",
+        raise InputError(f"cannot publish the version {version} {what} in {root}: {exc.strerror or exc}",
                          hint="free space or pass another --out, then --resume") from exc
     finally:
         _remove_temporaries(root)
@@ -113,6 +121,11 @@ def publish_weights(state_dict: dict[str, Any], like: str | os.PathLike[str], ro
     for old in published[:max(upto - keep, 0)] + published[upto:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def temporary_folder(parent: str | os.PathLike[str] | None = None) -> Path:
+    """A fresh folder in ``parent`` that :func:`publish` removes if it is left behind."""
+    return Path(tempfile.mkdtemp(prefix=_TEMPORARY, dir=parent))
 
 
 def _rename_over(folder: Path, final: Path) -> None:

@@ -6,17 +6,20 @@ scheduler with running requests frozen in place, reload the weights (a state dic
 through shared memory, engine/weight_push.py; a folder from disk), stamp the
 new version into vLLM, apply the cache policy and resume: vLLM labels every
 sampled token with the weights version that produced it, so a generation that
-spans an update is split exactly at the update.
+spans an update is split exactly at the update. An engine started for LoRA also
+takes adapters (engine/lora_serving.py): each request names the newest one pushed,
+which samples all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,19 @@ import numpy as np
 
 from verbatim.datamodel import Completion
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
+from verbatim.engine.lora_serving import ServedAdapters
 from verbatim.engine.models import resolve
-from verbatim.engine.protocol import LOGPROBS_MODE, CachePolicy, EngineStats, Sampling, WeightSource, prefilled
-from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm
+from verbatim.engine.outputs import completion_of, structured_outputs, token_versions
+from verbatim.engine.protocol import (
+    LOGPROBS_MODE,
+    Adapter,
+    CachePolicy,
+    EngineStats,
+    Sampling,
+    WeightSource,
+    prefilled,
+)
+from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm, lora_capacity
 from verbatim.engine.server import visible_devices
 from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
@@ -87,6 +100,9 @@ def engine_args(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
     )
     if config.gpu_memory is not None:
         args["gpu_memory_utilization"] = config.gpu_memory
+    if config.lora_rank is not None:
+        args.update(enable_lora=True, max_lora_rank=lora_capacity(config.lora_rank), max_loras=config.lora_slots,
+                    max_cpu_loras=config.lora_slots)
     return args
 
 
@@ -114,8 +130,11 @@ class InprocEngine:
         self._kv = KvProvenance(self.block_size)
         self._weights_dirs: list[Path] = []
         self._channel = WeightChannel(self.config.dtype)
+        self._adapters = ServedAdapters(self.config.lora_rank)
+        """The LoRA adapters pushed (engine/lora_serving.py): a request names the newest as it is sent."""
         self.last_reload = ""
-        """How the last in-memory push reached the model: ``direct`` (engine/direct_reload.py) or ``vllm``."""
+        """How the last push reached the model: ``direct`` (engine/direct_reload.py), ``vllm`` (its reload), or
+        ``lora`` (an adapter, engine/lora_serving.py)."""
 
     # -- life cycle -------------------------------------------------------------
 
@@ -215,24 +234,28 @@ class InprocEngine:
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
-            logprobs=0, detokenize=sampling.regex is not None, structured_outputs=_structured(sampling),
+            logprobs=0, detokenize=sampling.regex is not None, structured_outputs=structured_outputs(sampling),
         )
         request: dict[str, Any] = {"prompt_token_ids": prompt.tolist()}
         if cache_salt is not None:
             request["cache_salt"] = cache_salt
         request_id = f"{session_id or 'req'}-{next(self._ids)}"
         started = time.perf_counter()
-        seen: dict[str, Any] = {"first_token_s": 0.0, "final": None, "reads": None, "epoch": self._kv.epoch}
+        held = self._adapters.take()  # the adapter it is sent with samples all of it
+        seen: dict[str, Any] = {"first_token_s": 0.0, "final": None, "reads": None, "epoch": self._kv.epoch,
+                                "key": self._adapters.kv_key(cache_salt, held)}
 
         shared_when_queued = prompt.size <= self.step_tokens
         if shared_when_queued:
             prefilled()
 
         async def consume() -> None:
-            async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id):
+            lora = held.request if held is not None else None
+            async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id,
+                                             lora_request=lora):
                 if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
                     seen["first_token_s"] = time.perf_counter() - started
-                    self._prefilled(output, prompt, cache_salt, request_id, seen)
+                    self._prefilled(output, prompt, request_id, seen, held)
                     if not shared_when_queued:
                         prefilled()
                 seen["final"] = output
@@ -244,17 +267,20 @@ class InprocEngine:
                               "aborted") from None
         except Exception as exc:
             raise EngineError(f"vLLM request {request_id} failed: {exc}") from exc
+        finally:
+            self._adapters.give(held)
         first_token_s, final = seen["first_token_s"], seen["final"]
-        completion = _completion(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
-                                 self.version)
+        completion = completion_of(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
+                                 self.version, None if held is None else held.version)
         return await self._settle(completion, prompt, request_id, seen)
 
     # -- which weights computed the reused KV (see kv_provenance) ----------------------
 
-    def _prefilled(self, output: Any, prompt: np.ndarray, salt: str | None, request_id: str,
-                   seen: dict[str, Any]) -> None:
+    def _prefilled(self, output: Any, prompt: np.ndarray, request_id: str, seen: dict[str, Any],
+                   held: Any) -> None:
         """At the first token: read the records of the blocks it reused, record the blocks it prefilled."""
-        first = int(_token_versions(output.outputs[0], 1, self.version)[0])
+        salt = seen["key"]
+        first = held.version if held is not None else int(token_versions(output.outputs[0], 1, self.version)[0])
         if self._kv.epoch != seen["epoch"] and first < self._kv.flushed_at:
             return  # it read a cache flushed since: its records are gone (the read falls back)
         cached = int(output.num_cached_tokens or 0)
@@ -265,7 +291,7 @@ class InprocEngine:
     async def _settle(self, completion: Completion, prompt: np.ndarray, request_id: str,
                       seen: dict[str, Any]) -> Completion:
         """Record every block the request computed; name the versions of the KV it reused."""
-        kv, salt, reads = self._kv, completion.cache_salt, seen["reads"]
+        kv, salt, reads = self._kv, seen["key"], seen["reads"]
         for _ in range(8):  # a writer prefilled in the same step may not have recorded yet
             if reads is not None or not completion.cached_tokens or kv.epoch != seen["epoch"]:
                 break
@@ -298,14 +324,21 @@ class InprocEngine:
 
     async def _load(self, source: WeightSource, version: int, policy: CachePolicy) -> None:
         llm = self._require_started()
+        if isinstance(source, Adapter):  # a LoRA adapter over the base: a new LoRA, no weight reloaded
+            self._adapters.check(source)
+            await self._reload(llm, functools.partial(self._adapters.add, llm, source, version), version, policy)
+            self.last_reload = "lora"
+            return
         if isinstance(source, dict):  # in memory: through the shared buffer, no file
             path, slots = await asyncio.to_thread(self._channel.stage, self._served_form(source))
-            await self._reload(llm, "verbatim_reload_shared", {"path": path, "slots": slots}, version, policy)
+            done = await self._reload(llm, self._rpc(llm, "verbatim_reload_shared", path=path, slots=slots),
+                                      version, policy)
+            self.last_reload = "direct" if all(done) else "vllm"
             self._channel.mapped_by_engine()
             return
         folder, temporary = await asyncio.to_thread(self._weights_folder, source)
         try:
-            await self._reload(llm, "reload_weights", {"weights_path": str(folder)}, version, policy)
+            await self._reload(llm, self._rpc(llm, "reload_weights", weights_path=str(folder)), version, policy)
         finally:
             if temporary:  # our own copy: the reload has read it
                 shutil.rmtree(folder, ignore_errors=True)
@@ -329,15 +362,20 @@ class InprocEngine:
         """``weights`` as the engine serves them: a tied output layer spelled out (as the embedding itself)."""
         return untie_state_dict(weights, copy=False) if serves_untied(self.model_dir) else weights
 
-    async def _reload(self, llm: Any, method: str, kwargs: dict[str, Any], version: int,
-                      policy: CachePolicy) -> None:
-        """Pause, reload the weights through the workers' ``method``, apply ``policy``, resume."""
+    def _rpc(self, llm: Any, method: str, **kwargs: Any) -> Callable[[], Awaitable[Any]]:
+        """Whole weights loaded by the workers' ``method``; requests then name no adapter."""
+        async def load() -> Any:
+            done = await llm.collective_rpc(method, kwargs=kwargs)
+            await self._adapters.clear(llm)
+            return done
+        return load
+
+    async def _reload(self, llm: Any, load: Callable[[], Awaitable[Any]], version: int, policy: CachePolicy) -> Any:
+        """Pause, ``load`` the weights (or an adapter), apply ``policy``, resume; returns what ``load`` did."""
         async with self._update_lock:
             await _pause(llm)
             try:
-                done = await llm.collective_rpc(method, kwargs=kwargs)
-                if method == "verbatim_reload_shared":
-                    self.last_reload = "direct" if all(done) else "vllm"
+                done = await load()
                 await llm.update_weight_version(str(version))
                 if policy is CachePolicy.FLUSH:
                     await llm.reset_prefix_cache(reset_running_requests=True)
@@ -349,6 +387,7 @@ class InprocEngine:
                 raise EngineError(f"weight update to version {version} failed: {exc}") from exc
             finally:
                 await llm.resume_generation()
+        return done
 
     def _weights_folder(self, source: WeightSource) -> tuple[Path, bool]:
         """The folder vLLM reloads from, and whether it is a temporary copy of ours: for an untied serving
@@ -387,48 +426,3 @@ async def _pause(llm: Any) -> None:
 async def _drain(stream: Any) -> None:
     async for _ in stream:
         pass
-
-
-def _structured(sampling: Sampling) -> Any:
-    if sampling.regex is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(regex=sampling.regex)
-
-
-def _token_versions(sample: Any, n: int, fallback: int) -> np.ndarray:
-    """Per-token versions from vLLM's weight-version spans over the output tokens."""
-    versions = np.full(n, fallback, dtype=np.int32)
-    for span in getattr(sample, "weight_versions", None) or ():
-        if not str(span.version).isdigit():
-            raise EngineError(f"vLLM labelled tokens with an unknown weights version {span.version!r}")
-        versions[span.start:span.end] = int(span.version)
-    return versions
-
-
-def _completion(output: Any, prompt_len: int, cache_salt: str | None, first_token_s: float,
-                total_s: float, version: int) -> Completion:
-    if output is None or not output.outputs:
-        raise EngineError("vLLM returned no output")
-    sample = output.outputs[0]
-    ids = list(sample.token_ids)
-    if sample.logprobs is None or len(sample.logprobs) != len(ids):
-        raise EngineError("vLLM returned no logprob for some sampled tokens")
-    metrics = getattr(output, "metrics", None)
-    queue_s = 0.0
-    if metrics is not None and metrics.scheduled_ts and metrics.queued_ts:
-        queue_s = max(0.0, float(metrics.scheduled_ts - metrics.queued_ts))
-    return Completion(
-        token_ids=np.asarray(ids, dtype=np.int32),
-        logprobs=np.asarray([entry[token].logprob for token, entry in zip(ids, sample.logprobs)], dtype=np.float32),
-        versions=_token_versions(sample, len(ids), version),
-        finish_reason=str(sample.finish_reason or "length"),
-        prompt_tokens=prompt_len,
-        cached_tokens=int(output.num_cached_tokens or 0),
-        cache_salt=cache_salt,
-        queue_s=queue_s,
-        first_token_s=first_token_s,
-        total_s=total_s,
-    )
-

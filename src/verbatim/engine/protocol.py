@@ -66,6 +66,15 @@ class CachePolicy(str, enum.Enum):
             raise InputError(f"unknown cache policy {value!r}", hint=f"use one of: {names}") from None
 
 
+def served_policy(policy: CachePolicy, adapter: bool) -> CachePolicy:
+    """What ``policy`` amounts to when a push is ``adapter`` (a LoRA adapter, served under a name of its version) or
+    whole weights. vLLM keys prefix-cache blocks by adapter, so no request ever reads KV another version's adapter
+    computed: keep and keep+salt then act as salt (each version its own blocks); flush still empties the cache."""
+    if adapter and policy is not CachePolicy.FLUSH:
+        return CachePolicy.SALT
+    return policy
+
+
 def cache_salt(policy: CachePolicy, version: int, rollout_start_version: int) -> str | None:
     """The cache salt of a request: a pure function of policy and versions."""
     if policy is CachePolicy.SALT:
@@ -89,8 +98,22 @@ class EngineStats(Frozen):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
-WeightSource = str | os.PathLike[str] | dict[str, Any]
-"""A checkpoint folder, or a state dict (name → tensor)."""
+class Adapter(Frozen):
+    """A LoRA adapter, a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``): what a LoRA run
+    pushes instead of whole weights. The engine serves it as a new LoRA named after its version, and every
+    request sent while it is the newest names it."""
+
+    folder: str
+    rank: int = Field(ge=1)
+
+
+WeightSource = str | os.PathLike[str] | dict[str, Any] | Adapter
+"""A checkpoint folder, a state dict (name → tensor), or a LoRA adapter over the served base model."""
+
+
+def adapter_name(version: int) -> str:
+    """The LoRA name an engine serves version ``version``'s adapter under (vLLM keys prefix-cache blocks by it)."""
+    return f"verbatim-v{version}"
 
 
 @runtime_checkable

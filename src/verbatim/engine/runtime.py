@@ -124,6 +124,20 @@ class EngineConfig(Frozen):
     None: the ones its parent sees."""
     threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND``; None binds to every CPU this process may use."""
+    lora_rank: int | None = Field(default=None, ge=1, le=512)
+    """Serve LoRA adapters up to this rank (vLLM's ``enable_lora``, ``max_lora_rank`` rounded up to a rank vLLM
+    takes: :func:`lora_capacity`); None: whole weights only."""
+    lora_slots: int = Field(default=4, ge=1)
+    """Adapters one engine step may mix (vLLM's ``max_loras``): the versions a lagged run's requests still use."""
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``config/lora.py``'s ``MaxLoRARanks``)."""
+
+
+def lora_capacity(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that serves adapters of ``rank``."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def _cpu_ranges(cpus: list[int]) -> str:

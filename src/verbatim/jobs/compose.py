@@ -12,9 +12,10 @@ from verbatim.errors import InputError
 from verbatim.jobs.config import EngineChoice, PlaySource, Routing
 
 
-def make_engine(choice: EngineChoice, routing: Routing, seed: int) -> Any:
+def make_engine(choice: EngineChoice, routing: Routing, seed: int, lora: tuple[int, int] | None = None) -> Any:
     """The engine ``choice`` names, its requests spread by ``routing`` over several replicas and sampled under the
-    run's ``seed``; constructing starts nothing, and bad engine options are refused here."""
+    run's ``seed``; constructing starts nothing, and bad engine options are refused here. ``lora``: (rank, slots)
+    of the LoRA adapters it serves (a LoRA training run's)."""
     if choice.kind == "inproc":
         if choice.urls or routing.route:
             raise InputError("--url and --route go with --engine http")
@@ -27,7 +28,8 @@ def make_engine(choice: EngineChoice, routing: Routing, seed: int) -> Any:
                                          dtype=engine_dtype(choice.dtype, device), enforce_eager=choice.eager,
                                          max_model_len=choice.max_model_len, kv_cache_gib=choice.kv_cache_gib,
                                          seed=seed, gpu_memory=choice.gpu_memory,
-                                         tensor_parallel=len(choice.gpus), devices=choice.devices))
+                                         tensor_parallel=len(choice.gpus), devices=choice.devices,
+                                         lora_rank=lora[0] if lora else None, lora_slots=lora[1] if lora else 4))
     if choice.dtype != "auto" or choice.eager is not None:
         flag = "--engine-dtype" if choice.dtype != "auto" else "--engine-eager"
         raise InputError(f"{flag} sets the in-process engine; a served engine's is set where it starts",

@@ -404,6 +404,13 @@ def show_ks(ks: tuple[int, ...]) -> str | None:
     return ",".join(str(k) for k in ks) or None
 
 
+def parse_names(text: str | None) -> tuple[str, ...] | None:
+    """``q_proj,v_proj``: module names; left out: None (the default)."""
+    if text is None:
+        return None
+    return tuple(part.strip() for part in str(text).split(",") if part.strip())
+
+
 def _off_is_none(text: str | None) -> str | None:
     return None if text is None or text.strip().lower() in ("none", "off", "") else text
 
@@ -440,6 +447,11 @@ TRAIN_SPECS = {
     "learner.correction.sequence_tis": Spec(parse=_off_is_none),
     "learner.correction.max_version_lag": DERIVED,  # follows --max-lag
     "evaluation.eval_pass_k": KS_SPEC,
+    "learner.lora.rank": Spec(name="--lora-rank"),
+    "learner.lora.alpha": Spec(name="--lora-alpha"),
+    "learner.lora.dropout": Spec(name="--lora-dropout"),
+    "learner.lora.targets": Spec(name="--lora-targets", kind=str, multiple=False, parse=parse_names,
+                                 show=lambda names: ",".join(names) if names else None),
 }
 
 

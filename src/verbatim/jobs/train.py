@@ -42,6 +42,7 @@ def check(options: TrainConfig) -> int:
     trainer_device(options.placement.trainer_device)  # refused before the engine or the model
     check_updates(options)
     check_split(options, team_size(options.placement.trainer_procs))
+    check_lora(options, team_size(options.placement.trainer_procs))
     out, resume = Path(options.output.out), options.output.resume
     table = flags_of(type(options))
     recorded = recorded_config(out, table) if resume else None
@@ -79,7 +80,7 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
     factory = episode_source(play)
     tasks = _task_source(options, factory, load_tasks)
     if engine is None:  # bad engine options: refused before the tokenizer
-        engine = make_engine(choice, options.routing, options.plan.seed)
+        engine = make_engine(choice, options.routing, options.plan.seed, lora=lora_serving(options))
     model_dir = resolve(choice.model)
     renderer_name = play.renderer or default_renderer(choice.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
@@ -103,6 +104,7 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
                       max_tokens=options.sampling.max_tokens)
     ranks = team_size(placement.trainer_procs)
     model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
+    check_adapter(options, model, engine)
     check_here(choice, trainer_device=asked_device, trainer_devices=placement.trainer_devices,
                ranks_here=ranks_here(placement.trainer_procs), parameters=trainer_size(model, ranks),
                dtype=options.learner.dtype, ranks=ranks, reference=options.learner.loss.kl_coef > 0,
@@ -138,6 +140,30 @@ def _evaluator(options: TrainConfig, factory: Any, tasks: Any, loop: Any, engine
     return Evaluator(plan, options.plan.steps, held_out, loop.model_copy(update={"sampling": sampling,
                                                                                   "max_turns": turns}),
                      run_plan, engine, factory, renderer, manifest, Path(options.output.out), make_player)
+
+
+def lora_serving(options: TrainConfig) -> tuple[int, int] | None:
+    """What the engine needs to serve a LoRA run's adapters: their rank, and the versions a lagged step's requests
+    may still use beside the newest (and an evaluation's); None for a run that trains the whole model."""
+    rank = options.learner.lora.rank
+    return None if rank is None else (rank, options.plan.max_lag + 3)
+
+
+def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
+    """A LoRA run's targets name linear layers of its model, and its engine serves adapters of its rank: refused
+    in one line before the engine starts."""
+    from verbatim.engine.runtime import lora_capacity
+    from verbatim.trainer.lora import peft_config
+
+    rank = options.learner.lora.rank
+    if rank is None:
+        return
+    peft_config(model, options.learner.lora)
+    served = getattr(getattr(engine, "config", None), "lora_rank", None)
+    if served is None or lora_capacity(served) < rank:
+        raise InputError(f"--lora-rank {rank}: the engine given to this run serves "
+                         f"{'no LoRA' if served is None else f'LoRA up to rank {lora_capacity(served)}'}",
+                         hint="start it with EngineConfig(lora_rank=...) or let the run start its own")
 
 
 def owes_last_evaluation(config: TrainConfig) -> bool:
@@ -182,6 +208,18 @@ def check_updates(options: TrainConfig) -> None:
         raise InputError(f"--updates-per-step {options.learner.updates_per_step} is more than the {most} rollouts "
                          f"a step trains (--groups {options.plan.groups} × --group-size {options.plan.group_size})",
                          hint="lower --updates-per-step or raise --groups/--group-size")
+
+
+def check_lora(options: TrainConfig, ranks: int) -> None:
+    """What a LoRA run cannot do yet is refused before anything starts: a trainer team, a served engine."""
+    if options.learner.lora.rank is None:
+        return
+    if ranks > 1:
+        raise InputError(f"--lora-rank with {ranks} trainer ranks: a LoRA adapter trains in one trainer process "
+                         "for now", hint="drop --trainer-procs, or train the whole model")
+    if options.engine.kind != "inproc":
+        raise InputError("--lora-rank pushes its adapter to the in-process engine only for now",
+                         hint="drop --engine http")
 
 
 def check_split(options: TrainConfig, ranks: int) -> None:

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from verbatim.datamodel import Rollout
-from verbatim.engine.checkpoints import model_files, publish_weights
-from verbatim.engine.protocol import CachePolicy
+from verbatim.engine.checkpoints import model_files, publish, publish_weights, temporary_folder
+from verbatim.engine.protocol import Adapter, CachePolicy, served_policy
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
@@ -67,6 +67,8 @@ from verbatim.trainer.learner import Learner
 from verbatim.trainer.logprob_files import step_file, write_logprobs
 
 WEIGHTS = "weights"
+ADAPTERS = "adapters"
+"""A LoRA run's folder of the adapters it pushed, one PEFT folder a version (``v000003``), the newest kept."""
 
 
 class TrainLoop:
@@ -103,6 +105,8 @@ class TrainLoop:
         self.evaluator = evaluator
         """Plays the run's evaluations (``--eval-every``; rl/evaluate.py), None without them."""
         self._evaluating: tuple[int, asyncio.Task] | None = None
+        self._pushed_bytes = 0
+        """Bytes of the last push's tensors as the learner holds them (a LoRA adapter's file)."""
         """The evaluation a (re)started run owes its first step's weights, played beside that step."""
 
     @property
@@ -178,7 +182,7 @@ class TrainLoop:
         buffer the engine loads pushes from, before the first step: a push then copies nothing, and its set-up
         (the buffer, the worker's mapping, the reload's plan) is timed here, in ``share_s``, not in a step."""
         share = getattr(self.engine, "share_weights", None)
-        if self.served or share is None:
+        if self.served or share is None or self.learner.trains_adapter:  # an adapter is pushed as a folder
             return
         began = time.perf_counter()
         views = await share(self.learner.engine_weights())
@@ -283,11 +287,11 @@ class TrainLoop:
         await self._wait_for_older_steps(n)
         await self._settle_evaluation()  # its weights stay in the engine until it ends
         began = time.perf_counter()
-        await self._push(self.plan.cache_policy)
+        pushed = await self._push(self.plan.cache_policy)
         sync_s = time.perf_counter() - began
         times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s,
                  "policy": learned.get("policy_s", 0.0), "update": learned.get("update_s", 0.0)}
-        record = step_record(n, self.learner.version, rollouts, summary, row_info, learned, times)
+        record = step_record(n, self.learner.version, rollouts, summary, row_info, learned, times) | pushed
         self.history.append(record)
         record["checkpoint_s"] = 0.0
         if n % self.plan.checkpoint_every == 0 or n == self.plan.steps or self.stopped is not None:
@@ -380,13 +384,30 @@ class TrainLoop:
         emptied, whatever the engine held)."""
         await self.engine.begin(await self._weights_source(), self.learner.version)
 
-    async def _push(self, policy: CachePolicy) -> None:
-        """The learner's weights into the engine as its version, under the cache policy ``policy``."""
-        await self.engine.update_weights(await self._weights_source(), self.learner.version, policy)
+    def _write_adapter(self, parent: Path) -> Path:
+        return self.learner.write_adapter(temporary_folder(parent))
+
+    async def _push(self, policy: CachePolicy) -> dict[str, Any]:
+        """The learner's weights into the engine as its version, under the cache policy ``policy``; returns what
+        was pushed: ``weight_sync_form`` (weights, or a LoRA adapter), ``weight_sync_bytes``, and the cache
+        policy it amounts to (``cache_policy_served``: an adapter's keep acts as salt, engine/protocol.py)."""
+        source = await self._weights_source()
+        await self.engine.update_weights(source, self.learner.version, policy)
+        adapter = isinstance(source, Adapter)
+        return {"weight_sync_form": "lora" if adapter else "weights", "weight_sync_bytes": self._pushed_bytes,
+                "cache_policy_served": served_policy(policy, adapter).value}
 
     async def _weights_source(self) -> Any:
-        """The learner's weights as the engine takes them: in memory, or a folder the servers read (if served)."""
+        """The learner's weights as the engine takes them: in memory, or a folder the servers read (if served); a
+        LoRA learner's adapter as a PEFT folder in ``RUN_DIR/adapters/`` (the versions a lagged step may still
+        sample with kept)."""
+        if self.learner.trains_adapter:
+            folder = await asyncio.to_thread(publish, self._write_adapter, self.out / ADAPTERS, self.learner.version,
+                                             self.plan.max_lag + 3, "adapter")
+            self._pushed_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+            return Adapter(folder=str(folder.resolve()), rank=int(self.learner.config.lora.rank or 0))
         weights = self.learner.engine_weights()
+        self._pushed_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         if not self.served:
             return weights
         folder = await asyncio.to_thread(publish_weights, weights, self.model_dir, self.out / WEIGHTS,

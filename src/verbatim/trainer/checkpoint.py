@@ -38,6 +38,7 @@ from torch import nn
 
 from verbatim.durable import fsync_dir, io_reason, strict_json
 from verbatim.errors import CheckpointError, InputError
+from verbatim.trainer import lora
 from verbatim.trainer.weight_files import SINGLE, has_weights, read_weights, write_weights
 
 CHECKPOINT_SCHEMA = 1
@@ -66,7 +67,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: t
     """Write ``root/step-{step:06d}/`` atomically, then keep only the newest ``keep`` checkpoints.
 
     ``model_files`` (the model folder's config and tokenizer files) are copied in beside the weights:
-    the checkpoint is then a Hugging Face model folder (``from_pretrained``, ``verbatim run --model``).
+    the checkpoint is then a Hugging Face model folder (``from_pretrained``, ``verbatim run --model``). A model
+    with a LoRA adapter (:mod:`.lora`) is saved as its adapter alone, a PEFT folder whose
+    ``adapter_config.json`` names the base model's folder; ``model_files`` are then left where they are.
     ``tmp``: a folder of :func:`checkpoint_tmp` a team has written its weights (``model`` None) and its
     ``optimizer/`` shards (``optimizer`` None) into, finished and published here.
 
@@ -90,13 +93,15 @@ def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: t
     written.tmp = tmp
     try:
         written.tmp = tmp = tmp or checkpoint_tmp(root, step)
-        if model is not None:
-            write_weights(tmp, *_deduplicated(model.state_dict()))
+        if model is not None and lora.has_adapter(model):  # the adapter alone, a PEFT folder
+            lora.write_adapter(tmp, model)
+        elif model is not None:
+            write_weights(tmp, *deduplicated(model.state_dict()))
         if optimizer is not None:
             _write_torch(tmp / OPTIMIZER_FILE, optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
-        for source in model_files:
+        for source in () if model is not None and lora.has_adapter(model) else model_files:  # a PEFT folder
             _write_bytes(tmp / Path(source).name, Path(source).read_bytes())
         fsync_dir(tmp)
         written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
@@ -128,7 +133,7 @@ def sharded_optimizer(path: Path) -> Path | None:
     return shards if (shards / ".metadata").is_file() else None
 
 
-def _deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def deduplicated(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Each tensor once: a name that views exactly the same memory as an earlier one becomes an alias."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -254,7 +259,8 @@ def _complete_steps(root: Path) -> dict[int, Path]:
 
 def _complete(path: Path) -> bool:
     """Every file of a checkpoint there, the optimizer's as one file or as a team's shards."""
-    return (all((path / f).is_file() for f in FILES if f not in (SINGLE, OPTIMIZER_FILE)) and has_weights(path)
+    return (all((path / f).is_file() for f in FILES if f not in (SINGLE, OPTIMIZER_FILE))
+            and (has_weights(path) or lora.is_adapter_folder(path))
             and ((path / OPTIMIZER_FILE).is_file() or sharded_optimizer(path) is not None))
 
 
@@ -269,10 +275,19 @@ def _read_state(path: Path) -> dict[str, Any] | None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load weights (strict), the optimizer's state and the RNG states; return the saved state.json."""
-    state, tensors = read_checkpoint(path)
-    check_fit(path, tensors, model.state_dict())
-    model.load_state_dict(tensors, strict=True)
+    """Load weights (strict; a LoRA model its adapter), the optimizer's state and the RNG states; return the
+    saved state.json."""
+    if lora.has_adapter(model) != lora.is_adapter_folder(path):
+        held = "a LoRA adapter" if lora.is_adapter_folder(path) else "a whole model's weights"
+        raise CheckpointError(f"checkpoint {path} holds {held}, which this trainer does not train",
+                              hint="resume with the --lora-rank the run was started with")
+    if lora.has_adapter(model):
+        state = checkpoint_state(path)
+        lora.load_adapter(path, model)
+    else:
+        state, tensors = read_checkpoint(path)
+        check_fit(path, tensors, model.state_dict())
+        model.load_state_dict(tensors, strict=True)
     if optimizer is not None:
         load_optimizer(path, optimizer, read_optimizer(path))
     restore_rng(path)

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from verbatim.errors import InputError, TrainerError
+from verbatim.trainer import lora
 from verbatim.trainer.adapters import TrainerPath, prefix_lm, trainer_lm
 from verbatim.trainer.batch import behaviour_batch
 from verbatim.trainer.causal_lm import LearnerLM, PrefixCausalLM, refuse_dropout
@@ -104,6 +105,8 @@ class Learner:
         placement = model if isinstance(model, ShardedModel) else None
         model = placement.model if placement is not None else model
         refuse_dropout(model)
+        if config.lora.rank is not None and not lora.has_adapter(model) and placement is not None:
+            raise TrainerError("a team's LoRA model gets its adapter as it loads, before it is sharded")
         if seed is not None:
             seed_generators(seed)
         if placement is not None and config.loss.kl_coef > 0 and reference is None:
@@ -112,6 +115,11 @@ class Learner:
                           else frozen_copy(model) if config.loss.kl_coef > 0 else None)
         """The policy a KL penalty pulls toward: the weights the learner starts from (a resumed run's
         too: a learner is built from the run's model, then restored), sharded over a team as the model is."""
+        if config.lora.rank is not None and not lora.has_adapter(model):
+            lora.attach(model, config.lora, base=getattr(model.config, "_name_or_path", None))
+        elif config.lora.rank is None and lora.has_adapter(model):
+            raise TrainerError("the model carries a LoRA adapter but the learner is configured without one",
+                               hint="pass --lora-rank R")
         self.model = model.train()
         self.config = config
         if config.prefixflow:
@@ -126,7 +134,8 @@ class Learner:
         self.reference_placement = reference or (ShardedModel(self.reference, self.team, config.dtype)
                                                  if shard_reference else WholeModel(self.reference))
         self.microbatching = Microbatching(config.microbatch, config.microbatch_tokens)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=config.weight_decay)  # LoRA: the adapter's alone
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -264,10 +273,23 @@ class Learner:
 
     # -- weights for the engine ---------------------------------------------------------------
 
+    @property
+    def trains_adapter(self) -> bool:
+        """Whether the learner trains a LoRA adapter (the base frozen) rather than the whole model."""
+        return lora.has_adapter(self.model)
+
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights by name, each once (a tied output layer is left to its embedding). Sharded,
-        every rank must call it, and rank 0 alone receives them."""
+        every rank must call it, and rank 0 alone receives them. A LoRA learner's are its adapter's alone, under
+        PEFT's names (:func:`~verbatim.trainer.lora.adapter_weights`)."""
+        if self.trains_adapter:
+            return self.placement.adapter_weights()
         return self.placement.weights()
+
+    def write_adapter(self, folder: Path) -> Path:
+        """The adapter as a PEFT folder at ``folder`` (a LoRA learner), what the engine loads as a new LoRA."""
+        weights = self.engine_weights()
+        return lora.write_adapter(folder, weights=weights, settings=lora.adapter_settings(self.model))
 
     def save(self, root: Path, step: int, state: dict[str, Any], keep: int = 2,
              model_files: Sequence[Path] = ()) -> Path | None:

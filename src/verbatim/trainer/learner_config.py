@@ -84,6 +84,40 @@ class LossConfig(BaseModel):
     gradient is KL(pi||ref)'s)."""
 
 
+class LoraConfig(BaseModel):
+    """A LoRA adapter trained in place of the whole model (:mod:`verbatim.trainer.lora`); no rank: the whole model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    rank: int | None = Field(default=None, ge=1, le=512)
+    """Train a LoRA adapter of this rank instead of the whole model: the base weights frozen, only the adapter in
+    the optimizer, each push the adapter alone (docs/trainer.md)."""
+    alpha: float | None = Field(default=None, gt=0)
+    """The adapter's scale is alpha / rank; default: the rank (a scale of 1)."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input: only 0, since any other makes the trainer's π differ from the sampler's μ
+    on the very tokens it trains."""
+    targets: tuple[str, ...] | None = None
+    """The linear modules the adapter wraps, by name (q_proj, v_proj, …); default: every linear layer of the
+    decoder's attention and MLP."""
+
+    @model_validator(mode="after")
+    def _exact(self) -> LoraConfig:
+        if self.dropout > 0:
+            raise ValueError(f"--lora-dropout {self.dropout:g}: dropout makes the trainer's π differ from the "
+                             "sampler's μ on the tokens it trains; use 0")
+        if self.rank is None and (self.alpha is not None or self.targets is not None):
+            raise ValueError("--lora-alpha and --lora-targets shape an adapter: add --lora-rank R")
+        if self.targets is not None and not self.targets:
+            raise ValueError("--lora-targets names no module: leave it out for the default")
+        return self
+
+    @property
+    def scale_alpha(self) -> float:
+        """The alpha the adapter is built with (the rank where none is given)."""
+        return float(self.alpha if self.alpha is not None else self.rank or 0)
+
+
 class LearnerConfig(BaseModel):
     """How the trainer steps (recorded in the run's config; a resume must match it)."""
 
@@ -125,6 +159,8 @@ class LearnerConfig(BaseModel):
     """keep | recompute | cpu | disk: under PrefixFlow, where a group's shared prompt's activations wait for
     their backward. recompute keeps none and runs the prompt forward once more: the least memory, about a tenth
     more time (docs/benchmarks.md)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """A LoRA adapter instead of the whole model (--lora-rank)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """How the step's loss is normalised, clipped and penalised."""
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verbatim.errors import TrainerError
+from verbatim.trainer import lora
 from verbatim.trainer.checkpoint import (
     OPTIMIZER_SHARDS,
     another_optimizer,
@@ -109,6 +110,9 @@ class WholeModel:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return unique_weights(self.model.state_dict())
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        return lora.adapter_weights(self.model)
 
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path:
@@ -291,6 +295,13 @@ class ShardedModel:
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return without_aliases(self.model, full) if self.team.leader else {}
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's tensors whole on rank 0 (gathered one by one: the adapter alone crosses the team),
+        nothing on the others. Every rank must call it."""
+        gathered = {lora.saved_name(name): _whole(param.detach()).cpu()
+                    for name, param in self.model.named_parameters() if lora.is_adapter_name(name)}
+        return gathered if self.team.leader else {}
 
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path | None:

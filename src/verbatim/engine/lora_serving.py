@@ -1,0 +1,111 @@
+"""The LoRA adapters an in-process engine serves, one per pushed version, and which requests use which.
+
+A LoRA run pushes its adapter (a PEFT folder, :class:`~verbatim.engine.protocol.Adapter`) at every version;
+the engine loads it into vLLM as a new LoRA named after the version (:func:`~verbatim.engine.protocol.adapter_name`)
+and every request sent from then on names it. A request keeps the adapter it was sent with to its last
+token, even when a newer one arrives meanwhile: each sampled token's version is the adapter that sampled it.
+
+vLLM keys its prefix-cache blocks by the adapter (``("lora", name, path)`` among a block hash's extra keys,
+vLLM 0.32 ``v1/core/kv_cache_utils.py``), so a request never reads KV that another version's adapter
+computed, whatever the cache policy (docs/engine.md says what each policy then means). The provenance
+records are keyed the same way (:meth:`ServedAdapters.kv_key`).
+
+An adapter no request uses and that is no longer the newest is removed from vLLM, so the engine's
+``max_loras`` slots (:attr:`~verbatim.engine.runtime.EngineConfig.lora_slots`) hold only the versions in use.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verbatim.engine.protocol import Adapter, adapter_name
+from verbatim.engine.runtime import lora_capacity
+from verbatim.errors import EngineError, InputError
+
+
+@dataclass(frozen=True)
+class Held:
+    """The adapter a request was sent with: its version and vLLM's ``LoRARequest``."""
+
+    version: int
+    request: Any
+
+
+class ServedAdapters:
+    """The adapters loaded into one vLLM engine started with LoRA up to ``rank``; None: it serves no LoRA."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.rank = rank
+        self.newest: Held | None = None
+        self.loaded: dict[int, Held] = {}
+        """By vLLM LoRA id: every load not yet removed."""
+        self.in_use: Counter[int] = Counter()
+        """By vLLM LoRA id: the requests running with it."""
+        self._ids = itertools.count(1)
+        """vLLM's LoRA id of each load, never reused: vLLM keeps an adapter by id, so a version loaded again (a
+        resumed run's, perhaps other weights) must not find the old load under its id."""
+
+    def check(self, adapter: Adapter) -> None:
+        """Refuse an adapter this engine cannot serve: no LoRA, a rank above its own, or no PEFT folder."""
+        if self.rank is None:
+            raise InputError("the engine was started without LoRA and cannot serve an adapter",
+                             hint="start it for the run's --lora-rank")
+        if adapter.rank > lora_capacity(self.rank):
+            raise InputError(f"the adapter's rank {adapter.rank} is above the {lora_capacity(self.rank)} the engine "
+                             "was started for", hint=f"start the engine with --lora-rank {adapter.rank}")
+        folder = Path(adapter.folder)
+        if not (folder / "adapter_config.json").is_file():
+            raise InputError(f"{folder} is not a PEFT adapter folder (no adapter_config.json)")
+
+    async def add(self, llm: Any, adapter: Adapter, version: int) -> None:
+        """Load ``adapter`` as version ``version``'s LoRA; requests sent from now on name it."""
+        from vllm.lora.request import LoRARequest
+
+        self.check(adapter)
+        request = LoRARequest(lora_name=adapter_name(version), lora_int_id=next(self._ids),
+                              lora_path=str(Path(adapter.folder).resolve()))
+        if not await llm.add_lora(request):
+            raise EngineError(f"vLLM did not load the adapter of version {version} from {adapter.folder}")
+        self.newest = self.loaded[request.lora_int_id] = Held(version, request)
+        await self.release(llm)
+
+    async def clear(self, llm: Any) -> None:
+        """Whole weights arrived: requests name no adapter from now on (those running keep theirs)."""
+        self.newest = None
+        await self.release(llm)
+
+    def take(self) -> Held | None:
+        """The adapter a request sent now names (None: the base model), counted as in use until :meth:`give`."""
+        held = self.newest
+        if held is not None:
+            self.in_use[held.request.lora_int_id] += 1
+        return held
+
+    def give(self, held: Held | None) -> None:
+        if held is not None:
+            self.in_use -= Counter({held.request.lora_int_id: 1})  # (drops the ones that reach zero)
+
+    def unused(self) -> list[int]:
+        """The versions of the loads no request uses that are not the newest: what :meth:`release` removes."""
+        return sorted(held.version for held in self._unused())
+
+    def _unused(self) -> list[Held]:
+        return [held for lora_id, held in self.loaded.items()
+                if held is not self.newest and not self.in_use.get(lora_id)]
+
+    async def release(self, llm: Any) -> None:
+        """Remove the loads :meth:`unused` names from vLLM."""
+        for held in self._unused():
+            del self.loaded[held.request.lora_int_id]
+            await llm.remove_lora(held.request.lora_int_id)
+
+    @staticmethod
+    def kv_key(salt: str | None, held: Held | None) -> str | None:
+        """The key a request's blocks are recorded under: its salt, and its adapter as vLLM keys the blocks."""
+        if held is None:
+            return salt
+        return f"{salt or ''}|{held.request.lora_name}|{held.request.lora_path}"

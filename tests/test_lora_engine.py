@@ -1,0 +1,134 @@
+"""LoRA on the real engine: the adapter the trainer pushes is what vLLM samples with, token for token.
+
+On the session's LoRA engine (``lora_engine``: rank 8, the default model, fp32):
+
+- ``verbatim train --lora-rank 8`` for 3 steps under ``--max-lag 1`` through the entry point: versions 0→3, each
+  sampled token's μ is the logprob of the base model plus the adapter of the token's own version (the checkpoint's
+  PEFT folder, loaded with transformers + peft), and the checkpoints load with ``PeftModel.from_pretrained``;
+- an adapter pushed while a request runs: the request's tokens all belong to the adapter it was sent with, the
+  next request names the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verbatim.datamodel import Source
+from verbatim.engine.protocol import Adapter, CachePolicy, Sampling
+from verbatim.harness.store import read_run
+from verbatim.jobs.config import TrainConfig
+from verbatim.jobs.train import run_training
+from verbatim.rl.plan import TrainPlan
+from verbatim.trainer import lora
+from verbatim.trainer.learner_config import LearnerConfig, LoraConfig
+from verbatim.trainer.reference import load_model, reference_logprobs
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+AGREEMENT = 1e-3  # fp32 engine vs transformers + peft, mean |Δ logprob| (the issue's bound)
+
+
+@pytest.fixture(scope="module")
+def lagged(lora_engine, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora")
+    plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.KEEP, keep_checkpoints=3,
+                     checkpoint_every=1, seed=2)
+    config = TrainConfig(play={"env": "guess", "env_args": {"high": 8, "max_guesses": 3}, "max_turns": 2},
+                         sampling={"max_tokens": 12, "temperature": 1.0}, engine={"max_model_len": 2048},
+                         output={"out": str(folder / "run")}, plan=plan,
+                         learner=LearnerConfig(lr=2e-2, lora=LoraConfig(rank=8)))
+    history = run_training(config, engine=lora_engine.engine)
+    yield folder / "run", history
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def peft_model(base: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()
+
+
+def test_every_token_is_sampled_by_the_adapter_of_its_version(lagged, default_model_dir):
+    out, history = lagged
+    assert [r["version"] for r in history] == [1, 2, 3]
+    assert all(r["weight_sync_form"] == "lora" and r["cache_policy_served"] == "salt" for r in history)
+    base = load_model(default_model_dir).eval()
+    models = {0: base} | {v: peft_model(base, out / "checkpoints" / f"step-{v:06d}") for v in (1, 2)}
+    seen = set()
+    for rollout in read_run(out).rollouts:
+        tokens = rollout.tokens
+        at = np.flatnonzero(tokens.source == Source.MODEL)
+        for version in np.unique(tokens.policy_version[at]):
+            mine = at[tokens.policy_version[at] == version]
+            with torch.no_grad():
+                pi = reference_logprobs(models[int(version)], tokens.token_id, mine).numpy()
+            assert np.abs(pi - tokens.logprob[mine]).mean() < AGREEMENT, (rollout.rollout_id, int(version))
+            seen.add(int(version))
+    assert seen >= {0, 1}, seen  # step 3 samples with version 1 or 2 at the latest
+    assert (out / "adapters").is_dir() and all(lora.is_adapter_folder(p) for p in (out / "adapters").iterdir())
+
+
+def test_the_checkpoints_are_peft_folders_of_the_adapter_alone(lagged, default_model_dir):
+    out, _ = lagged
+    folders = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in folders] == ["step-000001", "step-000002", "step-000003"]
+    for folder in folders:
+        assert lora.is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
+        assert lora.read_adapter_config(folder)["base_model_name_or_path"] == str(default_model_dir)
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    result = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert result.exit_code == 0, result.output[-2000:]
+
+
+def random_adapter(base: torch.nn.Module, folder: Path, seed: int) -> Path:
+    """A rank-8 adapter whose B is random: a policy clearly unlike the base model's."""
+    model = lora.attach(copy.deepcopy(base), LoraConfig(rank=8), base="base")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return lora.write_adapter(folder, model)
+
+
+def test_an_adapter_pushed_mid_request_leaves_the_request_with_the_one_it_was_sent_with(
+        lora_engine, default_model_dir, default_tokenizer, tmp_path):
+    engine = lora_engine.engine
+    base = load_model(default_model_dir).eval()
+    first, second = random_adapter(base, tmp_path / "a", 1), random_adapter(base, tmp_path / "b", 2)
+    start = engine.version + 1
+    prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story."}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    long = Sampling(max_tokens=160, temperature=1.0, seed=5, ignore_eos=True)
+
+    async def scenario():
+        await engine.update_weights(Adapter(folder=str(first), rank=8), start, CachePolicy.KEEP)
+        request = asyncio.ensure_future(engine.generate(prompt, long))
+        while (await engine.stats()).running == 0:  # it is sampling
+            await asyncio.sleep(0.01)
+        await engine.update_weights(Adapter(folder=str(second), rank=8), start + 1, CachePolicy.KEEP)
+        pushed_while_running = not request.done()
+        after = await engine.generate(prompt, Sampling(max_tokens=16, temperature=1.0, seed=6))
+        return await request, after, pushed_while_running
+
+    got, after, pushed_while_running = lora_engine.run(scenario())
+    assert pushed_while_running, "the request ended before the push: nothing was tested"
+    assert set(got.versions.tolist()) == {start} and set(after.versions.tolist()) == {start + 1}
+    for completion, own, other in ((got, first, second), (after, second, first)):
+        ids = list(prompt) + completion.token_ids.tolist()
+        at = range(len(prompt), len(ids))
+        with torch.no_grad():
+            want = reference_logprobs(peft_model(base, own), ids, at).numpy()
+            unlike = reference_logprobs(peft_model(base, other), ids, at).numpy()
+        assert np.abs(want - completion.logprobs).mean() < AGREEMENT
+        assert np.abs(unlike - completion.logprobs).mean() > 10 * AGREEMENT
