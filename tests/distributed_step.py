@@ -18,7 +18,8 @@ makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team
 model whose output layer is not its embedding (the embedding then a unit of its own). ``--from DIR``: a team's
 ranks build the model on the meta device and each loads its own rows of DIR's weights (the saved tiny model).
 ``--file-bytes N``: a checkpoint's weight files hold at most N bytes each (numbered files and an index), the
-model's ``config.json`` beside them.
+model's ``config.json`` beside them. ``--lora``: a rank-4 LoRA adapter trains on the frozen model (attached before
+the team shards it).
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ def main(out: str, team: Team, args: list[str]) -> None:
     divide = None if divide is None else float(divide)
     model = tiny_llama(tied="--untied" not in ARGS, seed=1)
     step, config = CASES[option("--case") or "three-groups"](model)
+    if "--lora" in ARGS:  # the same adapter on every rank, its B random so that A's gradient is not 0
+        from verbatim.trainer import lora
+        from verbatim.trainer.learner_config import LoraConfig
+
+        config = config.model_copy(update={"lora": LoraConfig(rank=4)})
+        torch.manual_seed(5)
+        lora.attach(model, config.lora)
+        noise = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.copy_(0.05 * torch.randn(param.shape, generator=noise))
     if "--kl" in ARGS:
         config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums

@@ -52,6 +52,14 @@ def test_a_record_of_other_settings_is_not_reused_and_a_damaged_one_is_one_line(
         run_all(runs, LearnSettings(), "default", record=record)
 
 
+def test_the_lora_run_trains_an_adapter_at_its_own_learning_rate(tmp_path):
+    run = next(r for r in plan_runs([0], ablation=True) if r.lora_rank)
+    config = learn.train_config(run, LearnSettings(), "default", tmp_path)
+    assert (config.learner.lora.rank, config.learner.lr) == (16, 3e-4)
+    on_policy = learn.train_config(plan_runs([0], ablation=False)[0], LearnSettings(), "default", tmp_path)
+    assert (on_policy.learner.lora.rank, on_policy.learner.lr) == (None, LearnSettings().lr)
+
+
 def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows_moved():
     settings = LearnSettings()
     runs = plan_runs([0, 1], ablation=True)
@@ -59,7 +67,8 @@ def test_the_re_rendered_run_is_an_ablation_not_a_seed_and_says_how_far_its_rows
                                        "seed 1 · lag 2 · keep · correction", "seed 0 · lag 2 · keep · no correction",
                                        "seed 1 · lag 2 · keep · no correction", "seed 0 · re-rendered context",
                                        "seed 1 · re-rendered context", "seed 0 · cut replies closed",
-                                       "seed 1 · cut replies closed"]
+                                       "seed 1 · cut replies closed", "seed 0 · LoRA rank 16 · lr 3e-4",
+                                       "seed 1 · LoRA rank 16 · lr 3e-4"]
     step = {"reward_mean": 0.5, "mismatch_mean_abs": 0.0, "model_tokens": 40, "rerendered_changed": 0.25,
             "rerendered_never_sampled": 3, "rerendered_failed": 0, "rerendered_replies": 8, "rerendered_reencoded": 1}
     results = [fake_result(r, settings) for r in runs]

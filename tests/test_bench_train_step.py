@@ -37,6 +37,7 @@ def test_each_setting_turns_on_its_option_alone_and_all_turns_on_every_one():
     assert train_step.SETTINGS["bf16"]["dtype"] == "bf16" and train_step.SETTINGS["bf16"]["logprob_chunk"] == 0
     assert train_step.SETTINGS["checkpointing"] == {"logprob_chunk": 0, "checkpoint_layers": True}
     assert train_step.SETTINGS["all"] == {"dtype": "bf16", "checkpoint_layers": True}
+    assert train_step.SETTINGS["lora"] == {"logprob_chunk": 0, "lora": {"rank": 16}}  # fp32's, with an adapter
 
 
 def test_each_setting_runs_in_its_own_process_and_makes_one_row_per_path(tiny_folder):
@@ -50,6 +51,14 @@ def test_each_setting_runs_in_its_own_process_and_makes_one_row_per_path(tiny_fo
     assert table.count("| 1.00x | 1.00x |") == 2  # each path's fp32 row is its own reference
     text = train_step.section_text(results, SMALL, "verbatim bench train-step")
     assert "Measured by `verbatim bench train-step`" in text
+
+
+def test_a_lora_row_holds_and_pushes_the_adapters_state_alone(tiny_folder):
+    full, adapter = train_step.run_bench([str(tiny_folder)], ["fp32", "lora"], SMALL)
+    assert full["parameters"] == adapter["parameters"]  # the model's own, the adapter's not counted
+    # rank 16 on a width of 64 is half the tiny model's size; on the default model it is a few per cent
+    assert 0 < adapter["push_mb"] < full["push_mb"] and 0 < adapter["optimizer_mb"] < full["optimizer_mb"]
+    assert "| lora |" in train_step.markdown_table([full, adapter])
 
 
 def test_a_setting_that_fails_is_an_error_not_a_table(tmp_path):

@@ -7,19 +7,28 @@ On the session's LoRA engine (``lora_engine``: rank 8, the default model, fp32):
   PEFT folder, loaded with transformers + peft), and the checkpoints load with ``PeftModel.from_pretrained``;
 - an adapter pushed while a request runs: the request's tokens all belong to the adapter it was sent with, the
   next request names the new one.
+
+On a ``vllm serve`` of the tiny SmolLM2 started for LoRA (its own: the session's servers are not), a run over
+``--engine http`` as a real process, SIGKILLed once its first checkpoint is written and resumed: each step after
+samples with the adapter of the checkpoint before it, loaded through the server's runtime LoRA endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from killable_train import Trainer, served
+from trained_run import assert_sampled_with_previous_checkpoint
+from typer.testing import CliRunner
 
+from verbatim.cli.app import app
 from verbatim.datamodel import Source
 from verbatim.engine.protocol import Adapter, CachePolicy, Sampling
 from verbatim.harness.store import read_run
@@ -82,10 +91,6 @@ def test_the_checkpoints_are_peft_folders_of_the_adapter_alone(lagged, default_m
     for folder in folders:
         assert lora.is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
         assert lora.read_adapter_config(folder)["base_model_name_or_path"] == str(default_model_dir)
-    from typer.testing import CliRunner
-
-    from verbatim.cli.app import app
-
     result = CliRunner().invoke(app, ["lint", "trace", str(out)])
     assert result.exit_code == 0, result.output[-2000:]
 
@@ -132,3 +137,31 @@ def test_an_adapter_pushed_mid_request_leaves_the_request_with_the_one_it_was_se
             unlike = reference_logprobs(peft_model(base, other), ids, at).numpy()
         assert np.abs(want - completion.logprobs).mean() < AGREEMENT
         assert np.abs(unlike - completion.logprobs).mean() > 10 * AGREEMENT
+
+
+@pytest.fixture(scope="module")
+def tiny_lora_server(tiny_smollm2_dir, tmp_path_factory):
+    from verbatim.engine.runtime import EngineConfig
+    from verbatim.engine.server import ServerProcess
+
+    config = EngineConfig(model=str(tiny_smollm2_dir), kv_cache_gib=1, max_model_len=1024, lora_rank=8)
+    with ServerProcess(config, log_path=tmp_path_factory.mktemp("serve-lora") / "serve.log") as server:
+        yield server
+
+
+def test_a_served_lora_run_killed_after_its_first_checkpoint_resumes_with_that_adapter(tiny_lora_server, tmp_path):
+    out = tmp_path / "run"
+    args = ["--env", "graded_env:GradedFactory", "--steps", "3", "--groups", "2", "--group-size", "2",
+            "--max-tokens", "6", "--lr", "1e-2", "--max-model-len", "1024", "--seed", "4", "--lora-rank", "8",
+            *served(tiny_lora_server), "--out", str(out), "--checkpoint-every", "1", "--keep-checkpoints", "3"]
+    first = Trainer(tmp_path, "1", args)
+    first.kill_when(lambda: (out / "checkpoints" / "step-000001").is_dir())
+    second = Trainer(tmp_path, "2", [*args, "--resume"])
+    assert second.wait(300) == 0, second.err()
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [1, 2, 3] and {x["weight_sync_form"] for x in lines} == {"lora"}
+    model_dir = Path(tiny_lora_server.config.model)
+    for step in (2, 3):
+        assert_sampled_with_previous_checkpoint(out, model_dir, step=step)
+    lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
+    assert lint.exit_code == 0, lint.output[-2000:]

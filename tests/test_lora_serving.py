@@ -1,5 +1,5 @@
-"""Which adapter a request names, and when an adapter leaves vLLM (engine/lora_serving.py). The bookkeeping is pure;
-a stand-in for vLLM's ``add_lora``/``remove_lora`` records the calls (the real engine: tests/test_lora_engine.py)."""
+"""Which adapter a request names, and when an adapter leaves the engine (engine/lora_serving.py). The bookkeeping is
+pure; a stand-in loader records the loads and removals (the real engine: tests/test_lora_engine.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,18 @@ from verbatim.errors import InputError
 
 
 class Loras:
-    """Records vLLM's LoRA calls."""
+    """Records the loads and removals (a :class:`~verbatim.engine.lora_serving.Loader`)."""
 
     def __init__(self) -> None:
         self.loaded: dict[int, str] = {}
         self.removed: list[int] = []
 
-    async def add_lora(self, request) -> bool:
-        self.loaded[request.lora_int_id] = request.lora_name
-        return True
+    async def load(self, held) -> None:
+        self.loaded[held.lora_id] = held.name
 
-    async def remove_lora(self, lora_id: int) -> bool:
-        self.removed.append(lora_id)
-        return self.loaded.pop(lora_id, None) is not None
+    async def unload(self, held) -> None:
+        self.removed.append(held.lora_id)
+        del self.loaded[held.lora_id]
 
 
 @pytest.fixture
@@ -43,15 +42,15 @@ def test_a_request_names_the_newest_adapter_and_keeps_it_while_newer_ones_arrive
     assert served.take() is None  # version 0: the base model, no adapter
     push(served, llm, folder, 1)
     first = served.take()
-    assert first.version == 1 and first.request.lora_name == adapter_name(1)
+    assert first.version == 1 and first.name == adapter_name(1, first.lora_id)
     push(served, llm, folder, 2)
     push(served, llm, folder, 3)
     assert served.take().version == 3
-    assert sorted(llm.loaded.values()) == [adapter_name(1), adapter_name(3)]  # 2: nobody used it
+    assert sorted(llm.loaded.values()) == [adapter_name(1, 1), adapter_name(3, 3)]  # 2: nobody used it
     served.give(first)
     assert served.unused() == [1]
     push(served, llm, folder, 4)
-    assert sorted(llm.loaded.values()) == [adapter_name(3), adapter_name(4)]  # 3 still held by a request
+    assert sorted(llm.loaded.values()) == [adapter_name(3, 3), adapter_name(4, 4)]  # 3 still held by a request
 
 
 def test_every_load_gets_its_own_lora_id_so_vllm_never_serves_a_stale_adapter_under_an_old_id(folder):

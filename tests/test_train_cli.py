@@ -153,7 +153,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--lr", "3e-5"]
     _manifest(out, config_of("train", args, monkeypatch).config())
 
-    def passed(*given):
+    def passed(*given, **keywords):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -172,7 +172,7 @@ def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path,
     del config["train"]["plan"]["fixed_lag"]
     _manifest(out, config)
 
-    def passed(*given):
+    def passed(*given, **keywords):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -193,7 +193,7 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
         del config["train"]["learner"]["loss"][key]
     _manifest(out, config)
 
-    def passed(*given):
+    def passed(*given, **keywords):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -279,7 +279,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, config_of("train", args, monkeypatch).config(), 1, 1, (1, 2))
 
-    def passed(*given):
+    def passed(*given, **keywords):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
@@ -314,7 +314,7 @@ def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monke
         refused([*args, "--steps", steps, "--resume"], needle)
         return
 
-    def passed(*given):
+    def passed(*given, **keywords):
         raise AssertionError("passed")
 
     monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)

@@ -178,7 +178,7 @@ STEPS = {"three-groups": [], "one-group": ["--case", "one-group"], "mixed": ["--
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory) -> dict[str, dict]:
     """Every step of :data:`STEPS` and the uneven case, each made by one process (one launch)."""
-    return _steps(tmp_path_factory.mktemp("alone"), 1, STEPS | {"uneven": ["--case", "uneven"]})
+    return _steps(tmp_path_factory.mktemp("alone"), 1, STEPS | {"uneven": ["--case", "uneven"], "lora": ["--lora"]})
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,7 @@ def pair(tmp_path_factory) -> dict[str, dict]:
                     "untied": ["--untied", "--from", str(models["untied"])],
                     "averaged": ["--divide", "2"], "bf16-averaged": ["--dtype", "bf16", "--divide", "2"],
                     "empty": ["--no-step", "--save", str(folder / "empty")],
+                    "lora": ["--lora", "--save", str(folder / "lora")],
                     # last: its weight files of at most 60 kB (numbered, with an index)
                     "saved": ["--save", str(folder / "checkpoints"), "--file-bytes", "60000"]}
     return _steps(folder, 2, jobs)
@@ -250,6 +251,24 @@ def test_ranks_that_load_their_own_shards_make_the_update_one_process_makes(alon
     if case == "kl":
         assert alone["kl"]["metrics"]["kl_ref"] > 1e-3  # the reference was moved: the penalty and its pull are not 0
     assert_same_step(pair[case], alone[case])  # kl_ref compared too
+
+
+def test_a_team_trains_a_lora_adapter_as_one_process_does_and_checkpoints_it_as_a_peft_folder(alone, pair):
+    """The frozen base sharded beside the adapter in every unit: the adapter's gradients, its pushed tensors and
+    the step's metrics are one process's; the checkpoint holds the adapter alone, gathered to rank 0."""
+    from verbatim.trainer import lora
+
+    one, two = alone["lora"], pair["lora"]
+    assert one["updates"][0] and all(lora.is_adapter_name(name) for name in one["updates"][0])
+    assert all(name.startswith(lora.PREFIX) for name in one["weights"])
+    assert_same_step(two, one)
+    folder = Path(two["written"])
+    assert lora.is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / lora.WEIGHTS_FILE))
+    assert saved.keys() == two["weights"].keys()
+    assert all(torch.equal(saved[name], two["weights"][name]) for name in saved)
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):

@@ -40,9 +40,7 @@ def assert_sampled_with_previous_checkpoint(out: Path, model_dir: Path, step: in
     """Step ``step``'s model tokens: version ``step - 1``, the logprobs of that step's checkpoint, far from the
     base model's."""
     base = load_model(model_dir).eval()
-    trained = load_model(model_dir)
-    assert load_checkpoint(out / "checkpoints" / f"step-{step - 1:06d}", trained, None)["version"] == step - 1
-    trained.eval()
+    trained = checkpoint_model(out / "checkpoints" / f"step-{step - 1:06d}", model_dir, step - 1)
     moved = 0.0
     for rollout in (r for r in read_run(out).rollouts if r.info["step"] == step):
         tokens = rollout.tokens
@@ -54,6 +52,17 @@ def assert_sampled_with_previous_checkpoint(out: Path, model_dir: Path, step: in
         assert np.abs(want - tokens.logprob[at]).max() < AGREEMENT, rollout.rollout_id
         moved = max(moved, float(np.abs(before - tokens.logprob[at]).max()))
     assert moved > 10 * AGREEMENT, "training did not move the weights: the push proves nothing"
+
+
+def checkpoint_model(folder: Path, model_dir: Path, version: int) -> torch.nn.Module:
+    """The model a checkpoint holds, in eval mode: its weights, or the base of ``model_dir`` with its LoRA adapter."""
+    from verbatim.trainer import lora
+
+    model = load_model(model_dir)
+    if lora.is_adapter_folder(folder):
+        lora.attach(model, lora.settings_of(folder))
+    assert load_checkpoint(folder, model, None)["version"] == version
+    return model.eval()
 
 
 def assert_sampled_with_base_not(first: Path, runs: list[Path], model_dir: Path) -> None:

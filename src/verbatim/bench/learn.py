@@ -53,7 +53,7 @@ from verbatim.harness.metrics_log import read_metrics
 from verbatim.harness.step_metrics import StepMetrics, is_trained, steps_of
 from verbatim.jobs.config import EngineChoice, Placement, PlaySource, TrainConfig, TrainOutput, TrainSampling
 from verbatim.rl.plan import EvalPlan, TrainPlan
-from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig
+from verbatim.trainer.learner_config import CorrectionConfig, LearnerConfig, LoraConfig
 
 SECTION = "bench-learn"
 EXAMPLE_SECTION = "train-example"
@@ -78,6 +78,10 @@ class LearnRun(Frozen):
     """How the weights reach the engine: the in-process push (shared memory), or a published folder the
     engine reloads from disk (the served path; ``bench step``'s "before")."""
     checkpoint_every: int = 10
+    lora_rank: int | None = None
+    """Train a LoRA adapter of this rank instead of the whole model (docs/trainer.md)."""
+    lr: float | None = None
+    """The run's learning rate where it is not the settings' (a LoRA adapter's)."""
 
 
 class LearnSettings(Frozen):
@@ -100,6 +104,7 @@ ABLATIONS = {
     "lag 2 · keep · no correction": {"max_lag": 2, "cache_policy": CachePolicy.KEEP, "correction": False},
     "re-rendered context": {"context": "rerendered"},
     "cut replies closed": {"context": "closed"},
+    "LoRA rank 16 · lr 3e-4": {"lora_rank": 16, "lr": 3e-4},
 }
 """Each ablation's settings, beside the on-policy run's."""
 
@@ -154,8 +159,8 @@ def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
         plan=TrainPlan(steps=settings.steps, groups=settings.groups, group_size=settings.group_size, seed=run.seed,
                        max_lag=run.max_lag, cache_policy=run.cache_policy, keep_checkpoints=1, context=run.context,
                        checkpoint_every=run.checkpoint_every),
-        learner=LearnerConfig(lr=settings.lr, lr_schedule=settings.lr_schedule, lr_final=settings.lr_final,
-                              correction=correction),
+        learner=LearnerConfig(lr=run.lr or settings.lr, lr_schedule=settings.lr_schedule, lr_final=settings.lr_final,
+                              correction=correction, lora=LoraConfig(rank=run.lora_rank)),
         evaluation=EvalPlan(eval_every=settings.steps, eval_groups=settings.eval_groups,
                             eval_samples=settings.eval_samples))
 

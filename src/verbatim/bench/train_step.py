@@ -14,7 +14,9 @@ another's peak. In it, one small warm-up step allocates AdamW's state and loads 
 measured step's peak memory is the rise of the resident set's high-water mark over the resident size
 before the step (:func:`verbatim.bench.prefixflow.peak_rss_mb`, after ``malloc_trim``), gradients
 included; ``peak RSS`` is the process's high-water mark over its whole life (model, optimizer state, the
-step). A setting whose step fails fails the benchmark (:class:`~verbatim.errors.BenchmarkError`): no table.
+step); ``optimizer state`` the bytes of AdamW's tensors after the step, ``push`` those of what the learner hands
+the engine (the weights, or a LoRA run's adapter). A setting whose step fails fails the benchmark
+(:class:`~verbatim.errors.BenchmarkError`): no table.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bf16": {"logprob_chunk": 0, "dtype": "bf16"},
     "checkpointing": {"logprob_chunk": 0, "checkpoint_layers": True},
     "all": {"dtype": "bf16", "checkpoint_layers": True},
+    "lora": {"logprob_chunk": 0, "lora": {"rank": 16}},
 }
-"""Each setting's LearnerConfig fields over the config's defaults (the default chunk: ``logprob_chunk``)."""
+"""Each setting's LearnerConfig fields over the config's defaults (the default chunk: ``logprob_chunk``); ``lora``:
+fp32's step training a rank-16 LoRA adapter on every projection of the frozen model (docs/trainer.md)."""
 
 QWEN2_05B = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
@@ -107,6 +111,7 @@ def step_input(vocab: int, work: Workload, seed: int = 0, reply: int | None = No
 def measure(model_name: str, setting: str, work: Workload) -> dict[str, Any]:
     """One (model, setting) in this process: a warm-up step, then the measured one."""
     from verbatim.bench.prefixflow import peak_rss_mb
+    from verbatim.trainer import lora
     from verbatim.trainer.learner import Learner
     from verbatim.trainer.learner_config import LearnerConfig
 
@@ -125,11 +130,20 @@ def measure(model_name: str, setting: str, work: Workload) -> dict[str, Any]:
     if not np.isfinite(metrics["loss"]) or metrics["kept_tokens"] != work.rows * work.reply:
         raise BenchmarkError(f"{model_name} {setting}: the step trained {metrics['kept_tokens']} of "
                              f"{work.rows * work.reply} tokens, loss {metrics['loss']}")
-    return {"model": model_name, "setting": setting, "parameters": sum(p.numel() for p in model.parameters()),
+    pushed = sum(t.numel() * t.element_size() for t in learner.engine_weights().values())
+    return {"model": model_name, "setting": setting,
+            "parameters": sum(p.numel() for name, p in model.named_parameters() if not lora.is_adapter_name(name)),
             "vocab": vocab, "path": metrics["trainer_path"], "step_s": round(seconds, 2),
             "step_peak_mb": peak.mb, "process_peak_mb": round(_max_rss_kb() / 1024, 1),
+            "optimizer_mb": round(optimizer_bytes(learner.optimizer) / 2**20, 1), "push_mb": round(pushed / 2**20, 1),
             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             "config": config.model_dump(include={"dtype", "checkpoint_layers", "logprob_chunk"})}
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the optimizer's state tensors (AdamW's two moments per trained parameter, and its steps)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
 
 
 def _max_rss_kb() -> int:
@@ -164,8 +178,8 @@ def markdown_table(results: list[dict]) -> str:
     """One row per (model, path, setting); the ratios are against the model's fp32 row on the same path where
     there is one."""
     head = ("| model | setting | path | step (s) | step peak rise (MiB) | process peak RSS (MiB) "
-            "| time vs fp32 | rise vs fp32 |")
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+            "| optimizer state (MiB) | push (MiB) | time vs fp32 | rise vs fp32 |")
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {(r["model"], r["path"]): r for r in results if r["setting"] == "fp32"}
     for r in results:
         ref = base.get((r["model"], r["path"]))
@@ -173,7 +187,7 @@ def markdown_table(results: list[dict]) -> str:
         rise_ratio = f"{r['step_peak_mb'] / ref['step_peak_mb']:.2f}x" if ref and ref["step_peak_mb"] else "–"
         lines.append(f"| {r['model']} ({r['parameters'] / 1e6:.0f}M, vocab {r['vocab']:,}) | {r['setting']} "
                      f"| {r['path']} | {r['step_s']:.1f} | {_mb(r['step_peak_mb'])} | {_mb(r['process_peak_mb'])} "
-                     f"| {time_ratio} | {rise_ratio} |")
+                     f"| {_mb(r.get('optimizer_mb'))} | {_mb(r.get('push_mb'))} | {time_ratio} | {rise_ratio} |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ from verbatim.errors import InputError
 DTYPE_HELP = ("The engine's number format: auto, bf16, fp16 or fp32 (auto: fp32 on a CPU, which keeps logprobs "
               "close to the trainer's; bf16 on a GPU).")
 EAGER_HELP = "Run eagerly, without CUDA graphs (default: eager on a CPU, CUDA graphs on a GPU)."
+LORA_HELP = ("Serve LoRA adapters up to this rank, loaded at run time (what 'verbatim train --lora-rank R "
+             "--engine http' pushes); default: whole weights only.")
 
 
 def device_settings(dtype: str, eager: bool | None) -> dict[str, object]:
@@ -41,6 +43,7 @@ def serve_command(
                                       help="Context length per request: prompt + sampled tokens."),
     dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
     eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
+    lora_rank: int = typer.Option(None, "--lora-rank", min=1, max=512, help=LORA_HELP),
 ) -> None:
     """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
     import os
@@ -52,7 +55,7 @@ def serve_command(
     warning = check_bind(host, allow_remote)
     if warning:
         err_console.print(warning)
-    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+    config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, lora_rank=lora_rank,
                           **device_settings(dtype, eager))
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
@@ -81,6 +84,7 @@ def fleet_up(
                                 "share them, with --gpu-memory); one replica sees what this command sees."),
     dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
     eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
+    lora_rank: int = typer.Option(None, "--lora-rank", min=1, max=512, help=LORA_HELP),
 ) -> None:
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
@@ -98,7 +102,7 @@ def fleet_up(
         raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
                           gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices),
-                          **device_settings(dtype, eager))
+                          lora_rank=lora_rank, **device_settings(dtype, eager))
     visible = 0
     if config.devices is None and replicas > 1:  # replicas get GPUs of their own (a CPU machine shows none)
         from verbatim.trainer.reference import visible_gpus

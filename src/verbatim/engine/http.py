@@ -30,8 +30,9 @@ from verbatim.engine.chunked_prefill import RESTART, server_chunking
 from verbatim.engine.drain import Drain
 from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.logprobs_mode import logprobs_mode
+from verbatim.engine.lora_serving import Held, ServedAdapters
 from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
-from verbatim.engine.protocol import CachePolicy, EngineStats, Sampling, WeightSource
+from verbatim.engine.protocol import Adapter, CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.engine.server_url import redact, redact_text, secret_param, split_url
 from verbatim.engine.untied import needs_untying, serving_copy, untied_folder
@@ -45,6 +46,9 @@ at once instead of after its timeout (minutes: a long generation is slow, a hung
 
 START_TIMEOUT_S = 30.0
 """How long :meth:`HttpEngine.start` waits for ``/v1/models`` (once: a server that is up answers at once)."""
+
+TEXT_ANSWERS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+"""The server's answers that are text, not JSON (Prometheus metrics; the LoRA endpoints' "Success: …")."""
 
 IDLE_WAIT_S = 30.0
 """How long :meth:`HttpEngine.begin` waits for a server's running and waiting requests to end (those of a run
@@ -79,6 +83,8 @@ class HttpEngine:
         self.version = 0
         self._kv = KvProvenance(block_size)
         self._drain = Drain()
+        self._adapters = ServedAdapters(None, server=True)
+        """The LoRA adapters loaded into the server (its runtime endpoints, :class:`_ServerLoader`)."""
         self._ids = itertools.count()
         self.retries = retries
         self.backoff_s = backoff_s
@@ -193,7 +199,7 @@ class HttpEngine:
             try:
                 return response.json()
             except ValueError:
-                if path == "/metrics":
+                if path in TEXT_ANSWERS:
                     return response.text
                 last = f"malformed JSON ({len(response.content)} bytes, not JSON)"
         raise EngineError(self._scrub(f"{self._where(path)} failed after {attempts} attempts "
@@ -294,10 +300,17 @@ class HttpEngine:
             body["cache_salt"] = cache_salt
         async with self._drain.request():  # no update starts before this answer is in
             version, epoch = self.version, self._kv.epoch
+            held = self._adapters.take()  # a LoRA run's adapter, named as the model; it samples all of it
+            if held is not None:
+                body["model"], version = held.name, held.version
             started = time.perf_counter()
-            answer = await self._call("POST", "/v1/completions", json=body)
+            try:
+                answer = await self._call("POST", "/v1/completions", json=body)
+            finally:
+                self._adapters.give(held)
         done = _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
-        return replace(done, kv_versions=self._kv.finish(cache_salt, prompt, done.token_ids, done.versions,
+        key = ServedAdapters.kv_key(cache_salt, held)
+        return replace(done, kv_versions=self._kv.finish(key, prompt, done.token_ids, done.versions,
                                                          done.cached_tokens, f"http-{next(self._ids)}", epoch))
 
     # -- weights and cache ----------------------------------------------------------
@@ -329,6 +342,9 @@ class HttpEngine:
         """``lasting``: ``source`` is what a run begins from (its base model, or the checkpoint it resumes), served
         again by the next run: a tied model's untied copy is kept (``serving_copy``, made once per weights), not
         written anew and deleted as an update's is."""
+        if isinstance(source, Adapter):
+            await self._load_adapter(source, version, policy)
+            return
         if isinstance(source, dict):
             raise InputError("an HTTP engine reloads weights from a checkpoint folder the server can read",
                              hint="save the state dict to a folder first")
@@ -351,6 +367,7 @@ class HttpEngine:
             try:
                 await self._call("POST", "/collective_rpc",
                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+                await self._adapters.clear(_ServerLoader(self))
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
                 if policy is CachePolicy.FLUSH:
                     await self._reset_cache(version)
@@ -359,6 +376,17 @@ class HttpEngine:
                 self.version = version
             finally:
                 await self._call("POST", "/resume")
+
+    async def _load_adapter(self, adapter: Adapter, version: int, policy: CachePolicy) -> None:
+        """A LoRA adapter loaded into the server (``/v1/load_lora_adapter``, checked listed by ``/v1/models``);
+        requests sent from now on name it, those running keep theirs: nothing drains."""
+        self._adapters.check(adapter)
+        await self._adapters.add(_ServerLoader(self), adapter, version)
+        if policy is CachePolicy.FLUSH:
+            await self._reset_cache(version)
+        else:
+            self._kv.serve(version)
+        self.version = version
 
     async def reset_prefix_cache(self) -> None:
         await self._reset_cache(self.version)
@@ -381,6 +409,30 @@ class HttpEngine:
             version=self.version,
             capacity_tokens=capacity_tokens(text if isinstance(text, str) else ""),
         )
+
+
+class _ServerLoader:
+    """:class:`~verbatim.engine.lora_serving.Loader` of a vLLM server started with runtime LoRA updating
+    (``verbatim serve --lora-rank R``)."""
+
+    def __init__(self, engine: HttpEngine) -> None:
+        self.engine = engine
+
+    async def load(self, held: Held) -> None:
+        try:
+            await self.engine._call("POST", "/v1/load_lora_adapter",
+                                    json={"lora_name": held.name, "lora_path": held.path})
+        except InputError as exc:
+            raise InputError(f"{exc.message}; a LoRA run needs a server started for its rank with runtime LoRA "
+                             "updating", hint="start it with verbatim serve --lora-rank R (or fleet up --lora-rank R)"
+                             ) from exc
+        listed = await self.engine._call("GET", "/v1/models")
+        names = {m.get("id") for m in (listed.get("data") or [])} if isinstance(listed, dict) else set()
+        if held.name not in names:
+            raise EngineError(f"{self.engine.label} loaded the adapter {held.name} but does not list it")
+
+    async def unload(self, held: Held) -> None:
+        await self.engine._call("POST", "/v1/unload_lora_adapter", json={"lora_name": held.name})
 
 
 class _Retry(Exception):

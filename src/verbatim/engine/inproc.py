@@ -28,7 +28,7 @@ import numpy as np
 
 from verbatim.datamodel import Completion
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
-from verbatim.engine.lora_serving import ServedAdapters
+from verbatim.engine.lora_serving import InprocLoader, ServedAdapters, lora_request
 from verbatim.engine.models import resolve
 from verbatim.engine.outputs import completion_of, structured_outputs, token_versions
 from verbatim.engine.protocol import (
@@ -250,9 +250,8 @@ class InprocEngine:
             prefilled()
 
         async def consume() -> None:
-            lora = held.request if held is not None else None
             async for output in llm.generate(TokensPrompt(**request), params, request_id=request_id,
-                                             lora_request=lora):
+                                             lora_request=lora_request(held)):
                 if not seen["first_token_s"] and output.outputs and output.outputs[0].token_ids:
                     seen["first_token_s"] = time.perf_counter() - started
                     self._prefilled(output, prompt, request_id, seen, held)
@@ -326,7 +325,8 @@ class InprocEngine:
         llm = self._require_started()
         if isinstance(source, Adapter):  # a LoRA adapter over the base: a new LoRA, no weight reloaded
             self._adapters.check(source)
-            await self._reload(llm, functools.partial(self._adapters.add, llm, source, version), version, policy)
+            await self._reload(llm, functools.partial(self._adapters.add, InprocLoader(llm), source, version),
+                               version, policy)
             self.last_reload = "lora"
             return
         if isinstance(source, dict):  # in memory: through the shared buffer, no file
@@ -366,7 +366,7 @@ class InprocEngine:
         """Whole weights loaded by the workers' ``method``; requests then name no adapter."""
         async def load() -> Any:
             done = await llm.collective_rpc(method, kwargs=kwargs)
-            await self._adapters.clear(llm)
+            await self._adapters.clear(InprocLoader(llm))
             return done
         return load
 

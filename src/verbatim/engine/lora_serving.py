@@ -1,7 +1,8 @@
-"""The LoRA adapters an in-process engine serves, one per pushed version, and which requests use which.
+"""The LoRA adapters an engine serves, one per pushed version, and which requests use which (the in-process engine's
+loads through vLLM's ``add_lora``, a server's through its runtime endpoints: a :class:`Loader` each).
 
 A LoRA run pushes its adapter (a PEFT folder, :class:`~verbatim.engine.protocol.Adapter`) at every version;
-the engine loads it into vLLM as a new LoRA named after the version (:func:`~verbatim.engine.protocol.adapter_name`)
+the engine loads it as a new LoRA named after the version and the load (:func:`~verbatim.engine.protocol.adapter_name`)
 and every request sent from then on names it. A request keeps the adapter it was sent with to its last
 token, even when a newer one arrives meanwhile: each sampled token's version is the adapter that sampled it.
 
@@ -10,7 +11,7 @@ vLLM 0.32 ``v1/core/kv_cache_utils.py``), so a request never reads KV that anoth
 computed, whatever the cache policy (docs/engine.md says what each policy then means). The provenance
 records are keyed the same way (:meth:`ServedAdapters.kv_key`).
 
-An adapter no request uses and that is no longer the newest is removed from vLLM, so the engine's
+An adapter no request uses and that is no longer the newest is removed, so the engine's
 ``max_loras`` slots (:attr:`~verbatim.engine.runtime.EngineConfig.lora_slots`) hold only the versions in use.
 """
 
@@ -20,7 +21,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from verbatim.engine.protocol import Adapter, adapter_name
 from verbatim.engine.runtime import lora_capacity
@@ -29,65 +30,75 @@ from verbatim.errors import EngineError, InputError
 
 @dataclass(frozen=True)
 class Held:
-    """The adapter a request was sent with: its version and vLLM's ``LoRARequest``."""
+    """One load of an adapter: the version it is, the LoRA name and id it is served under, its folder."""
 
     version: int
-    request: Any
+    name: str
+    lora_id: int
+    path: str
+
+
+class Loader(Protocol):
+    """What loads and removes LoRAs: vLLM in this process (``AsyncLLM``'s ``add_lora``/``remove_lora``), or a
+    server's runtime endpoints."""
+
+    async def load(self, held: Held) -> None: ...
+
+    async def unload(self, held: Held) -> None: ...
 
 
 class ServedAdapters:
-    """The adapters loaded into one vLLM engine started with LoRA up to ``rank``; None: it serves no LoRA."""
+    """The adapters loaded into one engine started with LoRA up to ``rank``; None: it serves no LoRA."""
 
-    def __init__(self, rank: int | None) -> None:
+    def __init__(self, rank: int | None, server: bool = False) -> None:
         self.rank = rank
+        self.server = server
+        """A server's adapters: its own start-up settings judge them (its refusal is the one line)."""
         self.newest: Held | None = None
         self.loaded: dict[int, Held] = {}
-        """By vLLM LoRA id: every load not yet removed."""
+        """By LoRA id: every load not yet removed."""
         self.in_use: Counter[int] = Counter()
-        """By vLLM LoRA id: the requests running with it."""
+        """By LoRA id: the requests running with it."""
         self._ids = itertools.count(1)
-        """vLLM's LoRA id of each load, never reused: vLLM keeps an adapter by id, so a version loaded again (a
+        """The LoRA id of each load, never reused: vLLM keeps an adapter by id, so a version loaded again (a
         resumed run's, perhaps other weights) must not find the old load under its id."""
 
     def check(self, adapter: Adapter) -> None:
         """Refuse an adapter this engine cannot serve: no LoRA, a rank above its own, or no PEFT folder."""
-        if self.rank is None:
+        if self.rank is None and not self.server:
             raise InputError("the engine was started without LoRA and cannot serve an adapter",
                              hint="start it for the run's --lora-rank")
-        if adapter.rank > lora_capacity(self.rank):
+        if self.rank is not None and adapter.rank > lora_capacity(self.rank):
             raise InputError(f"the adapter's rank {adapter.rank} is above the {lora_capacity(self.rank)} the engine "
                              "was started for", hint=f"start the engine with --lora-rank {adapter.rank}")
         folder = Path(adapter.folder)
         if not (folder / "adapter_config.json").is_file():
             raise InputError(f"{folder} is not a PEFT adapter folder (no adapter_config.json)")
 
-    async def add(self, llm: Any, adapter: Adapter, version: int) -> None:
+    async def add(self, loader: Loader, adapter: Adapter, version: int) -> None:
         """Load ``adapter`` as version ``version``'s LoRA; requests sent from now on name it."""
-        from vllm.lora.request import LoRARequest
-
         self.check(adapter)
-        request = LoRARequest(lora_name=adapter_name(version), lora_int_id=next(self._ids),
-                              lora_path=str(Path(adapter.folder).resolve()))
-        if not await llm.add_lora(request):
-            raise EngineError(f"vLLM did not load the adapter of version {version} from {adapter.folder}")
-        self.newest = self.loaded[request.lora_int_id] = Held(version, request)
-        await self.release(llm)
+        lora_id = next(self._ids)
+        held = Held(version, adapter_name(version, lora_id), lora_id, str(Path(adapter.folder).resolve()))
+        await loader.load(held)
+        self.newest = self.loaded[held.lora_id] = held
+        await self.release(loader)
 
-    async def clear(self, llm: Any) -> None:
+    async def clear(self, loader: Loader) -> None:
         """Whole weights arrived: requests name no adapter from now on (those running keep theirs)."""
         self.newest = None
-        await self.release(llm)
+        await self.release(loader)
 
     def take(self) -> Held | None:
         """The adapter a request sent now names (None: the base model), counted as in use until :meth:`give`."""
         held = self.newest
         if held is not None:
-            self.in_use[held.request.lora_int_id] += 1
+            self.in_use[held.lora_id] += 1
         return held
 
     def give(self, held: Held | None) -> None:
         if held is not None:
-            self.in_use -= Counter({held.request.lora_int_id: 1})  # (drops the ones that reach zero)
+            self.in_use -= Counter({held.lora_id: 1})  # (drops the ones that reach zero)
 
     def unused(self) -> list[int]:
         """The versions of the loads no request uses that are not the newest: what :meth:`release` removes."""
@@ -97,15 +108,38 @@ class ServedAdapters:
         return [held for lora_id, held in self.loaded.items()
                 if held is not self.newest and not self.in_use.get(lora_id)]
 
-    async def release(self, llm: Any) -> None:
-        """Remove the loads :meth:`unused` names from vLLM."""
+    async def release(self, loader: Loader) -> None:
+        """Remove the loads :meth:`unused` names."""
         for held in self._unused():
-            del self.loaded[held.request.lora_int_id]
-            await llm.remove_lora(held.request.lora_int_id)
+            del self.loaded[held.lora_id]
+            await loader.unload(held)
 
     @staticmethod
     def kv_key(salt: str | None, held: Held | None) -> str | None:
         """The key a request's blocks are recorded under: its salt, and its adapter as vLLM keys the blocks."""
         if held is None:
             return salt
-        return f"{salt or ''}|{held.request.lora_name}|{held.request.lora_path}"
+        return f"{salt or ''}|{held.name}|{held.path}"
+
+
+class InprocLoader:
+    """:class:`Loader` of vLLM's ``AsyncLLM`` in this process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    async def load(self, held: Held) -> None:
+        if not await self.llm.add_lora(lora_request(held)):
+            raise EngineError(f"vLLM did not load the adapter of version {held.version} from {held.path}")
+
+    async def unload(self, held: Held) -> None:
+        await self.llm.remove_lora(held.lora_id)
+
+
+def lora_request(held: Held | None) -> Any:
+    """vLLM's ``LoRARequest`` naming ``held`` (None: the base model)."""
+    if held is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=held.name, lora_int_id=held.lora_id, lora_path=held.path)

@@ -111,9 +111,10 @@ WeightSource = str | os.PathLike[str] | dict[str, Any] | Adapter
 """A checkpoint folder, a state dict (name → tensor), or a LoRA adapter over the served base model."""
 
 
-def adapter_name(version: int) -> str:
-    """The LoRA name an engine serves version ``version``'s adapter under (vLLM keys prefix-cache blocks by it)."""
-    return f"verbatim-v{version}"
+def adapter_name(version: int, load: int) -> str:
+    """The LoRA name an engine serves version ``version``'s adapter under, its ``load``-th load (a version pushed
+    again, a resumed run's, is another load: a server refuses a name it has, and vLLM keys cache blocks by it)."""
+    return f"verbatim-v{version}.{load}"
 
 
 @runtime_checkable

@@ -24,7 +24,14 @@ import httpx
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE
 from verbatim.engine.reaper import stop_group
-from verbatim.engine.runtime import EngineConfig, configure_environment, import_vllm, log_root_cause, with_root_cause
+from verbatim.engine.runtime import (
+    EngineConfig,
+    configure_environment,
+    import_vllm,
+    log_root_cause,
+    lora_capacity,
+    with_root_cause,
+)
 from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import serving_copy
 from verbatim.errors import EngineError, InputError
@@ -76,6 +83,10 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         argv += ["--tensor-parallel-size", str(config.tensor_parallel)]
     if config.gpu_memory is not None:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory)]
+    if config.lora_rank is not None:  # adapters loaded at run time, by name (a LoRA run's, engine/http.py)
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_capacity(config.lora_rank)),
+                 "--max-loras", str(config.lora_slots), "--max-cpu-loras", str(config.lora_slots)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if config.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = child_devices(config.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return argv, env

@@ -42,7 +42,6 @@ def check(options: TrainConfig) -> int:
     trainer_device(options.placement.trainer_device)  # refused before the engine or the model
     check_updates(options)
     check_split(options, team_size(options.placement.trainer_procs))
-    check_lora(options, team_size(options.placement.trainer_procs))
     out, resume = Path(options.output.out), options.output.resume
     table = flags_of(type(options))
     recorded = recorded_config(out, table) if resume else None
@@ -150,8 +149,9 @@ def lora_serving(options: TrainConfig) -> tuple[int, int] | None:
 
 
 def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
-    """A LoRA run's targets name linear layers of its model, and its engine serves adapters of its rank: refused
-    in one line before the engine starts."""
+    """A LoRA run's targets name linear layers of its model, and its in-process engine serves adapters of its rank:
+    refused in one line before the engine starts (a server refuses the run's first adapter, which the run loads
+    as it begins, before any rollout)."""
     from verbatim.engine.runtime import lora_capacity
     from verbatim.trainer.lora import peft_config
 
@@ -159,7 +159,9 @@ def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
     if rank is None:
         return
     peft_config(model, options.learner.lora)
-    served = getattr(getattr(engine, "config", None), "lora_rank", None)
+    if not hasattr(engine, "config"):  # a server: its refusal of the first adapter, before any rollout
+        return
+    served = engine.config.lora_rank
     if served is None or lora_capacity(served) < rank:
         raise InputError(f"--lora-rank {rank}: the engine given to this run serves "
                          f"{'no LoRA' if served is None else f'LoRA up to rank {lora_capacity(served)}'}",
@@ -208,18 +210,6 @@ def check_updates(options: TrainConfig) -> None:
         raise InputError(f"--updates-per-step {options.learner.updates_per_step} is more than the {most} rollouts "
                          f"a step trains (--groups {options.plan.groups} × --group-size {options.plan.group_size})",
                          hint="lower --updates-per-step or raise --groups/--group-size")
-
-
-def check_lora(options: TrainConfig, ranks: int) -> None:
-    """What a LoRA run cannot do yet is refused before anything starts: a trainer team, a served engine."""
-    if options.learner.lora.rank is None:
-        return
-    if ranks > 1:
-        raise InputError(f"--lora-rank with {ranks} trainer ranks: a LoRA adapter trains in one trainer process "
-                         "for now", hint="drop --trainer-procs, or train the whole model")
-    if options.engine.kind != "inproc":
-        raise InputError("--lora-rank pushes its adapter to the in-process engine only for now",
-                         hint="drop --engine http")
 
 
 def check_split(options: TrainConfig, ranks: int) -> None:

@@ -152,6 +152,10 @@ def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: A
 
     options = config.learner
     empty = model is not None and next(model.parameters()).is_meta  # rank 0's, built for the placement check
+    if team.size > 1 and options.lora.rank is not None:
+        return Learner(lora_team_model(config, model_dir, team, device), options, team=team, seed=config.plan.seed,
+                       reference=(sharded_from(model_dir, team, options.dtype, device)
+                                  if options.loss.kl_coef > 0 else None))
     if team.size > 1:
         sharded = sharded_from(model_dir, team, options.dtype, device, model if empty else None)
         if sharded is not None:
@@ -159,6 +163,20 @@ def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: A
             return Learner(sharded, options, team=team, seed=config.plan.seed, reference=reference)
     whole = model if model is not None and not empty else load_model(model_dir)
     return Learner(whole.to(device), options, team=team, seed=config.plan.seed)
+
+
+def lora_team_model(config: Any, model_dir: Path, team: Any, device: str) -> Any:
+    """A LoRA run's model on a team: every rank loads the base whole and attaches the same adapter (the run's seed
+    draws its A), then shards it (the frozen base beside the adapter in each unit)."""
+    from verbatim.trainer import lora
+    from verbatim.trainer.checkpoint import seed_generators
+    from verbatim.trainer.distributed.sharding import ShardedModel
+    from verbatim.trainer.reference import load_model
+
+    model = load_model(model_dir)
+    seed_generators(config.plan.seed)
+    lora.attach(model, config.learner.lora, base=str(model_dir))
+    return ShardedModel(model.to(device), team, config.learner.dtype)
 
 
 def leave_team() -> None:

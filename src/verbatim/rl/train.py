@@ -195,7 +195,7 @@ class TrainLoop:
         server gets them whatever it held (another run's weights and KV, which it would otherwise sample this
         run's first step with), an engine this run started only when they are not its own."""
         start = await self._restored(resume)
-        if self.used:
+        if self.used or self.learner.trains_adapter:  # a LoRA run serves its adapter from version 0 on
             await self._begin()
         elif self.learner.version > self.engine.version:
             await self._push(CachePolicy.FLUSH)
@@ -381,7 +381,10 @@ class TrainLoop:
 
     async def _begin(self) -> None:
         """The learner's weights into the engine as those this run begins from (:meth:`Engine.begin`: the cache
-        emptied, whatever the engine held)."""
+        emptied, whatever the engine held); a LoRA run's adapter over the base weights, which an engine another
+        run used gets back first."""
+        if self.learner.trains_adapter and self.used:
+            await self.engine.begin(str(self.model_dir), self.learner.version)
         await self.engine.begin(await self._weights_source(), self.learner.version)
 
     def _write_adapter(self, parent: Path) -> Path:

@@ -277,10 +277,7 @@ def _read_state(path: Path) -> dict[str, Any] | None:
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Load weights (strict; a LoRA model its adapter), the optimizer's state and the RNG states; return the
     saved state.json."""
-    if lora.has_adapter(model) != lora.is_adapter_folder(path):
-        held = "a LoRA adapter" if lora.is_adapter_folder(path) else "a whole model's weights"
-        raise CheckpointError(f"checkpoint {path} holds {held}, which this trainer does not train",
-                              hint="resume with the --lora-rank the run was started with")
+    check_kind(path, model)
     if lora.has_adapter(model):
         state = checkpoint_state(path)
         lora.load_adapter(path, model)
@@ -292,6 +289,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         load_optimizer(path, optimizer, read_optimizer(path))
     restore_rng(path)
     return state
+
+
+def check_kind(path: Path, model: nn.Module) -> None:
+    """Refuse a LoRA adapter's checkpoint for a model without one, and a whole model's for one with an adapter."""
+    if lora.has_adapter(model) != lora.is_adapter_folder(path):
+        held = "a LoRA adapter" if lora.is_adapter_folder(path) else "a whole model's weights"
+        raise CheckpointError(f"checkpoint {path} holds {held}, which this trainer does not train",
+                              hint="resume with the --lora-rank the run was started with")
 
 
 def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

@@ -159,7 +159,16 @@ def load_adapter(folder: Path, model: nn.Module) -> None:
             param = by_name[_parameter_name(name)]
             if param.shape != tensor.shape:
                 raise CheckpointError(f"{name} is {tuple(tensor.shape)} in {folder}, {tuple(param.shape)} here")
-            param.copy_(tensor.to(param.dtype))
+            param.copy_(_placed(tensor.to(param.dtype), param))
+
+
+def _placed(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (whole) as ``param`` holds it: its shard where the parameter is sharded (FSDP2's DTensor)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
+    return tensor.to(param.device)
 
 
 def _parameter_name(saved: str) -> str:  # the inverse of saved_name

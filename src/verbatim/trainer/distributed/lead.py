@@ -131,6 +131,16 @@ class Lead:
             _say(self.channel, "engine_weights")
             return self.learner.engine_weights()
 
+    @property
+    def trains_adapter(self) -> bool:
+        return self.learner.trains_adapter
+
+    def write_adapter(self, folder: Path) -> Path:
+        """The adapter, gathered by every rank (announced as ``engine_weights``), written by rank 0."""
+        with _together("the gathering of the adapter for the engine"):
+            _say(self.channel, "engine_weights")
+            return self.learner.write_adapter(folder)
+
     def keep_weights_in(self, views: dict[str, Any]) -> int:
         """Sharded parameters cannot live in the engine's buffer: every push copies into it."""
         return 0

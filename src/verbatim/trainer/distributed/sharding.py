@@ -47,6 +47,7 @@ from verbatim.trainer.checkpoint import (
     OPTIMIZER_SHARDS,
     another_optimizer,
     check_fit,
+    check_kind,
     checkpoint_state,
     checkpoint_tmp,
     load_checkpoint,
@@ -317,7 +318,12 @@ class ShardedModel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         tmp = Path(box[0])
         try:
-            self.write_weights(tmp)
+            if lora.has_adapter(self.model):  # the adapter alone, gathered to rank 0
+                weights = self.adapter_weights()
+                if self.team.leader:
+                    lora.write_adapter(tmp, weights=weights, settings=lora.adapter_settings(self.model))
+            else:
+                self.write_weights(tmp)
             if optimizer.state:  # (get_optimizer_state_dict would give an empty state a fake step)
                 dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_SHARDS),
                          process_group=self.group)
@@ -357,10 +363,14 @@ class ShardedModel:
         restores its RNG."""
         from verbatim.trainer.distributed.loading import load_shards, weight_files
 
-        saved, shapes = checkpoint_state(path), weight_shapes(path)  # the headers: nothing loaded
-        check_fit(path, shapes, self.model.state_dict())
+        check_kind(path, self.model)
+        saved = checkpoint_state(path)
+        if lora.has_adapter(self.model):  # the base is the model folder's, as loaded: the adapter alone
+            lora.load_adapter(path, self.model)
+        else:
+            check_fit(path, weight_shapes(path), self.model.state_dict())  # the headers: nothing loaded
+            load_shards(self.model, weight_files(path))
         if self.team.leader:
             restore_rng(path)
-        load_shards(self.model, weight_files(path))
         restore_optimizer(self.model, optimizer, path, group=self.group)
         return saved
