@@ -9,11 +9,10 @@ optimizer, RNG and run state stay behind. The folder is written under a temporar
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from verbatim.durable import staged_folder
 from verbatim.errors import InputError
 
 LEFT_BEHIND = ("optimizer.pt", "optimizer", "rng.pt", "state.json")
@@ -33,20 +32,13 @@ def export_model(source: str, out: str, *, merge: bool = False, force: bool = Fa
     if merge and not adapter:
         raise InputError(f"--merge: {folder} holds a whole model, no adapter to merge", hint="drop --merge")
     target = _free(Path(out), force)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=target.parent))
-    try:
+    with staged_folder(target, ".tmp-export-") as tmp:
         if merge:
             _write_merged(folder, tmp)
         else:
             for item in folder.iterdir():
                 if item.name not in LEFT_BEHIND and item.is_file():
                     shutil.copy2(item, tmp / item.name)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
