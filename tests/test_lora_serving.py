@@ -81,3 +81,14 @@ def test_a_rank_between_vllms_ranks_is_served_by_the_next_one_up(folder, tmp_pat
     ServedAdapters(4).check(Adapter(folder=str(folder), rank=8))  # started for 4: vLLM's 8 serves 8 too
     with pytest.raises(InputError, match="not a PEFT adapter folder"):
         ServedAdapters(8).check(Adapter(folder=str(tmp_path / "none"), rank=8))
+
+
+def test_a_family_vllm_serves_no_lora_for_is_refused_in_one_line(tmp_path, default_model_dir):
+    from transformers import GPT2Config
+
+    from verbatim.engine.lora_serving import check_family
+
+    check_family(default_model_dir)  # Llama: vLLM's class supports LoRA
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(InputError, match="vLLM serves no LoRA adapter for GPT2LMHeadModel"):
+        check_family(tmp_path)

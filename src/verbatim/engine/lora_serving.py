@@ -143,3 +143,26 @@ def lora_request(held: Held | None) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=held.name, lora_int_id=held.lora_id, lora_path=held.path)
+
+
+def check_family(model_dir: Path) -> None:
+    """Refuse, in one line, a model whose vLLM class serves no LoRA (vLLM's ``SupportsLoRA``: GPT-2, Mamba and
+    Bloom among them in vLLM 0.32), before any engine starts."""
+    import json
+
+    from verbatim.engine.runtime import import_vllm
+
+    try:
+        architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{model_dir}/config.json cannot be read: {exc}") from exc
+    import_vllm()
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    for architecture in architectures:
+        model_cls = ModelRegistry._try_load_model_cls(architecture)
+        if model_cls is not None and supports_lora(model_cls):
+            return
+    raise InputError(f"--lora-rank: vLLM serves no LoRA adapter for {', '.join(architectures) or 'this model'}",
+                     hint="train the whole model (drop --lora-rank)")

@@ -152,6 +152,7 @@ def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
     """A LoRA run's targets name linear layers of its model, and its in-process engine serves adapters of its rank:
     refused in one line before the engine starts (a server refuses the run's first adapter, which the run loads
     as it begins, before any rollout)."""
+    from verbatim.engine.lora_serving import check_family
     from verbatim.engine.runtime import lora_capacity
     from verbatim.trainer.lora import peft_config
 
@@ -159,6 +160,7 @@ def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
     if rank is None:
         return
     peft_config(model, options.learner.lora)
+    check_family(Path(model.config._name_or_path))
     if not hasattr(engine, "config"):  # a server: its refusal of the first adapter, before any rollout
         return
     served = engine.config.lora_rank
