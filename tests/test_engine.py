@@ -34,6 +34,14 @@ def run(runner, coro):
     return runner.run(coro)
 
 
+def in_memory(*folders: Path) -> list[dict]:
+    """The state dicts of ``folders``, to push from memory (engine/weight_push.py): an update applies its cache
+    policy as a folder's reload does, without the 0.5 GB untied copy that a tied model's folder is reloaded from."""
+    from verbatim.trainer.reference import load_model
+
+    return [load_model(folder).state_dict() for folder in folders]
+
+
 def test_engine_satisfies_the_protocol(engine_runner):
     assert isinstance(engine_runner.engine, Engine)
 
@@ -96,10 +104,12 @@ def test_requests_queued_at_the_release_read_the_leaders_prompt_from_the_cache(e
 
 
 def test_cache_policies_across_a_weight_update(engine_runner, default_model_dir, perturbed_dir):
+    """Each policy's scenario (bench/policies.py) across an update from the base weights to perturbed ones, pushed
+    from memory (nine updates)."""
     engine = engine_runner.engine
-    rows = {p: run(engine_runner, measure_policy(engine, p, base=default_model_dir, updated=perturbed_dir))
-            for p in CachePolicy}
-    run(engine_runner, engine.update_weights(default_model_dir, engine.version + 1, "flush"))  # restore
+    base, updated = in_memory(default_model_dir, perturbed_dir)
+    rows = {p: run(engine_runner, measure_policy(engine, p, base=base, updated=updated)) for p in CachePolicy}
+    run(engine_runner, engine.update_weights(base, engine.version + 1, "flush"))  # restore
     reusable = rows[CachePolicy.KEEP].reusable_tokens
     # flush: nothing survives; salt: new versions never read old entries; keep variants reuse old KV.
     for policy in (CachePolicy.FLUSH, CachePolicy.SALT):
@@ -124,18 +134,19 @@ def test_kv_versions_name_only_the_writers_of_the_blocks_reused(engine_runner, d
     """keep: version a writes one prompt, version a+1 another one under the same (no) salt; at version a+2
     a request that reuses only the first prompt's blocks names exactly a, one continuing the second a+1."""
     engine = engine_runner.engine
+    base, perturbed = in_memory(default_model_dir, perturbed_dir)
     short = Sampling(max_tokens=2, temperature=0.0)
     shared, extra = scenario_prompts(seed=61, prompt_len=100, new_len=40)
     other = scenario_prompts(seed=62, prompt_len=100)[0]
     a = engine.version + 1
-    run(engine_runner, engine.update_weights(default_model_dir, a, "flush"))
+    run(engine_runner, engine.update_weights(base, a, "flush"))
     first = run(engine_runner, engine.generate(shared, short))
-    run(engine_runner, engine.update_weights(perturbed_dir, a + 1, "keep"))
+    run(engine_runner, engine.update_weights(perturbed, a + 1, "keep"))
     written = run(engine_runner, engine.generate(other, short))
-    run(engine_runner, engine.update_weights(default_model_dir, a + 2, "keep"))
+    run(engine_runner, engine.update_weights(base, a + 2, "keep"))
     reuse = run(engine_runner, engine.generate(shared + extra, short))
     follow = run(engine_runner, engine.generate(other + written.token_ids.tolist() + extra, short))
-    run(engine_runner, engine.update_weights(default_model_dir, a + 3, "flush"))  # a clean cache again
+    run(engine_runner, engine.update_weights(base, a + 3, "flush"))  # a clean cache again
     assert first.cached_tokens == written.cached_tokens == 0 and first.kv_versions == written.kv_versions == ()
     assert reuse.cached_tokens == len(shared) // engine.block_size * engine.block_size
     assert reuse.kv_versions == (a,)

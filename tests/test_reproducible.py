@@ -18,7 +18,7 @@ import pytest
 from command_config import config_of
 from hypothesis import given
 from hypothesis import strategies as st
-from killable_train import Trainer
+from killable_train import Trainer, step_rollouts
 from safetensors import safe_open
 from subprocess_cli import cli
 
@@ -31,10 +31,12 @@ from verbatim.harness.store import read_run
 RUN = ["--env", "guess", "--groups", "1", "--group-size", "2", "--max-turns", "2", "--max-tokens", "8",
        "--kv-cache-gib", "1", "--concurrency", "1"]
 TRAIN = ["--env", "graded_env:GradedFactory", "--groups", "2", "--group-size", "2", "--max-tokens", "8",
-         "--lr", "1e-4", "--kv-cache-gib", "1", "--concurrency", "1", "--seed", "5", "--checkpoint-every", "1"]
+         "--lr", "1e-4", "--kv-cache-gib", "1", "--concurrency", "1", "--seed", "5"]
 """A one-turn env whose rewards in a group differ (tests/graded_env.py), so both steps move the weights. Both
 command lines leave --max-model-len at its default, the session engine's (tests/conftest.py), so an engine a
-command starts and the session's one given to the same run are alike."""
+command starts and the session's one given to the same run are alike. No --checkpoint-every: a run checkpoints
+its last step, so the run through writes step 2's checkpoint only (the 1.6 GB of step 1's would go unread) and
+the stopped run, whose first command's last step is 1, step 1's too, which its resumes start from."""
 
 
 @given(st.integers(0, 2**40), st.text(max_size=20), st.integers(0, 1000))
@@ -114,12 +116,6 @@ def _cmdline(pid: int) -> str:
         return "(gone)"
 
 
-def _step_rollouts(out: Path, step: int) -> int:
-    if not (out / "manifest.json").exists():
-        return 0
-    return sum(1 for r in read_run(out).rollouts if r.info.get("step") == step)
-
-
 @pytest.mark.engine
 @pytest.mark.slow
 def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, default_model_dir, demo_python,
@@ -144,7 +140,7 @@ def test_a_run_stopped_killed_and_resumed_equals_one_run_bit_for_bit(tmp_path, d
                  engine=engine_runner.engine)
     killed = Trainer(tmp_path, "killed", [*TRAIN, "--steps", "2", "--out", str(broken), "--resume"])
     # every rollout of step 2 recorded: now it trains. Only the command is killed: its engine must not outlive it
-    engine = killed.kill_when(lambda: _step_rollouts(broken, 2) == 4, session=False)
+    engine = killed.kill_when(lambda: step_rollouts(broken, 2) == 4, session=False)
     assert any("VLLM" in _cmdline(pid) for pid, _ in engine), [_cmdline(pid) for pid, _ in engine]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(alive(p) for p in engine):

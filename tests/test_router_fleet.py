@@ -1,5 +1,10 @@
 """The router on a real fleet: two ``vllm serve`` replicas on 127.0.0.1 with a small KV cache each.
 
+The replicas serve the tiny SmolLM2 (tests/conftest.py: ``tiny_smollm2_dir``, the default model's architecture,
+tied output layer, tokenizer and template at 13 MB): routing, admission and the KV space are counted in tokens
+and blocks, which the model's size does not change, so it starts, prefills, samples, trains and reloads in a
+fraction of the default model's time.
+
 Workload: 2 groups × 4 rollouts × 3 turns of ``longdoc`` (a shared document, three questions).
 The tests run in order; the last one kills a replica.
 """
@@ -36,11 +41,11 @@ BLOCK = 32
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tiny_smollm2_dir, tmp_path_factory):
     """Started and stopped through the CLI: `verbatim fleet up` / `verbatim fleet down`."""
     file = tmp_path_factory.mktemp("fleet") / "fleet.json"
-    up = cli("fleet", "up", "--replicas", "2", "--file", str(file), "--kv-blocks", str(KV_BLOCKS),
-             "--max-model-len", str(MAX_MODEL_LEN))
+    up = cli("fleet", "up", "--replicas", "2", "--file", str(file), "--model", str(tiny_smollm2_dir),
+             "--kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN))
     assert up.returncode == 0, up.stderr
     record = read_fleet(file)
     try:
@@ -55,8 +60,8 @@ def fleet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def renderer(default_model_dir):
-    return get_renderer("smollm2", model_dir=default_model_dir)
+def renderer(tiny_smollm2_dir):
+    return get_renderer("smollm2", model_dir=tiny_smollm2_dir)
 
 
 async def _reset(urls: list[str]) -> None:
@@ -75,7 +80,7 @@ def play(urls: list[str], route: str, renderer, out: Path, *, seed: int, words: 
                       sampling=Sampling(max_tokens=max_tokens, temperature=1.0))
     router = Router([HttpEngine(u, retries=1, backoff_s=0.2) for u in urls],
                     RouteConfig.parse(route, admission=admission, high_water=high_water))
-    manifest = RunManifest(run_id=out.name, model="smollm2-135m-instruct", renderer="smollm2",
+    manifest = RunManifest(run_id=out.name, model="tiny-smollm2", renderer="smollm2",
                            engine={"kind": "http", "block_size": BLOCK, "cache_policy": "keep", "route": route},
                            config={"plan": plan.model_dump(exclude={"run_id"}),
                                    "options": {"routing": {"high_water": high_water, "admission": admission},
@@ -155,12 +160,12 @@ def test_round_robin_misses_are_measured_and_attributed_to_the_replica(fleet, re
           f"sticky+group on the same workload: cached {routed.cache_hit_rate:.1%}, prefill {routed.prefill_tokens}")
 
 
-def test_verbatim_run_routes_over_several_urls(fleet, tmp_path):
+def test_verbatim_run_routes_over_several_urls(fleet, tiny_smollm2_dir, tmp_path):
     out, summary_file = tmp_path / "cli-run", tmp_path / "summary.json"
     urls = [arg for url in fleet.urls for arg in ("--url", url)]
-    done = cli("run", "--env", "guess", "--engine", "http", *urls, "--route", "sticky_least_loaded+group",
-               "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens", "16",
-               "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out), "--summary-json", str(summary_file))
+    done = cli("run", "--env", "guess", "--engine", "http", *urls, "--model", str(tiny_smollm2_dir), "--route",
+               "sticky_least_loaded+group", "--groups", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens",
+               "16", "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out), "--summary-json", str(summary_file))
     assert done.returncode == 0, done.stderr
     summary = json.loads(summary_file.read_text())
     assert summary["rollouts"] == 4 and sum(summary["turns_per_replica"].values()) == summary["turns"]
@@ -214,7 +219,7 @@ def test_a_group_sharing_its_prompt_is_admitted_together(fleet, renderer, tmp_pa
 
 
 def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_together(
-        fleet, default_model_dir, default_tokenizer, tmp_path):
+        fleet, tiny_smollm2_dir, default_tokenizer, tmp_path):
     """`verbatim train` over both replicas: each step's tokens carry the version that every replica serves,
     a group plays on one replica, and after the run both replicas sample with the trained weights."""
     import numpy as np
@@ -228,9 +233,9 @@ def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_toge
     urls = [arg for url in fleet.urls for arg in ("--url", url)]
     # an env whose rewards are graded by length: a group's rewards differ, so the weights surely move
     # (a step whose groups all have equal rewards trains nothing, and would prove nothing)
-    done = cli("train", "--env", "graded_env:GradedFactory", "--engine", "http", *urls, "--route",
-               "sticky_least_loaded+group", "--steps", "2", "--groups", "2", "--group-size", "4", "--max-turns", "1",
-               "--max-tokens", "8", "--lr", "1e-3", "--seed", "3",
+    done = cli("train", "--env", "graded_env:GradedFactory", "--engine", "http", *urls, "--model",
+               str(tiny_smollm2_dir), "--route", "sticky_least_loaded+group", "--steps", "2", "--groups", "2",
+               "--group-size", "4", "--max-turns", "1", "--max-tokens", "8", "--lr", "1e-3", "--seed", "3",
                "--max-model-len", str(MAX_MODEL_LEN), "--out", str(out))
     assert done.returncode == 0, done.stderr
     rollouts = read_run(out).rollouts
@@ -244,18 +249,19 @@ def test_verbatim_train_pushes_every_step_to_every_replica_and_keeps_groups_toge
         groups[(r.info["step"], r.group_id)].add(r.turns[0].replica)
     assert all(len(replicas) == 1 for replicas in groups.values()), groups  # a group is co-routed
     assert set().union(*groups.values()) == {"r0", "r1"}, groups  # and the groups were spread over both
-    trained = load_model(default_model_dir)
+    trained = load_model(tiny_smollm2_dir)
     assert load_checkpoint(out / "checkpoints" / "step-000002", trained, None)["version"] == 2
+    # the tiny SmolLM2's tokenizer is the default model's (tests/conftest.py)
     prompt = default_tokenizer.apply_chat_template([{"role": "user", "content": "Guess a number from 1 to 5."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
 
     async def sample_and_restore(url: str):
         async with HttpEngine(url) as engine:
             got = await engine.generate(prompt, Sampling(max_tokens=12, temperature=1.0, seed=5))
-            await engine.update_weights(default_model_dir, 1, CachePolicy.FLUSH)  # the next test plays the base
+            await engine.update_weights(tiny_smollm2_dir, 1, CachePolicy.FLUSH)  # the next test plays the base
         return got
 
-    base = load_model(default_model_dir).eval()
+    base = load_model(tiny_smollm2_dir).eval()
     for url in fleet.urls:
         got = asyncio.run(sample_and_restore(url))
         ids = list(prompt) + got.token_ids.tolist()

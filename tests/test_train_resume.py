@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from killable_train import Trainer, served
+from killable_train import Trainer, served, step_rollouts
 from typer.testing import CliRunner
 
 from verbatim.cli.app import app
@@ -60,12 +60,6 @@ def evaluation(out: Path, step: int) -> dict[str, bytes]:
 def eval_rollouts(out: Path, step: int) -> int:
     folder = out / "eval" / f"step-{step:06d}"
     return len(read_run(folder).rollouts) if (folder / "manifest.json").exists() else 0
-
-
-def step_rollouts(out: Path, step: int) -> int:
-    if not (out / "manifest.json").exists():
-        return 0
-    return sum(1 for r in read_run(out).rollouts if r.info.get("step") == step)
 
 
 def test_sigkill_in_every_phase_then_resume_continues_exactly(tiny_server, tmp_path):
