@@ -26,8 +26,8 @@ def test_the_table_gives_each_run_against_the_first_and_its_first_sync_apart():
     table = markdown([_result("before", 1.0, 4.0), _result("after", 0.2, 0.3, first_sync=1.8, share=1.5)],
                      "verbatim bench step")
     lines = table.splitlines()
-    assert lines[2].endswith("| 10.00 | 1.00x | 1.00 | 1.00 | 0.00 |")  # the folder run shares nothing
-    assert lines[3].endswith("| 6.30 | 0.63x | 1.80 | 0.20 | 1.50 |")  # the set-up is in no step's time
+    assert lines[2].endswith("| 10.00 | 1.00x | 1.00 | 1.00 | 0.00 | – |")  # the folder run shares nothing
+    assert lines[3].endswith("| 6.30 | 0.63x | 1.80 | 0.20 | 1.50 | – |")  # the set-up is in no step's time
     assert "`verbatim bench step`" in table
 
 
@@ -41,11 +41,24 @@ def test_the_first_sync_stands_apart_from_the_median_of_the_later_ones(syncs, ex
 
 
 def test_before_and_after_differ_only_in_the_sync_path_and_the_checkpoint_interval():
-    before, after = RUNS
+    before, after, adapter = RUNS
     assert (before.sync, before.checkpoint_every) == ("folder", 1)
     assert (after.sync, after.checkpoint_every) == ("memory", 10)
     assert before.model_dump(exclude={"label", "sync", "checkpoint_every"}) == after.model_dump(
         exclude={"label", "sync", "checkpoint_every"})
+    differ = {"label", "lora_rank", "lr"}
+    assert adapter.model_dump(exclude=differ) == after.model_dump(exclude=differ)
+    assert (adapter.lora_rank, adapter.lr) == (16, 3e-4)
+
+
+def test_each_run_says_what_a_step_pushed():
+    full, adapter = _result("after", 0.2, 0.3), _result("LoRA", 0.1, 0.3)
+    for record in full["history"]:
+        record["weight_sync_bytes"] = 540 * 2**20
+    for record in adapter["history"]:
+        record["weight_sync_bytes"] = 18 * 2**20
+    lines = markdown([full, adapter], "verbatim bench step").splitlines()
+    assert lines[2].endswith("| 540.0 |") and lines[3].endswith("| 18.0 |")
 
 
 def test_a_run_with_errored_rollouts_gives_no_table(monkeypatch):

@@ -286,3 +286,30 @@ def test_export_model_refuses_an_occupied_out_and_a_merge_of_a_whole_model(lora_
     whole.save(tmp_path / "whole" / "checkpoints", 1, {})
     result = export(str(tmp_path / "whole" / "checkpoints" / "step-000001"), "--merge", "--out", str(tmp_path / "m"))
     assert result.exit_code == 2 and "no adapter to merge" in result.output
+
+
+@pytest.mark.parametrize("prefixflow", [True, False])
+def test_activation_checkpointing_and_chunked_log_probs_take_the_same_lora_step(prefixflow):
+    """Recomputing each layer in the backward, and log π a few rows at a time, change nothing of a LoRA step."""
+    plain = lora_learner(prefixflow=prefixflow, logprob_chunk=0)
+    saving = lora_learner(prefixflow=prefixflow, logprob_chunk=4, checkpoint_layers=True)
+    for seed in (0, 1):  # the second step moves A too
+        rows = step_rows(plain.model, seed=seed)
+        plain.train_step(rows)
+        saving.train_step(rows)
+    for name, value in plain.engine_weights().items():
+        torch.testing.assert_close(saving.engine_weights()[name], value, rtol=0, atol=LR * 1e-2)
+
+
+def test_a_bf16_lora_step_stays_near_the_fp32_one():
+    """Autocast runs the adapter's layers in bfloat16 over float32 weights; the step moves the adapter as fp32's
+    does, to bfloat16's rounding."""
+    full, half = lora_learner(), lora_learner(dtype="bf16")
+    rows = step_rows(full.model)
+    full.train_step(rows)
+    half.train_step(rows)
+    moved = [n for n, v in full.engine_weights().items() if ".lora_B." in n and v.abs().max() > 0]
+    assert moved
+    for name in moved:
+        agree = torch.sign(half.engine_weights()[name]) == torch.sign(full.engine_weights()[name])
+        assert float(agree.float().mean()) > 0.9, name  # AdamW's first step: ±lr where the gradient's sign agrees

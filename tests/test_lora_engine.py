@@ -2,9 +2,9 @@
 
 On the session's LoRA engine (``lora_engine``: rank 8, the default model, fp32):
 
-- ``verbatim train --lora-rank 8`` for 3 steps under ``--max-lag 1`` through the entry point: versions 0→3, each
-  sampled token's μ is the logprob of the base model plus the adapter of the token's own version (the checkpoint's
-  PEFT folder, loaded with transformers + peft), and the checkpoints load with ``PeftModel.from_pretrained``;
+- ``verbatim train --lora-rank 8`` for 2 synchronous steps through the entry point: versions 0→2, step 2's sampled
+  tokens' μ are the logprobs of the base model plus step 1's adapter (the checkpoint's PEFT folder, loaded with
+  transformers + peft) and not the base model's, and the checkpoints load with ``PeftModel.from_pretrained``;
 - an adapter pushed while a request runs: the request's tokens all belong to the adapter it was sent with, the
   next request names the new one.
 
@@ -45,9 +45,9 @@ AGREEMENT = 1e-3  # fp32 engine vs transformers + peft, mean |Δ logprob| (the i
 
 
 @pytest.fixture(scope="module")
-def lagged(lora_engine, tmp_path_factory):
+def synchronous(lora_engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora")
-    plan = TrainPlan(steps=3, groups=2, group_size=2, max_lag=1, cache_policy=CachePolicy.KEEP, keep_checkpoints=3,
+    plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, cache_policy=CachePolicy.KEEP, keep_checkpoints=2,
                      checkpoint_every=1, seed=2)
     config = TrainConfig(play={"env": "guess", "env_args": {"high": 8, "max_guesses": 3}, "max_turns": 2},
                          sampling={"max_tokens": 12, "temperature": 1.0}, engine={"max_model_len": 2048},
@@ -64,30 +64,31 @@ def peft_model(base: torch.nn.Module, folder: Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()
 
 
-def test_every_token_is_sampled_by_the_adapter_of_its_version(lagged, default_model_dir):
-    out, history = lagged
-    assert [r["version"] for r in history] == [1, 2, 3]
+def test_every_token_is_sampled_by_the_adapter_of_its_version(synchronous, default_model_dir):
+    out, history = synchronous
+    assert [r["version"] for r in history] == [1, 2]
     assert all(r["weight_sync_form"] == "lora" and r["cache_policy_served"] == "salt" for r in history)
     base = load_model(default_model_dir).eval()
-    models = {0: base} | {v: peft_model(base, out / "checkpoints" / f"step-{v:06d}") for v in (1, 2)}
-    seen = set()
+    models = {0: base, 1: peft_model(base, out / "checkpoints" / "step-000001")}
+    moved = 0.0
     for rollout in read_run(out).rollouts:
         tokens = rollout.tokens
         at = np.flatnonzero(tokens.source == Source.MODEL)
-        for version in np.unique(tokens.policy_version[at]):
-            mine = at[tokens.policy_version[at] == version]
-            with torch.no_grad():
-                pi = reference_logprobs(models[int(version)], tokens.token_id, mine).numpy()
-            assert np.abs(pi - tokens.logprob[mine]).mean() < AGREEMENT, (rollout.rollout_id, int(version))
-            seen.add(int(version))
-    assert seen >= {0, 1}, seen  # step 3 samples with version 1 or 2 at the latest
+        version = rollout.info["step"] - 1  # synchronous: step n samples with version n - 1 alone
+        assert set(tokens.policy_version[at].tolist()) == {version}
+        with torch.no_grad():
+            pi = reference_logprobs(models[version], tokens.token_id, at).numpy()
+            plain = reference_logprobs(base, tokens.token_id, at).numpy()
+        assert np.abs(pi - tokens.logprob[at]).mean() < AGREEMENT, rollout.rollout_id
+        moved = max(moved, float(np.abs(plain - tokens.logprob[at]).mean())) if version else moved
+    assert moved > 10 * AGREEMENT, "step 1's adapter did not move the policy: the check proves nothing"
     assert (out / "adapters").is_dir() and all(lora.is_adapter_folder(p) for p in (out / "adapters").iterdir())
 
 
-def test_the_checkpoints_are_peft_folders_of_the_adapter_alone(lagged, default_model_dir):
-    out, _ = lagged
+def test_the_checkpoints_are_peft_folders_of_the_adapter_alone(synchronous, default_model_dir):
+    out, _ = synchronous
     folders = sorted((out / "checkpoints").iterdir())
-    assert [p.name for p in folders] == ["step-000001", "step-000002", "step-000003"]
+    assert [p.name for p in folders] == ["step-000001", "step-000002"]
     for folder in folders:
         assert lora.is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
         assert lora.read_adapter_config(folder)["base_model_name_or_path"] == str(default_model_dir)
@@ -165,3 +166,30 @@ def test_a_served_lora_run_killed_after_its_first_checkpoint_resumes_with_that_a
         assert_sampled_with_previous_checkpoint(out, model_dir, step=step)
     lint = CliRunner().invoke(app, ["lint", "trace", str(out)])
     assert lint.exit_code == 0, lint.output[-2000:]
+
+
+def test_an_engine_that_serves_no_lora_is_pushed_the_weights_with_the_adapter_merged(engine_runner, default_model_dir,
+                                                                                      tmp_path):
+    """The session's engine was started without LoRA: a LoRA run on it pushes W + scale·B·A at every version and
+    says so in each step's line; step 2 samples with step 1's adapter folded into the base."""
+    from trained_run import checkpoint_model
+
+    plan = TrainPlan(steps=2, groups=2, group_size=2, max_lag=0, checkpoint_every=1, keep_checkpoints=2, seed=3)
+    config = TrainConfig(play={"env": "guess", "env_args": {"high": 8, "max_guesses": 3}, "max_turns": 1},
+                         sampling={"max_tokens": 8, "temperature": 1.0}, engine={"max_model_len": 2048},
+                         output={"out": str(tmp_path / "run")}, plan=plan,
+                         learner=LearnerConfig(lr=2e-2, lora=LoraConfig(rank=8)))
+    history = run_training(config, engine=engine_runner.engine)
+    assert [r["weight_sync_form"] for r in history] == ["merged", "merged"]
+    assert all(r["weight_sync_bytes"] > 100 * 2**20 for r in history)  # the whole model, not an adapter
+    merged = load_model(default_model_dir)
+    merged.load_state_dict(lora.merged_weights(checkpoint_model(tmp_path / "run" / "checkpoints" / "step-000001",
+                                                                default_model_dir, 1)), strict=True)
+    merged.eval()
+    for rollout in (r for r in read_run(tmp_path / "run").rollouts if r.info["step"] == 2):
+        tokens = rollout.tokens
+        at = np.flatnonzero(tokens.source == Source.MODEL)
+        assert set(tokens.policy_version[at].tolist()) == {1}
+        with torch.no_grad():
+            pi = reference_logprobs(merged, tokens.token_id, at).numpy()
+        assert np.abs(pi - tokens.logprob[at]).mean() < AGREEMENT, rollout.rollout_id

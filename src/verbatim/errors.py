@@ -99,6 +99,10 @@ class EngineError(VerbatimError):
     """The inference engine failed or refused a request."""
 
 
+class NoLoraError(InputError):
+    """An engine that serves no LoRA adapter was given one (a LoRA run then pushes merged weights instead)."""
+
+
 class BenchmarkError(VerbatimError):
     """A benchmark's work failed (an errored rollout, a failed request): no table is printed or written."""
 

@@ -1,13 +1,16 @@
 """``verbatim bench step``: where a training step's time goes, before and after the step's I/O work.
 
-Two runs of the learning benchmark's settings (bench/learn.py: the default model on ``guess``,
+Three runs of the learning benchmark's settings (bench/learn.py: the default model on ``guess``,
 4 groups × 8 rollouts, ≤ 3 turns of ≤ 12 tokens), one seed, each a real ``TrainLoop`` on a fresh
 in-process engine, one after the other in one command:
 
 * **before**: the weights reach the engine as a published folder it reloads from disk, and every
   step writes a checkpoint (what every step did before ``--checkpoint-every`` and the in-memory push);
 * **after**: the weights go through shared memory (engine/weight_push.py), a checkpoint every 10 steps
-  (the default) and at the last step.
+  (the default) and at the last step;
+* **LoRA**: a rank-16 adapter trains on the frozen model (``--lora-rank 16``, lr 3e-4) and each push is the
+  adapter's PEFT folder, which the engine loads as a new LoRA (engine/lora_serving.py), against full
+  fine-tuning's in-memory push of every weight (``pushed MiB a step``: what each step's push carried).
 
 The table splits the mean step into its recorded parts: ``rollout_s``, ``train_s``,
 ``weight_sync_s`` and ``checkpoint_s`` (each step's metrics), their sum and the ratio to before, then
@@ -32,7 +35,9 @@ PARTS = (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "weight
          ("checkpoint", "checkpoint_s"))
 RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every step", seed=0, sync="folder",
                  checkpoint_every=1),
-        LearnRun(label="after: weights in shared memory, a checkpoint every 10 steps", seed=0))
+        LearnRun(label="after: weights in shared memory, a checkpoint every 10 steps", seed=0),
+        LearnRun(label="LoRA: a rank-16 adapter pushed as a folder, a checkpoint every 10 steps", seed=0,
+                 lora_rank=16, lr=3e-4))
 
 
 def measure(steps: int = 10, model: str = "default", progress: Any = None) -> list[dict[str, Any]]:
@@ -59,18 +64,26 @@ def sync_first_and_later(result: dict[str, Any]) -> tuple[float, float]:
     return syncs[0], statistics.median(syncs[1:] or syncs)
 
 
+def pushed_mib(result: dict[str, Any]) -> str:
+    """The bytes a step pushed (its ``weight_sync_bytes``: the weights as the learner holds them, or a LoRA run's
+    adapter file), in MiB; – where the run did not record them."""
+    pushed = [r.get("weight_sync_bytes") for r in result["history"] if r.get("weight_sync_bytes")]
+    return f"{statistics.median(pushed) / 2**20:.1f}" if pushed else "–"
+
+
 def markdown(results: list[dict[str, Any]], command: str) -> str:
     rows = [(r["run"]["label"], split(r)) for r in results]
     before = rows[0][1]
     head = ("| run | " + " | ".join(f"{name} s" for name, _ in PARTS)
             + " | step s | step vs before | weight sync s, step 1 | weight sync s, median of the rest "
-            "| weights shared before step 1, s |")
-    lines = [head, "|---|" + "---:|" * (len(PARTS) + 5)]
+            "| weights shared before step 1, s | pushed MiB a step |")
+    lines = [head, "|---|" + "---:|" * (len(PARTS) + 6)]
     for result, (label, parts) in zip(results, rows):
         cells = " | ".join(f"{parts[key]:.2f}" for _, key in PARTS)
         first, later = sync_first_and_later(result)
         lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x | "
-                     f"{first:.2f} | {later:.2f} | {float(result.get('share_s') or 0.0):.2f} |")
+                     f"{first:.2f} | {later:.2f} | {float(result.get('share_s') or 0.0):.2f} | "
+                     f"{pushed_mib(result)} |")
     steps = len(results[0]["history"])
     note = (f"\n\nMean seconds per step over {steps} steps, measured by `{command}` (one run each, one after the "
             "other: a noisy machine moves the rollout and train columns between runs; the sync and checkpoint "

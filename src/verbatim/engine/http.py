@@ -30,13 +30,14 @@ from verbatim.engine.chunked_prefill import RESTART, server_chunking
 from verbatim.engine.drain import Drain
 from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.logprobs_mode import logprobs_mode
-from verbatim.engine.lora_serving import Held, ServedAdapters
+from verbatim.engine.lora_serving import ServedAdapters, ServerLoader
 from verbatim.engine.metrics import capacity_tokens, parse_prometheus, reported_block_size
+from verbatim.engine.outputs import answer_completion
 from verbatim.engine.protocol import Adapter, CachePolicy, EngineStats, Sampling, WeightSource
 from verbatim.engine.runtime import DEFAULT_BLOCK_SIZE
 from verbatim.engine.server_url import redact, redact_text, secret_param, split_url
 from verbatim.engine.untied import needs_untying, serving_copy, untied_folder
-from verbatim.errors import EngineError, InputError
+from verbatim.errors import EngineError, InputError, NoLoraError
 
 HEALTH_EVERY_S = 5.0
 HEALTH_FAILURES = 3
@@ -84,7 +85,8 @@ class HttpEngine:
         self._kv = KvProvenance(block_size)
         self._drain = Drain()
         self._adapters = ServedAdapters(None, server=True)
-        """The LoRA adapters loaded into the server (its runtime endpoints, :class:`_ServerLoader`)."""
+        """The LoRA adapters loaded into the server (its runtime endpoints)."""
+        self._loader = ServerLoader(self._call, self.label)
         self._ids = itertools.count()
         self.retries = retries
         self.backoff_s = backoff_s
@@ -191,6 +193,9 @@ class HttpEngine:
             if response.status_code >= 500:
                 last = f"{response.status_code} {response.reason_phrase}: {self._detail(response)}"
                 continue
+            if response.status_code == 404 and path in TEXT_ANSWERS - {"/metrics"}:  # no runtime LoRA endpoint
+                raise NoLoraError(self._scrub(f"{self._where(path)} is not there: the server takes no LoRA adapter"),
+                                  hint="start it with verbatim serve --lora-rank R (or fleet up --lora-rank R)")
             if response.status_code >= 400:
                 raise InputError(self._scrub(f"{self._where(path)} refused the request ({response.status_code}): "
                                              f"{self._detail(response)}"))
@@ -308,7 +313,7 @@ class HttpEngine:
                 answer = await self._call("POST", "/v1/completions", json=body)
             finally:
                 self._adapters.give(held)
-        done = _completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
+        done = answer_completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
         key = ServedAdapters.kv_key(cache_salt, held)
         return replace(done, kv_versions=self._kv.finish(key, prompt, done.token_ids, done.versions,
                                                          done.cached_tokens, f"http-{next(self._ids)}", epoch))
@@ -367,7 +372,7 @@ class HttpEngine:
             try:
                 await self._call("POST", "/collective_rpc",
                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
-                await self._adapters.clear(_ServerLoader(self))
+                await self._adapters.clear(self._loader)
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
                 if policy is CachePolicy.FLUSH:
                     await self._reset_cache(version)
@@ -381,7 +386,7 @@ class HttpEngine:
         """A LoRA adapter loaded into the server (``/v1/load_lora_adapter``, checked listed by ``/v1/models``);
         requests sent from now on name it, those running keep theirs: nothing drains."""
         self._adapters.check(adapter)
-        await self._adapters.add(_ServerLoader(self), adapter, version)
+        await self._adapters.add(self._loader, adapter, version)
         if policy is CachePolicy.FLUSH:
             await self._reset_cache(version)
         else:
@@ -409,30 +414,6 @@ class HttpEngine:
             version=self.version,
             capacity_tokens=capacity_tokens(text if isinstance(text, str) else ""),
         )
-
-
-class _ServerLoader:
-    """:class:`~verbatim.engine.lora_serving.Loader` of a vLLM server started with runtime LoRA updating
-    (``verbatim serve --lora-rank R``)."""
-
-    def __init__(self, engine: HttpEngine) -> None:
-        self.engine = engine
-
-    async def load(self, held: Held) -> None:
-        try:
-            await self.engine._call("POST", "/v1/load_lora_adapter",
-                                    json={"lora_name": held.name, "lora_path": held.path})
-        except InputError as exc:
-            raise InputError(f"{exc.message}; a LoRA run needs a server started for its rank with runtime LoRA "
-                             "updating", hint="start it with verbatim serve --lora-rank R (or fleet up --lora-rank R)"
-                             ) from exc
-        listed = await self.engine._call("GET", "/v1/models")
-        names = {m.get("id") for m in (listed.get("data") or [])} if isinstance(listed, dict) else set()
-        if held.name not in names:
-            raise EngineError(f"{self.engine.label} loaded the adapter {held.name} but does not list it")
-
-    async def unload(self, held: Held) -> None:
-        await self.engine._call("POST", "/v1/unload_lora_adapter", json={"lora_name": held.name})
 
 
 class _Retry(Exception):
@@ -463,23 +444,3 @@ def _message(response: httpx.Response) -> str:
     error = body.get("error", body) if isinstance(body, dict) else body
     message = error.get("message", error) if isinstance(error, dict) else error
     return " ".join(str(message).split())
-
-
-def _completion(answer: Any, prompt_len: int, version: int, cache_salt: str | None, total_s: float) -> Completion:
-    try:
-        choice = answer["choices"][0]
-        ids = [int(t) for t in choice["token_ids"]]
-        logprobs = choice["logprobs"]["token_logprobs"]
-        usage = answer.get("usage") or {}
-        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise EngineError(f"malformed completion from the server (missing {exc}); is it vLLM with "
-                          "--enable-prompt-tokens-details?") from exc
-    if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
-        raise EngineError("the server returned no logprob for some sampled tokens")
-    return Completion(
-        token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
-        versions=np.full(len(ids), version, dtype=np.int32), finish_reason=str(choice.get("finish_reason")),
-        prompt_tokens=prompt_len, cached_tokens=min(cached, prompt_len), cache_salt=cache_salt, total_s=total_s,
-    )
-

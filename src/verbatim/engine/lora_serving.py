@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from verbatim.engine.protocol import Adapter, adapter_name
 from verbatim.engine.runtime import lora_capacity
-from verbatim.errors import EngineError, InputError
+from verbatim.errors import EngineError, InputError, NoLoraError
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ class ServedAdapters:
     def check(self, adapter: Adapter) -> None:
         """Refuse an adapter this engine cannot serve: no LoRA, a rank above its own, or no PEFT folder."""
         if self.rank is None and not self.server:
-            raise InputError("the engine was started without LoRA and cannot serve an adapter",
-                             hint="start it for the run's --lora-rank")
+            raise NoLoraError("the engine was started without LoRA and cannot serve an adapter",
+                              hint="start it for the run's --lora-rank")
         if self.rank is not None and adapter.rank > lora_capacity(self.rank):
             raise InputError(f"the adapter's rank {adapter.rank} is above the {lora_capacity(self.rank)} the engine "
                              "was started for", hint=f"start the engine with --lora-rank {adapter.rank}")
@@ -134,6 +135,26 @@ class InprocLoader:
 
     async def unload(self, held: Held) -> None:
         await self.llm.remove_lora(held.lora_id)
+
+
+class ServerLoader:
+    """:class:`Loader` of a vLLM server started with runtime LoRA updating (``verbatim serve --lora-rank R``), through
+    ``call(method, path, json=…)`` (the HTTP engine's retried call): a server without the endpoint answers 404,
+    which the call raises as :class:`~verbatim.errors.NoLoraError`."""
+
+    def __init__(self, call: Callable[..., Awaitable[Any]], label: str) -> None:
+        self.call = call
+        self.label = label
+
+    async def load(self, held: Held) -> None:
+        await self.call("POST", "/v1/load_lora_adapter", json={"lora_name": held.name, "lora_path": held.path})
+        listed = await self.call("GET", "/v1/models")
+        names = {m.get("id") for m in (listed.get("data") or [])} if isinstance(listed, dict) else set()
+        if held.name not in names:
+            raise EngineError(f"{self.label} loaded the adapter {held.name} but does not list it")
+
+    async def unload(self, held: Held) -> None:
+        await self.call("POST", "/v1/unload_lora_adapter", json={"lora_name": held.name})
 
 
 def lora_request(held: Held | None) -> Any:

@@ -1,6 +1,6 @@
-"""What vLLM's in-process engine hands back, as verbatim's types: a :class:`~verbatim.datamodel.Completion` from a
-``RequestOutput`` (sampled ids, their logprobs μ, each token's version), and the structured-outputs settings of a
-request."""
+"""What vLLM hands back, as verbatim's types: a :class:`~verbatim.datamodel.Completion` from the in-process engine's
+``RequestOutput`` (sampled ids, their logprobs μ, each token's version) or from a server's JSON answer, and the
+structured-outputs settings of a request."""
 
 from __future__ import annotations
 
@@ -56,5 +56,26 @@ def completion_of(output: Any, prompt_len: int, cache_salt: str | None, first_to
         queue_s=queue_s,
         first_token_s=first_token_s,
         total_s=total_s,
+    )
+
+
+def answer_completion(answer: Any, prompt_len: int, version: int, cache_salt: str | None, total_s: float) -> Completion:
+    """A served ``/v1/completions`` answer (``return_token_ids``, ``logprobs=0``) as a completion, every token of
+    ``version``."""
+    try:
+        choice = answer["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = choice["logprobs"]["token_logprobs"]
+        usage = answer.get("usage") or {}
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EngineError(f"malformed completion from the server (missing {exc}); is it vLLM with "
+                          "--enable-prompt-tokens-details?") from exc
+    if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+        raise EngineError("the server returned no logprob for some sampled tokens")
+    return Completion(
+        token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
+        versions=np.full(len(ids), version, dtype=np.int32), finish_reason=str(choice.get("finish_reason")),
+        prompt_tokens=prompt_len, cached_tokens=min(cached, prompt_len), cache_salt=cache_salt, total_s=total_s,
     )
 

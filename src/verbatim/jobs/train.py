@@ -149,9 +149,10 @@ def lora_serving(options: TrainConfig) -> tuple[int, int] | None:
 
 
 def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
-    """A LoRA run's targets name linear layers of its model, and its in-process engine serves adapters of its rank:
-    refused in one line before the engine starts (a server refuses the run's first adapter, which the run loads
-    as it begins, before any rollout)."""
+    """A LoRA run's targets name linear layers of its model, vLLM serves LoRA for its family, and an in-process
+    engine started for LoRA takes its rank: refused in one line before the engine starts (a server refuses too
+    large a rank at the run's first adapter, which the run loads as it begins, before any rollout). An engine that
+    serves no LoRA at all is pushed the weights with the adapter merged (rl/train.py)."""
     from verbatim.engine.lora_serving import check_family
     from verbatim.engine.runtime import lora_capacity
     from verbatim.trainer.lora import peft_config
@@ -164,10 +165,10 @@ def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
     if not hasattr(engine, "config"):  # a server: its refusal of the first adapter, before any rollout
         return
     served = engine.config.lora_rank
-    if served is None or lora_capacity(served) < rank:
-        raise InputError(f"--lora-rank {rank}: the engine given to this run serves "
-                         f"{'no LoRA' if served is None else f'LoRA up to rank {lora_capacity(served)}'}",
-                         hint="start it with EngineConfig(lora_rank=...) or let the run start its own")
+    if served is not None and lora_capacity(served) < rank:  # (none: it is pushed merged weights)
+        raise InputError(f"--lora-rank {rank}: the engine given to this run serves LoRA up to rank "
+                         f"{lora_capacity(served)}", hint="start it with EngineConfig(lora_rank=...) or let the run "
+                                                          "start its own")
 
 
 def owes_last_evaluation(config: TrainConfig) -> bool:

@@ -7,9 +7,9 @@ Steps are counted from 1 (in the console, the files and the docs). Step ``n``:
 2. group-relative advantages, the learner's step on the traced tokens (in a worker thread), and
    its log π of each trained rollout before the update (π_old) with the correction's keep mask into
    ``RUN_DIR/trainer_logprobs/step-{n:06d}.parquet`` (atomic; ``verbatim view`` colours tokens by it);
-3. the new weights into the engine under the cache policy, as version ``n`` (served replicas
-   reload a folder published atomically under ``RUN_DIR/weights/``; the router updates every
-   replica before the version is used);
+3. the new weights into the engine under the cache policy, as version ``n`` (rl/weight_sync.py: served
+   replicas reload a folder published atomically under ``RUN_DIR/weights/``, the router updating every
+   replica before the version is used; a LoRA run pushes its adapter);
 4. every ``checkpoint_every`` steps, at the last planned step and at the step a stopped run ends on,
    an atomic checkpoint ``RUN_DIR/checkpoints/step-{n:06d}`` (weights, optimizer, RNG, version,
    config, the metrics so far, and the model's config and tokenizer files: a loadable model folder);
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from verbatim.datamodel import Rollout
-from verbatim.engine.checkpoints import model_files, publish, publish_weights, temporary_folder
-from verbatim.engine.protocol import Adapter, CachePolicy, served_policy
+from verbatim.engine.checkpoints import model_files
+from verbatim.engine.protocol import CachePolicy
 from verbatim.envs.base import EnvFactory
 from verbatim.errors import RunInterrupted
 from verbatim.harness.metrics_log import append_metrics, rewrite_metrics
@@ -62,13 +62,10 @@ from verbatim.rl.plan import TrainPlan
 from verbatim.rl.rerendered import closed_input, rerendered_input
 from verbatim.rl.train_resume import CHECKPOINTS, set_aside, trained_steps
 from verbatim.rl.train_step import step_input, step_logprobs, step_record
+from verbatim.rl.weight_sync import WeightSync
 from verbatim.trainer.checkpoint import latest_checkpoint
 from verbatim.trainer.learner import Learner
 from verbatim.trainer.logprob_files import step_file, write_logprobs
-
-WEIGHTS = "weights"
-ADAPTERS = "adapters"
-"""A LoRA run's folder of the adapters it pushed, one PEFT folder a version (``v000003``), the newest kept."""
 
 
 class TrainLoop:
@@ -82,7 +79,7 @@ class TrainLoop:
         self.make_player = make_player
         """Each step's :class:`Run` plays with it (an env's rollout loop, or an agent's endpoint)."""
         self.renderer, self.env, self.tasks = renderer, env, tasks
-        self.out, self.manifest, self.model_dir, self.served = Path(out), manifest, Path(model_dir), served
+        self.out, self.manifest, self.model_dir = Path(out), manifest, Path(model_dir)
         self.used = used
         """The engine may hold what another run left (a server, or an engine the caller started and gives this
         loop): the loop begins it with its own weights, its prefix cache emptied. ``served``: the weights reach
@@ -91,7 +88,7 @@ class TrainLoop:
         self.engine_start_s = 0.0
         """Seconds the engine took to start (set by the command that started it)."""
         self.share_s = 0.0
-        """Seconds the learner's weights took to move into the engine's shared buffer (:meth:`_share_weights`)."""
+        """Seconds the learner's weights took to move into the engine's shared buffer (:meth:`WeightSync.share`)."""
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         self.on_rollout: Callable[[Rollout], None] | None = None
         self._trained = 0
@@ -105,8 +102,9 @@ class TrainLoop:
         self.evaluator = evaluator
         """Plays the run's evaluations (``--eval-every``; rl/evaluate.py), None without them."""
         self._evaluating: tuple[int, asyncio.Task] | None = None
-        self._pushed_bytes = 0
-        """Bytes of the last push's tensors as the learner holds them (a LoRA adapter's file)."""
+        self.weights = WeightSync(engine, self.out, self.model_dir, served=served, used=used,
+                                  keep_adapters=plan.max_lag + 3)
+        """How the learner's weights reach the engine (rl/weight_sync.py)."""
         """The evaluation a (re)started run owes its first step's weights, played beside that step."""
 
     @property
@@ -121,7 +119,7 @@ class TrainLoop:
             clear_unfinished_writes(self.out)
             writer = TraceWriter(self.out, self.manifest)  # "running", with the engine's block size, before any step
             try:
-                await self._share_weights()
+                self.share_s = await self.weights.share(self.learner)
                 await self._steps(await self._restore(resume))
             except (RunInterrupted, asyncio.CancelledError, KeyboardInterrupt):
                 with suppress(Exception):  # the stop's own error is the one to show
@@ -177,28 +175,15 @@ class TrainLoop:
         for run in list(self._runs):
             run.stop(request, grace_s if first else 0)
 
-    async def _share_weights(self) -> None:
-        """Where the engine offers it (in-process, engine/weight_push.py), the learner's weights move into the
-        buffer the engine loads pushes from, before the first step: a push then copies nothing, and its set-up
-        (the buffer, the worker's mapping, the reload's plan) is timed here, in ``share_s``, not in a step."""
-        share = getattr(self.engine, "share_weights", None)
-        if self.served or share is None or self.learner.trains_adapter:  # an adapter is pushed as a folder
-            return
-        began = time.perf_counter()
-        views = await share(self.learner.engine_weights())
-        if views is not None:
-            await asyncio.to_thread(self.learner.keep_weights_in, views)
-        self.share_s = time.perf_counter() - began
-
     async def _restore(self, resume: bool) -> int:
         """The step to start from (0, or the newest checkpoint's), with the learner's weights in the engine: a
         server gets them whatever it held (another run's weights and KV, which it would otherwise sample this
         run's first step with), an engine this run started only when they are not its own."""
         start = await self._restored(resume)
         if self.used or self.learner.trains_adapter:  # a LoRA run serves its adapter from version 0 on
-            await self._begin()
+            await self.weights.begin(self.learner)
         elif self.learner.version > self.engine.version:
-            await self._push(CachePolicy.FLUSH)
+            await self.weights.push(self.learner, CachePolicy.FLUSH)
         return start
 
     async def _restored(self, resume: bool) -> int:
@@ -287,7 +272,7 @@ class TrainLoop:
         await self._wait_for_older_steps(n)
         await self._settle_evaluation()  # its weights stay in the engine until it ends
         began = time.perf_counter()
-        pushed = await self._push(self.plan.cache_policy)
+        pushed = await self.weights.push(self.learner, self.plan.cache_policy)
         sync_s = time.perf_counter() - began
         times = {"rollout": rollout_s, "train": learned.get("train_s", 0.0), "weight_sync": sync_s,
                  "policy": learned.get("policy_s", 0.0), "update": learned.get("update_s", 0.0)}
@@ -378,42 +363,3 @@ class TrainLoop:
                                 model_files(self.model_dir))
         self._checkpointed = n
         return round(time.perf_counter() - began, 3)
-
-    async def _begin(self) -> None:
-        """The learner's weights into the engine as those this run begins from (:meth:`Engine.begin`: the cache
-        emptied, whatever the engine held); a LoRA run's adapter over the base weights, which an engine another
-        run used gets back first."""
-        if self.learner.trains_adapter and self.used:
-            await self.engine.begin(str(self.model_dir), self.learner.version)
-        await self.engine.begin(await self._weights_source(), self.learner.version)
-
-    def _write_adapter(self, parent: Path) -> Path:
-        return self.learner.write_adapter(temporary_folder(parent))
-
-    async def _push(self, policy: CachePolicy) -> dict[str, Any]:
-        """The learner's weights into the engine as its version, under the cache policy ``policy``; returns what
-        was pushed: ``weight_sync_form`` (weights, or a LoRA adapter), ``weight_sync_bytes``, and the cache
-        policy it amounts to (``cache_policy_served``: an adapter's keep acts as salt, engine/protocol.py)."""
-        source = await self._weights_source()
-        await self.engine.update_weights(source, self.learner.version, policy)
-        adapter = isinstance(source, Adapter)
-        return {"weight_sync_form": "lora" if adapter else "weights", "weight_sync_bytes": self._pushed_bytes,
-                "cache_policy_served": served_policy(policy, adapter).value}
-
-    async def _weights_source(self) -> Any:
-        """The learner's weights as the engine takes them: in memory, or a folder the servers read (if served); a
-        LoRA learner's adapter as a PEFT folder in ``RUN_DIR/adapters/`` (the versions a lagged step may still
-        sample with kept)."""
-        if self.learner.trains_adapter:
-            folder = await asyncio.to_thread(publish, self._write_adapter, self.out / ADAPTERS, self.learner.version,
-                                             self.plan.max_lag + 3, "adapter")
-            self._pushed_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-            return Adapter(folder=str(folder.resolve()), rank=int(self.learner.config.lora.rank or 0))
-        weights = self.learner.engine_weights()
-        self._pushed_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        if not self.served:
-            return weights
-        folder = await asyncio.to_thread(publish_weights, weights, self.model_dir, self.out / WEIGHTS,
-                                         self.learner.version)
-        return str(folder.resolve())
-

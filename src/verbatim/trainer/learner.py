@@ -286,6 +286,11 @@ class Learner:
             return self.placement.adapter_weights()
         return self.placement.weights()
 
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA learner's weights with the adapter folded in (W + scale·B·A), each once, as :meth:`engine_weights`
+        gives a whole model's: what an engine that serves no LoRA is pushed instead of the adapter."""
+        return self.placement.merged_weights()
+
     def write_adapter(self, folder: Path) -> Path:
         """The adapter as a PEFT folder at ``folder`` (a LoRA learner), what the engine loads as a new LoRA."""
         weights = self.engine_weights()

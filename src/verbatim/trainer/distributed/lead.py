@@ -141,6 +141,9 @@ class Lead:
             _say(self.channel, "engine_weights")
             return self.learner.write_adapter(folder)
 
+    def merged_weights(self) -> dict[str, Any]:
+        return self.learner.merged_weights()  # refused on a team (sharding.py): no call to announce
+
     def keep_weights_in(self, views: dict[str, Any]) -> int:
         """Sharded parameters cannot live in the engine's buffer: every push copies into it."""
         return 0

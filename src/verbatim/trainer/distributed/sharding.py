@@ -115,6 +115,9 @@ class WholeModel:
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return lora.adapter_weights(self.model)
 
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        return unique_weights(lora.merged_weights(self.model))
+
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path:
         return save_checkpoint(root, step, self.model, optimizer, state, keep, model_files)
@@ -303,6 +306,10 @@ class ShardedModel:
         gathered = {lora.saved_name(name): _whole(param.detach()).cpu()
                     for name, param in self.model.named_parameters() if lora.is_adapter_name(name)}
         return gathered if self.team.leader else {}
+
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        raise TrainerError("a team's LoRA adapter is pushed as an adapter only: its engine must serve LoRA",
+                           hint="start the engine for the run's --lora-rank (verbatim serve --lora-rank R)")
 
     def save(self, optimizer: torch.optim.Optimizer, root: Path, step: int, state: dict[str, Any], keep: int,
              model_files: Sequence[Path]) -> Path | None:
