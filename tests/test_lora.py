@@ -313,3 +313,19 @@ def test_a_bf16_lora_step_stays_near_the_fp32_one():
     for name in moved:
         agree = torch.sign(half.engine_weights()[name]) == torch.sign(full.engine_weights()[name])
         assert float(agree.float().mean()) > 0.9, name  # AdamW's first step: ±lr where the gradient's sign agrees
+
+
+def test_a_lora_checkpoint_loads_as_its_base_with_the_adapter_and_no_engine_is_started_on_it(lora_run):
+    """``load_model`` (what ``verbatim mismatch`` computes π with) takes a PEFT folder as the base it names with the
+    adapter; ``--model`` of a LoRA checkpoint for a run or an evaluation is one line naming ``export-model --merge``."""
+    from verbatim.errors import InputError
+    from verbatim.jobs.compose import playable_model
+    from verbatim.trainer.reference import load_model
+
+    tmp_path, learner = lora_run
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    loaded = load_model(checkpoint)
+    assert lora.has_adapter(loaded)
+    assert torch.equal(logits(loaded, IDS), logits(learner.model.eval(), IDS))
+    with pytest.raises(InputError, match="is a LoRA adapter, not a model an engine can start on"):
+        playable_model(str(checkpoint))

@@ -139,6 +139,18 @@ def checkpoint_model(model: str) -> str:
     return model
 
 
+def playable_model(model: str) -> str:
+    """:func:`checkpoint_model`'s folder where an engine can start on it: a LoRA run's checkpoint (a PEFT folder, the
+    adapter alone) is refused in one line, naming how to make a model folder of it."""
+    from verbatim.trainer.lora import is_adapter_folder
+
+    chosen = checkpoint_model(model)
+    if is_adapter_folder(Path(chosen)) and not (Path(chosen) / "config.json").is_file():
+        raise InputError(f"--model {model}: {chosen} is a LoRA adapter, not a model an engine can start on",
+                         hint=f"verbatim export-model {chosen} --merge --out DIR, then --model DIR")
+    return chosen
+
+
 def _complete(root: Path) -> list[str]:
     """The folder names of ``root``'s complete checkpoints, oldest first."""
     from verbatim.trainer.checkpoint import checkpoint_steps, step_dir_name

@@ -33,11 +33,11 @@ from verbatim.harness.run import Run, RunPlan, StopRequest
 from verbatim.harness.store import MANIFEST, RunManifest, read_manifest
 from verbatim.harness.summary import RunSummary
 from verbatim.jobs.compose import (
-    checkpoint_model,
     default_renderer,
     engine_record,
     episode_source,
     existing_run_id,
+    playable_model,
     players,
 )
 from verbatim.jobs.config import RunOptions, flags_of
@@ -82,7 +82,7 @@ def prepare_run(options: RunOptions, engine: Any | None = None) -> tuple[Run, An
     from verbatim.jobs.placement import check_here
     from verbatim.renderers.registry import get_renderer
 
-    model = checkpoint_model(options.engine.model)  # a training run's folder: its newest checkpoint
+    model = playable_model(options.engine.model)  # a training run's folder: its newest checkpoint
     options = options.model_copy(update={"engine": options.engine.model_copy(update={"model": model})})
     policy = options.cache_policy
     factory = episode_source(options.play)

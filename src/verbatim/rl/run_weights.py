@@ -2,7 +2,8 @@
 
 Version 0 is the run's base model (the manifest's ``model``). A training run's version ``n`` is
 the policy after step ``n``: ``RUN_DIR/checkpoints/step-{n:06d}``, a Hugging Face model folder
-(weights, config, tokenizer), kept for the newest ``--keep-checkpoints`` steps. A version the run
+(weights, config, tokenizer), or a LoRA run's PEFT folder (its base model with the adapter), kept for the newest
+``--keep-checkpoints`` steps. A version the run
 never had, or one whose checkpoint was not kept, is one line naming what is there.
 """
 
@@ -66,8 +67,10 @@ def _checkpoint(run_dir: Path, version: int) -> Path:
         raise InputError(f"the weights of version {version} are not kept in {run_dir / CHECKPOINTS} (steps kept: "
                          f"{kept}; --keep-checkpoints decides how many)",
                          hint="pass --trainer-version of a kept step, or --model with the weights to use")
+    from verbatim.trainer.lora import is_adapter_folder
+
     folder = run_dir / CHECKPOINTS / step_dir_name(version)
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not is_adapter_folder(folder):  # (a LoRA run's: its adapter)
         raise InputError(f"{folder} holds no config.json (written by an older verbatim): it is not a model folder",
                          hint="pass --model with the run's base model folder and --trainer-version 0")
     return folder

@@ -30,12 +30,17 @@ from verbatim.trainer.prefixflow import LossFn, PrefixGroup
 
 
 def load_model(model_dir: str | Path) -> nn.Module:
-    """A Hugging Face causal-LM folder as a float32 model in eval mode."""
+    """A Hugging Face causal-LM folder as a float32 model in eval mode; a PEFT folder (a LoRA run's checkpoint) as
+    the base model it names with its adapter attached (:mod:`verbatim.trainer.lora`)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from verbatim.trainer import lora
+
     hf_logging.disable_progress_bar()  # one local folder: a progress bar is noise on the terminal
     path = Path(model_dir)
+    if lora.is_adapter_folder(path) and not (path / "config.json").is_file():
+        return _with_adapter(path)
     if not (path / "config.json").is_file():
         raise UnknownModelError(f"{path} is not a Hugging Face model folder (no config.json)")
     try:
@@ -43,6 +48,18 @@ def load_model(model_dir: str | Path) -> nn.Module:
     except (OSError, ValueError) as exc:
         reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UnknownModelError(f"{path} cannot be loaded as a causal language model: {reason}") from exc
+    return model.eval()
+
+
+def _with_adapter(folder: Path) -> nn.Module:
+    """The base model a PEFT folder names, with the folder's adapter, in eval mode."""
+    from verbatim.trainer import lora
+
+    base = lora.read_adapter_config(folder).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise UnknownModelError(f"the adapter in {folder} names base model {base!r}, which is not a model folder here")
+    model = lora.attach(load_model(base), lora.settings_of(folder))
+    lora.load_adapter(folder, model)
     return model.eval()
 
 
