@@ -18,8 +18,8 @@ makes rank 1 skip the idle calls that keep it in step (``--timeout S``: the team
 model whose output layer is not its embedding (the embedding then a unit of its own). ``--from DIR``: a team's
 ranks build the model on the meta device and each loads its own rows of DIR's weights (the saved tiny model).
 ``--file-bytes N``: a checkpoint's weight files hold at most N bytes each (numbered files and an index), the
-model's ``config.json`` beside them. ``--lora``: a rank-4 LoRA adapter trains on the frozen model (attached before
-the team shards it).
+model's ``config.json`` beside them. ``--lora``: a rank-4 LoRA adapter trains on the frozen model (with
+``--from`` on a team, built as a LoRA run's team builds it).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from test_trainer_learner import step_rows
@@ -37,7 +38,7 @@ from test_trainer_learner import step_rows
 from verbatim.bench.prefixflow_exactness import tiny_llama
 from verbatim.trainer.distributed.team import Team, join, leave
 from verbatim.trainer.learner import Learner
-from verbatim.trainer.learner_config import LearnerConfig, LossConfig
+from verbatim.trainer.learner_config import LearnerConfig, LoraConfig, LossConfig
 from verbatim.trainer.step_input import StepInput
 
 CONFIG = LearnerConfig(lr=1e-3, microbatch=2, updates_per_step=2, max_grad_norm=0.5)
@@ -82,6 +83,29 @@ def option(flag: str) -> str | None:
     return ARGS[ARGS.index(flag) + 1] if flag in ARGS else None
 
 
+def with_adapter(model: torch.nn.Module, config: LearnerConfig, team: Team) -> Any:
+    """``model`` with the run's fresh adapter (seed 5), its B then set to the same noise on every rank (so that A's
+    gradient is not 0): attached whole, or, with ``--from`` on a team, as a LoRA run's team builds it (each rank
+    its own rows of the saved model's files and its shard of the adapter)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from verbatim.jobs.trainer_team import lora_team_model
+    from verbatim.trainer import lora
+
+    if option("--from") is not None and team.size > 1:
+        model = lora_team_model(Path(option("--from")), config, team, "cpu", seed=5)
+    else:
+        lora.attach(model, config.lora, seed=5)
+    noise = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in getattr(model, "model", model).named_parameters():
+            if ".lora_B." in name:
+                value = 0.05 * torch.randn(param.shape, generator=noise)
+                param.copy_(distribute_tensor(value, param.device_mesh, param.placements)
+                            if hasattr(param, "device_mesh") else value)
+    return model
+
+
 def whole_moments(learner: Learner) -> dict:
     """The optimizer's state, every tensor whole, keyed by parameter name, on rank 0 (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -97,24 +121,15 @@ def main(out: str, team: Team, args: list[str]) -> None:
     divide = None if divide is None else float(divide)
     model = tiny_llama(tied="--untied" not in ARGS, seed=1)
     step, config = CASES[option("--case") or "three-groups"](model)
-    if "--lora" in ARGS:  # the same adapter on every rank, its B random so that A's gradient is not 0
-        from verbatim.trainer import lora
-        from verbatim.trainer.learner_config import LoraConfig
-
+    if "--lora" in ARGS:
         config = config.model_copy(update={"lora": LoraConfig(rank=4)})
-        torch.manual_seed(5)
-        lora.attach(model, config.lora)
-        noise = torch.Generator().manual_seed(6)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if ".lora_B." in name:
-                    param.copy_(0.05 * torch.randn(param.shape, generator=noise))
+        model = with_adapter(model, config, team)
     if "--kl" in ARGS:
         config = config.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k2")})
     step = replace(step, truncation=(0.5, 0))  # counted outside π's top-p mask: a metric each rank sums
     config = config.model_copy(update={"dtype": option("--dtype") or "fp32"})
     reference = None
-    if option("--from") is not None and team.size > 1:  # each rank loads its own rows of the saved model
+    if option("--from") is not None and team.size > 1 and "--lora" not in ARGS:  # its own rows of the saved model
         from verbatim.trainer.distributed.loading import sharded_from
 
         model = sharded_from(option("--from"), team, config.dtype, "cpu")

@@ -193,6 +193,7 @@ def pair(tmp_path_factory) -> dict[str, dict]:
                     "averaged": ["--divide", "2"], "bf16-averaged": ["--dtype", "bf16", "--divide", "2"],
                     "empty": ["--no-step", "--save", str(folder / "empty")],
                     "lora": ["--lora", "--save", str(folder / "lora")],
+                    "lora-shards": ["--lora", "--from", str(models["tied"])],
                     # last: its weight files of at most 60 kB (numbered, with an index)
                     "saved": ["--save", str(folder / "checkpoints"), "--file-bytes", "60000"]}
     return _steps(folder, 2, jobs)
@@ -269,6 +270,12 @@ def test_a_team_trains_a_lora_adapter_as_one_process_does_and_checkpoints_it_as_
     saved = load_file(str(folder / lora.WEIGHTS_FILE))
     assert saved.keys() == two["weights"].keys()
     assert all(torch.equal(saved[name], two["weights"][name]) for name in saved)
+
+
+def test_a_lora_team_built_on_the_meta_device_makes_one_processs_update(alone, pair):
+    """Each rank reads its own rows of the saved base and takes its shard of the same fresh adapter (the seed's A,
+    drawn as one process draws it): the update of one process that attached the adapter to the whole model."""
+    assert_same_step(pair["lora-shards"], alone["lora"])
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):

@@ -153,7 +153,8 @@ def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: A
     options = config.learner
     empty = model is not None and next(model.parameters()).is_meta  # rank 0's, built for the placement check
     if team.size > 1 and options.lora.rank is not None:
-        return Learner(lora_team_model(config, model_dir, team, device), options, team=team, seed=config.plan.seed,
+        return Learner(lora_team_model(model_dir, options, team, device, config.plan.seed), options, team=team,
+                       seed=config.plan.seed,
                        reference=(sharded_from(model_dir, team, options.dtype, device)
                                   if options.loss.kl_coef > 0 else None))
     if team.size > 1:
@@ -165,18 +166,22 @@ def build_learner(config: Any, model_dir: Path, team: Any, device: str, model: A
     return Learner(whole.to(device), options, team=team, seed=config.plan.seed)
 
 
-def lora_team_model(config: Any, model_dir: Path, team: Any, device: str) -> Any:
-    """A LoRA run's model on a team: every rank loads the base whole and attaches the same adapter (the run's seed
-    draws its A), then shards it (the frozen base beside the adapter in each unit)."""
+def lora_team_model(model_dir: Path, options: Any, team: Any, device: str, seed: int) -> Any:
+    """A LoRA run's model on a team (``options``: its learner's): built on the meta device with its adapter, sharded
+    (the frozen base beside the adapter in each unit), each rank reading its own rows of the base's files and taking
+    its shard of the fresh adapter one process would draw from ``seed``."""
     from verbatim.trainer import lora
-    from verbatim.trainer.checkpoint import seed_generators
+    from verbatim.trainer.distributed.loading import empty_model, sharded_from
     from verbatim.trainer.distributed.sharding import ShardedModel
     from verbatim.trainer.reference import load_model
 
-    model = load_model(model_dir)
-    seed_generators(config.plan.seed)
-    lora.attach(model, config.learner.lora, base=str(model_dir))
-    return ShardedModel(model.to(device), team, config.learner.dtype)
+    model = lora.attach(empty_model(model_dir), options.lora, base=str(model_dir))
+    sharded = sharded_from(model_dir, team, options.dtype, device, model)
+    if sharded is None:  # files that do not name every weight: the base loaded whole, then sharded
+        whole = lora.attach(load_model(model_dir), options.lora, base=str(model_dir))
+        sharded = ShardedModel(whole.to(device), team, options.dtype)
+    lora.init_adapter(sharded.model, seed)
+    return sharded
 
 
 def leave_team() -> None:

@@ -116,7 +116,7 @@ class Learner:
         """The policy a KL penalty pulls toward: the weights the learner starts from (a resumed run's
         too: a learner is built from the run's model, then restored), sharded over a team as the model is."""
         if config.lora.rank is not None and not lora.has_adapter(model):
-            lora.attach(model, config.lora, base=getattr(model.config, "_name_or_path", None))
+            lora.attach(model, config.lora, base=getattr(model.config, "_name_or_path", None), seed=seed or 0)
         elif config.lora.rank is None and lora.has_adapter(model):
             raise TrainerError("the model carries a LoRA adapter but the learner is configured without one",
                                hint="pass --lora-rank R")

@@ -16,6 +16,7 @@ restores (:func:`load_adapter`). :func:`merged_weights` folds the adapter into t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,10 @@ def peft_config(model: nn.Module, config: LoraConfig, base: str | None = None) -
                           base_model_name_or_path=base)
 
 
-def attach(model: nn.Module, config: LoraConfig, base: str | None = None) -> nn.Module:
-    """``model`` with a fresh adapter (B = 0: the same function as the base) on its targets, base weights
-    frozen; the same object, changed in place."""
+def attach(model: nn.Module, config: LoraConfig, base: str | None = None, seed: int = 0) -> nn.Module:
+    """``model`` with a fresh adapter (:func:`init_adapter` from ``seed``; B = 0: the same function as the base) on
+    its targets, base weights frozen; the same object, changed in place. A model on the meta device (a team's,
+    before it is sharded and filled) gets its adapter's values from :func:`init_adapter` once it has memory."""
     from peft import inject_adapter_in_model
 
     if config.rank is None:
@@ -82,7 +84,30 @@ def attach(model: nn.Module, config: LoraConfig, base: str | None = None) -> nn.
     model.peft_config = {ADAPTER: settings}
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_name(name))
+    if not any(p.is_meta for p in model.parameters()):
+        init_adapter(model, seed)
     return model
+
+
+def init_adapter(model: nn.Module, seed: int) -> None:
+    """A fresh adapter's values, the same in one process and on every rank of a team (each rank its shard): each
+    A drawn as PEFT draws it (Kaiming-uniform, a = √5) from one generator seeded with ``seed``, in the model's
+    order, each B zero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not is_adapter_name(name):
+                continue
+            value = torch.zeros(param.shape, dtype=param.dtype)
+            if ".lora_A." in name:
+                torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+            param.copy_(_placed(value, param))
+
+
+def base_name(name: str) -> str:
+    """The base model's own name of a parameter of ``model`` with an adapter (``q_proj.base_layer.weight`` ->
+    ``q_proj.weight``): where its weight files hold it."""
+    return name.replace(".base_layer.", ".")
 
 
 def has_adapter(model: nn.Module) -> bool:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from verbatim.errors import TrainerError
+from verbatim.trainer import lora
 from verbatim.trainer.weight_files import RowReader, weight_index
 
 
@@ -60,8 +61,13 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def missing_weights(model: nn.Module, files: dict[str, Path]) -> list[str]:
-    """The model's parameters (each once: a tied one under its first name) that no file names."""
-    return [name for name, _ in model.named_parameters() if name not in files]
+    """The model's parameters (each once: a tied one under its first name) that no file names; a LoRA adapter's
+    are not the files' (:func:`~verbatim.trainer.lora.init_adapter` gives them their values)."""
+    return [name for name, _ in _base_parameters(model) if lora.base_name(name) not in files]
+
+
+def _base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((name, p) for name, p in model.named_parameters() if not lora.is_adapter_name(name))
 
 
 def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
@@ -74,7 +80,7 @@ def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
         raise TrainerError(f"the weight files name no {missing[0]} ({len(missing)} parameters missing)")
     reader = RowReader()
     read = 0
-    for name, param in model.named_parameters():
+    for name, param in _base_parameters(model):
         local = param.to_local() if hasattr(param, "to_local") else param
         if hasattr(param, "device_mesh"):
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -82,7 +88,7 @@ def load_shards(model: nn.Module, files: dict[str, Path]) -> int:
             shape, offset = tuple(param.shape), (0,) * param.dim()
         if not shape[0]:
             continue
-        rows = reader.rows(files[name], name, offset[0], offset[0] + shape[0])
+        rows = reader.rows(files[lora.base_name(name)], lora.base_name(name), offset[0], offset[0] + shape[0])
         with torch.no_grad():
             local.copy_(rows.reshape(local.shape).to(local.dtype))
         read += rows.numel() * rows.element_size()
