@@ -133,10 +133,6 @@ def saved_name(name: str) -> str:
     return PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def adapter_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in adapter_weights(model).values())
-
-
 def write_adapter(folder: Path, model: nn.Module | None = None, *, weights: Mapping[str, torch.Tensor] | None = None,
                   settings: Any = None) -> Path:
     """A PEFT folder in ``folder``: ``adapter_config.json`` and ``adapter_model.safetensors`` (fsynced) of
@@ -212,13 +208,11 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-                delta = module.get_delta_weight(ADAPTER)
-                merged[f"{name}.weight"] = module.get_base_layer().weight.detach() + delta.to(torch.float32)
+                weight = module.get_base_layer().weight.detach()
+                merged[f"{name}.weight"] = weight + module.get_delta_weight(ADAPTER).to(weight.dtype)
         for name, tensor in model.state_dict().items():
-            if ".lora_" in name:
-                continue
-            plain = name.replace(".base_layer.", ".")
-            merged.setdefault(plain, tensor.detach())
+            if not is_adapter_name(name):
+                merged.setdefault(base_name(name), tensor.detach())
     return merged
 
 
