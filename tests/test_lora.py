@@ -209,9 +209,11 @@ def test_a_lora_checkpoint_is_a_peft_folder_and_restores_adapter_and_optimizer_b
 
     learner = lora_learner()
     learner.train_step(step_rows(learner.model))
-    learner.save(tmp_path, 1, {"version": learner.version})
-    folder = latest_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # the model folder's files, which a PEFT folder leaves out
+    learner.save(tmp_path / "checkpoints", 1, {"version": learner.version}, model_files=[tmp_path / "config.json"])
+    folder = latest_checkpoint(tmp_path / "checkpoints")
     assert lora.is_adapter_folder(folder) and not (folder / "model.safetensors").exists()
+    assert not (folder / "config.json").exists()
     assert lora.read_adapter_config(folder)["r"] == 4
     peft_model = PeftModel.from_pretrained(tiny_llama(tied=False, seed=0), str(folder))
     assert torch.equal(logits(peft_model, IDS), logits(learner.model, IDS))

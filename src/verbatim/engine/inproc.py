@@ -270,7 +270,7 @@ class InprocEngine:
             self._adapters.give(held)
         first_token_s, final = seen["first_token_s"], seen["final"]
         completion = completion_of(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
-                                 self.version, None if held is None else held.version)
+                                   self.version, None if held is None else held.version)
         return await self._settle(completion, prompt, request_id, seen)
 
     # -- which weights computed the reused KV (see kv_provenance) ----------------------

@@ -103,7 +103,7 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
                       max_tokens=options.sampling.max_tokens)
     ranks = team_size(placement.trainer_procs)
     model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
-    check_adapter(options, model, engine)
+    check_adapter(options, model, model_dir, engine)
     check_here(choice, trainer_device=asked_device, trainer_devices=placement.trainer_devices,
                ranks_here=ranks_here(placement.trainer_procs), parameters=trainer_size(model, ranks),
                dtype=options.learner.dtype, ranks=ranks, reference=options.learner.loss.kl_coef > 0,
@@ -142,13 +142,13 @@ def _evaluator(options: TrainConfig, factory: Any, tasks: Any, loop: Any, engine
 
 
 def lora_serving(options: TrainConfig) -> tuple[int, int] | None:
-    """What the engine needs to serve a LoRA run's adapters: their rank, and the versions a lagged step's requests
-    may still use beside the newest (and an evaluation's); None for a run that trains the whole model."""
+    """What the engine needs to serve a LoRA run's adapters: their rank, and how many versions' adapters its requests
+    may name at once (``TrainPlan.versions_in_flight``); None for a run that trains the whole model."""
     rank = options.learner.lora.rank
-    return None if rank is None else (rank, options.plan.max_lag + 3)
+    return None if rank is None else (rank, options.plan.versions_in_flight)
 
 
-def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
+def check_adapter(options: TrainConfig, model: Any, model_dir: Path, engine: Any) -> None:
     """A LoRA run's targets name linear layers of its model, vLLM serves LoRA for its family, and an in-process
     engine started for LoRA takes its rank: refused in one line before the engine starts (a server refuses too
     large a rank at the run's first adapter, which the run loads as it begins, before any rollout). An engine that
@@ -161,7 +161,7 @@ def check_adapter(options: TrainConfig, model: Any, engine: Any) -> None:
     if rank is None:
         return
     peft_config(model, options.learner.lora)
-    check_family(Path(model.config._name_or_path))
+    check_family(model_dir)
     if not hasattr(engine, "config"):  # a server: its refusal of the first adapter, before any rollout
         return
     served = engine.config.lora_rank

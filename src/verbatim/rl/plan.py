@@ -58,6 +58,12 @@ class TrainPlan(Frozen):
     rollout's messages re-rendered by the chat template, without sampler logprobs, or the traced tokens
     with each reply cut by max tokens closed by a trained stop token, the re-render's one addition."""
 
+    @property
+    def versions_in_flight(self) -> int:
+        """The policy versions whose requests may run at once: the newest, the ``max_lag`` before it a lagged step
+        still samples with, one being pushed and one being evaluated (a LoRA run's adapters loaded at once)."""
+        return self.max_lag + 3
+
     def task_seed(self, k: int) -> int:
         """The seed of the env's task generator for step ``k + 1`` (``k`` steps trained before it)."""
         return self.seed * 100_003 + k

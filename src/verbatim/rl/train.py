@@ -102,10 +102,10 @@ class TrainLoop:
         self.evaluator = evaluator
         """Plays the run's evaluations (``--eval-every``; rl/evaluate.py), None without them."""
         self._evaluating: tuple[int, asyncio.Task] | None = None
-        self.weights = WeightSync(engine, self.out, self.model_dir, served=served, used=used,
-                                  keep_adapters=plan.max_lag + 3)
-        """How the learner's weights reach the engine (rl/weight_sync.py)."""
         """The evaluation a (re)started run owes its first step's weights, played beside that step."""
+        self.weights = WeightSync(engine, self.out, self.model_dir, served=served, used=used,
+                                  keep_adapters=plan.versions_in_flight)
+        """How the learner's weights reach the engine (rl/weight_sync.py)."""
 
     @property
     def checkpoints(self) -> Path:

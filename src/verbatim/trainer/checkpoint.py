@@ -101,7 +101,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: t
             _write_torch(tmp / OPTIMIZER_FILE, optimizer.state_dict())
         _write_torch(tmp / "rng.pt", _rng_state())
         _write_bytes(tmp / "state.json", state_text.encode("utf-8"))
-        for source in () if model is not None and lora.has_adapter(model) else model_files:  # a PEFT folder
+        for source in () if lora.is_adapter_folder(tmp) else model_files:  # a PEFT folder: the adapter alone
             _write_bytes(tmp / Path(source).name, Path(source).read_bytes())
         fsync_dir(tmp)
         written.aside = _move_aside(final)  # a folder of this step from before: back in place if we fail
