@@ -47,3 +47,25 @@ class JudgedFactory(GradedFactory):
 
     def make(self) -> JudgedEnv:
         return JudgedEnv()
+
+
+class TwoTurnGradedEnv(GradedEnv):
+    """The graded env over two turns: the first reply gets a follow-up question, the second is graded. The second
+    turn's prompt is the first's history, read from the prefix cache (tests/test_routing_engine.py)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, message: Message) -> StepResult:
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult(reward=0.0, done=False, messages=(Message(role="user", content="Now say it again, in "
+                                                                        "other words, and a little longer."),))
+        return super().step(message)
+
+
+class TwoTurnGradedFactory(GradedFactory):
+    """``--env graded_env:TwoTurnGradedFactory``."""
+
+    def make(self) -> TwoTurnGradedEnv:
+        return TwoTurnGradedEnv()

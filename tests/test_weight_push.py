@@ -13,12 +13,20 @@ import torch
 from verbatim.engine.weight_push import ALIGN, WeightChannel, WeightReceiver, layout, views
 
 
+class Runner:
+    """vLLM's model runner as the reload sees it: a model without MoE layers (nothing to repack)."""
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Linear(2, 2)
+
+
 class Worker(WeightReceiver):
     """vLLM's worker as the receiver sees it: ``reload_weights`` takes (name, tensor) pairs."""
 
     def __init__(self) -> None:
         self.loaded: list[dict[str, torch.Tensor]] = []
         self.planned = 0
+        self.model_runner = Runner()
 
     def _verbatim_new_plan(self, weights):
         self.planned += 1

@@ -92,6 +92,20 @@ def _readonly(values: Any, dtype: np.dtype) -> np.ndarray:
     return array
 
 
+EXPERT_DTYPE = np.dtype(np.int16)
+"""Expert ids as a trace keeps them (every released MoE has fewer than 32 768 experts)."""
+NO_EXPERT = -1
+"""A token-layer with no recorded expert: a token the engine never fed (a segment's last tokens)."""
+
+
+def _experts(values: Any) -> np.ndarray:
+    array = np.array(values, dtype=EXPERT_DTYPE, copy=True)
+    if array.ndim != 3:
+        raise ValueError(f"routed_experts must be tokens × MoE layers × k, not of shape {array.shape}")
+    array.flags.writeable = False
+    return array
+
+
 @dataclass(frozen=True, eq=False)
 class TokenColumns:
     """Aligned, read-only per-token columns of one rollout."""
@@ -101,6 +115,10 @@ class TokenColumns:
     logprob: np.ndarray
     policy_version: np.ndarray
     turn: np.ndarray
+    routed_experts: np.ndarray | None = None
+    """Where the engine recorded them (a MoE model, ``--record-routing``): the experts its router chose for each
+    token in each MoE layer, ``tokens × layers × k``, :data:`NO_EXPERT` where the token was never fed; the
+    routing the trainer replays (docs/trainer.md, Rollout Routing Replay)."""
 
     def __post_init__(self) -> None:
         lengths = set()
@@ -110,6 +128,12 @@ class TokenColumns:
                     and column.ndim == 1 and not column.flags.writeable):
                 object.__setattr__(self, name, _readonly(column, dtype))
             lengths.add(len(getattr(self, name)))
+        experts = self.routed_experts
+        if experts is not None:
+            if not (isinstance(experts, np.ndarray) and experts.dtype == EXPERT_DTYPE and experts.ndim == 3
+                    and not experts.flags.writeable):
+                object.__setattr__(self, "routed_experts", experts := _experts(experts))
+            lengths.add(len(experts))
         if len(lengths) > 1:
             raise ValueError(f"token columns are not aligned: lengths {sorted(lengths)}")
 
@@ -129,10 +153,19 @@ class TokenColumns:
 
     def equals(self, other: TokenColumns) -> bool:
         """Exact equality, NaN logprobs equal to NaN."""
-        return all(
+        mine, theirs = self.routed_experts, other.routed_experts
+        same_experts = mine is theirs is None or (mine is not None and theirs is not None
+                                                  and np.array_equal(mine, theirs))
+        return same_experts and all(
             np.array_equal(getattr(self, n), getattr(other, n), equal_nan=(n == "logprob"))
             for n in COLUMN_DTYPES
         )
+
+    def slice(self, start: int, stop: int) -> TokenColumns:
+        """Tokens ``start … stop-1`` (views, no copy)."""
+        experts = None if self.routed_experts is None else self.routed_experts[start:stop]
+        return TokenColumns(**{name: column[start:stop] for name, column in self.as_dict().items()},
+                            routed_experts=experts)
 
 
 # ---------------------------------------------------------------------------
@@ -160,12 +193,18 @@ class Completion:
     admission_wait_s: float = 0.0
     """Time a new rollout's first request was held by admission control."""
     extra: dict[str, Any] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
+    """Where the engine captured them (a MoE model): the experts its router chose for each token of the prompt and
+    the completion but the last (never fed), ``tokens × MoE layers × k``, cached prompt tokens included
+    (engine/expert_capture.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", _readonly(self.token_ids, COLUMN_DTYPES["token_id"]))
         object.__setattr__(self, "logprobs", _readonly(self.logprobs, COLUMN_DTYPES["logprob"]))
         object.__setattr__(self, "versions", _readonly(self.versions, COLUMN_DTYPES["policy_version"]))
         n = len(self.token_ids)
+        if self.routed_experts is not None:
+            object.__setattr__(self, "routed_experts", _experts(self.routed_experts))
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"completion columns are not aligned: {n} tokens, {len(self.logprobs)} logprobs, "
@@ -333,7 +372,7 @@ class Rollout(Frozen):
             turns = tuple(t.model_copy(update={"prompt_start": 0, "prompt_end": t.prompt_end - start,
                                                "completion_end": t.completion_end - start})
                           for t in self.turns if start <= t.prompt_start < end)
-            tokens = TokenColumns(**{name: column[start:end] for name, column in self.tokens.as_dict().items()})
+            tokens = self.tokens.slice(start, end)
             messages = self.info.get("messages") if k == 0 else (breaks[k - 1].get("messages")
                                                                  if k - 1 < len(breaks) else None)
             info = {**self.info, "segment": k, "messages": messages or []}

@@ -29,6 +29,10 @@ def device_settings(dtype: str, eager: bool | None) -> dict[str, object]:
     return {"device": device.kind, "dtype": engine_dtype(dtype, device), "enforce_eager": eager}
 
 
+RECORD_HELP = ("Record the experts a MoE's router chooses for every token, for runs that train with "
+               "--routing-replay (runs eagerly, without CUDA graphs).")
+
+
 fleet_app = typer.Typer(help="Start and stop local vllm serve replicas for --engine http --url … --route.",
                         no_args_is_help=True)
 
@@ -44,10 +48,12 @@ def serve_command(
     dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
     eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
     lora_rank: int = typer.Option(None, "--lora-rank", min=1, max=512, help=LORA_HELP),
+    record_routing: bool = typer.Option(False, "--record-routing", help=RECORD_HELP),
 ) -> None:
     """Run vLLM's OpenAI-compatible server with token-ID prompts, logprobs, cache salts and cached-token counts."""
     import os
 
+    from verbatim.engine.expert_capture import check_moe
     from verbatim.engine.runtime import EngineConfig
     from verbatim.engine.server import check_bind, server_command
     from verbatim.engine.start_log import note_start
@@ -56,7 +62,9 @@ def serve_command(
     if warning:
         err_console.print(warning)
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, lora_rank=lora_rank,
-                          **device_settings(dtype, eager))
+                          record_experts=record_routing, **device_settings(dtype, eager))
+    if record_routing:
+        check_moe(config.model, "--record-routing")
     argv, env = server_command(config, host=host, port=port)
     err_console.print(f"serving {config.model} on http://{host}:{port} (Ctrl-C stops it)")
     note_start("served", config.model)
@@ -85,6 +93,7 @@ def fleet_up(
     dtype: str = typer.Option("auto", "--dtype", "--engine-dtype", help=DTYPE_HELP),
     eager: bool = typer.Option(None, "--eager/--no-eager", help=EAGER_HELP),
     lora_rank: int = typer.Option(None, "--lora-rank", min=1, max=512, help=LORA_HELP),
+    record_routing: bool = typer.Option(False, "--record-routing", help=RECORD_HELP),
 ) -> None:
     """Start N local vLLM servers (CPUs split between them), wait until healthy, write their URLs."""
     from pathlib import Path
@@ -102,7 +111,11 @@ def fleet_up(
         raise InputError(f"--gpu-memory {gpu_memory:g} must be in (0, 1]")
     config = EngineConfig(model=model, kv_cache_gib=kv_cache_gib, kv_blocks=kv_blocks, max_model_len=max_model_len,
                           gpu_memory=gpu_memory, tensor_parallel=tensor_parallel, devices=device_list(devices),
-                          lora_rank=lora_rank, **device_settings(dtype, eager))
+                          lora_rank=lora_rank, record_experts=record_routing, **device_settings(dtype, eager))
+    if record_routing:
+        from verbatim.engine.expert_capture import check_moe
+
+        check_moe(config.model, "--record-routing")
     visible = 0
     if config.devices is None and replicas > 1:  # replicas get GPUs of their own (a CPU machine shows none)
         from verbatim.trainer.reference import visible_gpus

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import shutil
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 from verbatim.datamodel import Completion
 from verbatim.engine.chunked_prefill import RESTART, server_chunking
 from verbatim.engine.drain import Drain
+from verbatim.engine.expert_capture import has_extension, start_served_capture, take_served_experts
 from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.logprobs_mode import logprobs_mode
 from verbatim.engine.lora_serving import ServedAdapters, ServerLoader
@@ -71,13 +73,21 @@ class HttpEngine:
 
     def __init__(self, url: str, *, model: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None) -> None:
+                 backoff_s: float = 0.5, budget_s: float | None = None, api_key: str | None = None,
+                 record_experts: bool = False) -> None:
         base, params, auth = split_url(url)
         self.url = base  # no credentials: they live in the client
         self.label = redact(url)
         self._query = urlsplit(url.strip()).query
         self.model = model
         self.block_size = block_size
+        self.record_experts = record_experts
+        self.extended = False
+        """Whether the server's workers have verbatim's extension (engine/worker_extension.py: a server verbatim
+        started), whose reload repacks a CPU MoE's experts (engine/moe_repack.py)."""
+        self.expert_shape: dict[str, int] | None = None
+        """What the server records of each token's routed experts, once :meth:`start` bound its capture
+        (engine/expert_capture.py)."""
         self.logprobs_check = "not started"
         """``processed`` once :meth:`start` found the server reporting processed logprobs, else why it could
         not tell."""
@@ -130,6 +140,9 @@ class HttpEngine:
         if risk is not None:
             raise InputError(self._scrub(f"{self.label} {risk}"), hint=RESTART)
         self.logprobs_check = await logprobs_mode(self)
+        self.extended = await has_extension(self._call)
+        if self.record_experts:
+            self.expert_shape = await start_served_capture(self._call, self.label)
         return self
 
     async def _served_block_size(self) -> int | None:
@@ -303,6 +316,9 @@ class HttpEngine:
             body["seed"] = sampling.seed
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        request_id = f"verbatim-{uuid.uuid4().hex}"  # the id its routed experts are taken by
+        if self.expert_shape is not None:
+            body["request_id"] = request_id
         async with self._drain.request():  # no update starts before this answer is in
             version, epoch = self.version, self._kv.epoch
             held = self._adapters.take()  # a LoRA run's adapter, named as the model; it samples all of it
@@ -314,6 +330,8 @@ class HttpEngine:
             finally:
                 self._adapters.give(held)
         done = answer_completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
+        if self.expert_shape is not None:
+            done = replace(done, routed_experts=await take_served_experts(self._call, request_id))
         key = ServedAdapters.kv_key(cache_salt, held)
         return replace(done, kv_versions=self._kv.finish(key, prompt, done.token_ids, done.versions,
                                                          done.cached_tokens, f"http-{next(self._ids)}", epoch))
@@ -370,8 +388,9 @@ class HttpEngine:
         async with self._drain.update():
             await self._call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"})
             try:
-                await self._call("POST", "/collective_rpc",
-                                 json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+                method = "verbatim_reload_folder" if self.extended else "reload_weights"  # (a MoE's repack)
+                await self._call("POST", "/collective_rpc", json={"method": method,
+                                                                  "kwargs": {"weights_path": str(folder)}})
                 await self._adapters.clear(self._loader)
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
                 if policy is CachePolicy.FLUSH:

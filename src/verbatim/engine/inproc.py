@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from verbatim.datamodel import Completion
+from verbatim.engine.expert_capture import RECORD_KEY, start_capture, take_experts
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.lora_serving import InprocLoader, ServedAdapters, lora_request
 from verbatim.engine.models import resolve
@@ -44,7 +45,8 @@ from verbatim.engine.runtime import EngineConfig, configure_environment, import_
 from verbatim.engine.server import visible_devices
 from verbatim.engine.start_log import note_start
 from verbatim.engine.untied import needs_untying, serves_untied, serving_copy, untie_state_dict, untied_folder
-from verbatim.engine.weight_push import RECEIVER, WeightChannel
+from verbatim.engine.weight_push import WeightChannel
+from verbatim.engine.worker_extension import EXTENSION
 from verbatim.errors import EngineError, InputError
 
 __all__ = ["InprocEngine", "Sampling"]
@@ -95,11 +97,13 @@ def engine_args(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
         enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.batched_tokens, enable_chunked_prefill=config.chunked_prefill,
         num_gpu_blocks_override=config.kv_blocks,
-        seed=config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=RECEIVER,
+        seed=config.seed, disable_log_stats=False, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=EXTENSION,
         tensor_parallel_size=config.tensor_parallel,
     )
     if config.gpu_memory is not None:
         args["gpu_memory_utilization"] = config.gpu_memory
+    if config.record_experts:
+        args["additional_config"] = {RECORD_KEY: True}
     if config.lora_rank is not None:
         args.update(enable_lora=True, max_lora_rank=lora_capacity(config.lora_rank), max_loras=config.lora_slots,
                     max_cpu_loras=config.lora_slots)
@@ -132,6 +136,8 @@ class InprocEngine:
         self._channel = WeightChannel(self.config.dtype)
         self._adapters = ServedAdapters(self.config.lora_rank)
         """The LoRA adapters pushed (engine/lora_serving.py): a request names the newest as it is sent."""
+        self.expert_shape: dict[str, int] | None = None
+        """``layers``, ``k`` and ``experts`` of the routed experts each completion carries, where recorded."""
         self.last_reload = ""
         """How the last push reached the model: ``direct`` (engine/direct_reload.py), ``vllm`` (its reload), or
         ``lora`` (an adapter, engine/lora_serving.py)."""
@@ -154,6 +160,8 @@ class InprocEngine:
             with visible_devices(self.config.devices):  # --engine-devices: the GPUs its processes see
                 self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._counters.logger_factory()])
             await self._llm.update_weight_version(str(self.version))
+            if self.config.record_experts:
+                self.expert_shape = await start_capture(self._llm)
             await self._warm_up(self._llm)
         except Exception as exc:  # vLLM raises plain RuntimeErrors on start-up failure
             with contextlib.suppress(Exception):  # a core that died on the warm-up leaves a client to stop
@@ -271,6 +279,8 @@ class InprocEngine:
         first_token_s, final = seen["first_token_s"], seen["final"]
         completion = completion_of(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
                                    self.version, None if held is None else held.version)
+        if self.expert_shape is not None:
+            completion = replace(completion, routed_experts=await take_experts(llm, request_id))
         return await self._settle(completion, prompt, request_id, seen)
 
     # -- which weights computed the reused KV (see kv_provenance) ----------------------
@@ -338,7 +348,8 @@ class InprocEngine:
             return
         folder, temporary = await asyncio.to_thread(self._weights_folder, source)
         try:
-            await self._reload(llm, self._rpc(llm, "reload_weights", weights_path=str(folder)), version, policy)
+            await self._reload(llm, self._rpc(llm, "verbatim_reload_folder", weights_path=str(folder)), version,
+                               policy)
         finally:
             if temporary:  # our own copy: the reload has read it
                 shutil.rmtree(folder, ignore_errors=True)

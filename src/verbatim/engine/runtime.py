@@ -92,14 +92,22 @@ class EngineConfig(Frozen):
                              f"use at least {need} blocks or a shorter max_model_len")
         return self
 
+    @model_validator(mode="after")
+    def _captures_eagerly(self) -> EngineConfig:
+        if self.record_experts and self.enforce_eager is False:
+            raise ValueError("recording the routed experts needs an eager engine: the capture runs Python in the "
+                             "forward, which a CUDA graph replays without")
+        return self
+
     @property
     def gpu(self) -> bool:
         return self.device == "cuda"
 
     @property
     def eager(self) -> bool:
-        """vLLM's ``enforce_eager``: eager on a CPU, CUDA graphs on a GPU, unless ``enforce_eager`` says."""
-        return eager(self.enforce_eager, self.gpu)
+        """vLLM's ``enforce_eager``: eager on a CPU, CUDA graphs on a GPU, unless ``enforce_eager`` says; eager
+        wherever the experts are recorded."""
+        return self.record_experts or eager(self.enforce_eager, self.gpu)
 
     @property
     def batched_tokens(self) -> int | None:
@@ -127,6 +135,9 @@ class EngineConfig(Frozen):
     lora_rank: int | None = Field(default=None, ge=1, le=512)
     """Serve LoRA adapters up to this rank (vLLM's ``enable_lora``, ``max_lora_rank`` rounded up to a rank vLLM
     takes: :func:`lora_capacity`); None: whole weights only."""
+    record_experts: bool = False
+    """Capture the experts the MoE router chose for every token and return them with each completion
+    (engine/expert_capture.py); the model must have MoE layers."""
     lora_slots: int = Field(default=4, ge=1)
     """Adapters one engine step may mix (vLLM's ``max_loras``): the versions a lagged run's requests still use."""
 

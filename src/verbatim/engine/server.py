@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from verbatim.engine.expert_capture import RECORD_KEY
 from verbatim.engine.models import resolve
 from verbatim.engine.protocol import LOGPROBS_MODE
 from verbatim.engine.reaper import stop_group
@@ -87,6 +89,11 @@ def server_command(config: EngineConfig, *, host: str = LOOPBACK, port: int = 80
         argv += ["--enable-lora", "--max-lora-rank", str(lora_capacity(config.lora_rank)),
                  "--max-loras", str(config.lora_slots), "--max-cpu-loras", str(config.lora_slots)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    from verbatim.engine.worker_extension import EXTENSION  # (torch: imported where a server starts)
+
+    argv += ["--worker-extension-cls", EXTENSION]  # reloads that repack a CPU MoE (engine/moe_repack.py)
+    if config.record_experts:  # the capture, bound by the first client that asks (engine/expert_capture.py)
+        argv += ["--additional-config", json.dumps({RECORD_KEY: True})]
     if config.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = child_devices(config.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return argv, env

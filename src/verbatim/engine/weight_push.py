@@ -2,10 +2,11 @@
 
 The learner's state dict is copied into one flat buffer, a file in ``/dev/shm`` that both sides map
 (:func:`torch.from_file` with ``shared=True``); the engine core's worker, extended by
-:class:`WeightReceiver` (vLLM's ``worker_extension_cls``), maps the same file and loads views of it:
-on the CPU engine by the direct reload (engine/direct_reload.py) where the model allows, else through
-vLLM's in-place reload (``reload_weights(weights_iterator=…)``). The tensors cross the process boundary
-as memory, and only their names, dtypes, shapes and offsets travel over vLLM's RPC.
+:class:`WeightReceiver` (part of vLLM's ``worker_extension_cls``: engine/worker_extension.py), maps the
+same file and loads views of it: on the CPU engine by the direct reload (engine/direct_reload.py) where
+the model allows, else through vLLM's in-place reload (``reload_weights(weights_iterator=…)``). The
+tensors cross the process boundary as memory, and only their names, dtypes, shapes and offsets travel
+over vLLM's RPC.
 
 A :class:`WeightChannel` lives as long as its engine and keeps its mapping: after the first push the
 pages are already there, and a push is a copy into the buffer and the engine's load from it.
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from verbatim.engine.direct_reload import ReloadPlan, direct_reload, reload_plan
+from verbatim.engine.moe_repack import reload
 
 ALIGN = 64
 """Every tensor starts on a 64-byte boundary of the buffer (a view of any dtype is aligned)."""
@@ -198,8 +200,13 @@ class WeightReceiver:
         weights = self._verbatim_views(path, slots)
         if self._verbatim_direct(weights):
             return True
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        reload(self, weights_iterator=weights, is_checkpoint_format=True)
         return False
+
+    def verbatim_reload_folder(self, weights_path: str) -> int:
+        """vLLM's reload from a checkpoint folder, with the MoE experts' prepack it skips on a CPU
+        (engine/moe_repack.py); returns the MoE layers repacked."""
+        return reload(self, weights_path=weights_path)
 
     def _verbatim_views(self, path: str, slots: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
         mapping = getattr(self, "_verbatim_mapping", None)
@@ -254,6 +261,3 @@ def populate(buffer: torch.Tensor) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(size), MADV_POPULATE_READ)
 
-
-RECEIVER = f"{WeightReceiver.__module__}.{WeightReceiver.__qualname__}"
-"""The ``worker_extension_cls`` the in-process engine starts vLLM with."""

@@ -16,7 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import COLUMN_DTYPES, Completion, Rollout, Source, TokenColumns, Turn, TurnSampling
+from verbatim.datamodel import (
+    COLUMN_DTYPES,
+    EXPERT_DTYPE,
+    NO_EXPERT,
+    Completion,
+    Rollout,
+    Source,
+    TokenColumns,
+    Turn,
+    TurnSampling,
+)
 from verbatim.errors import LedgerError
 
 _NOT_SAMPLED_LOGPROB = np.float32(np.nan)
@@ -33,7 +43,7 @@ def _locked(array: np.ndarray) -> np.ndarray:
 class Ledger:
     """Append-only per-token columns plus the turn records of one rollout."""
 
-    __slots__ = ("_buffers", "_size", "_turns", "_segment_start")
+    __slots__ = ("_buffers", "_size", "_turns", "_segment_start", "_experts")
 
     def __init__(self, capacity: int = 256) -> None:
         capacity = max(int(capacity), 16)
@@ -41,6 +51,9 @@ class Ledger:
         self._size = 0
         self._turns: list[Turn] = []
         self._segment_start = 0
+        self._experts: dict[int, np.ndarray] = {}
+        """Each segment's routed experts, from its newest completion that carried them (whose prompt is the whole
+        segment so far: it covers what earlier turns' did, as the engine last computed or cached them)."""
 
     # -- reading --------------------------------------------------------------
 
@@ -69,7 +82,19 @@ class Ledger:
 
     def columns(self) -> TokenColumns:
         """A snapshot of all columns (copied once, read-only)."""
-        return TokenColumns(**{name: self._buffers[name][: self._size].copy() for name in COLUMN_DTYPES})
+        return TokenColumns(**{name: self._buffers[name][: self._size].copy() for name in COLUMN_DTYPES},
+                            routed_experts=self.routed_experts())
+
+    def routed_experts(self) -> np.ndarray | None:
+        """Every token's routed experts (``NO_EXPERT`` where the engine never fed it), where completions carried
+        them."""
+        if not self._experts:
+            return None
+        first = next(iter(self._experts.values()))
+        experts = np.full((self._size, *first.shape[1:]), NO_EXPERT, EXPERT_DTYPE)
+        for start, segment in self._experts.items():
+            experts[start:start + len(segment)] = segment
+        return experts
 
     # -- appending --------------------------------------------------------------
 
@@ -113,8 +138,14 @@ class Ledger:
             raise LedgerError("every sampled token needs a policy version >= 0")
         if len(completion.logprobs) and not np.isfinite(completion.logprobs).all():
             raise LedgerError("every sampled token needs a finite sampler logprob")
+        experts = completion.routed_experts
+        if experts is not None and len(experts) > completion.prompt_tokens + len(completion.token_ids):
+            raise LedgerError(f"the completion's routed experts cover {len(experts)} tokens, more than its "
+                              f"{completion.prompt_tokens + len(completion.token_ids)}")
         prompt_end = self._size
         self._append(completion.token_ids, Source.MODEL, completion.logprobs, versions)
+        if experts is not None:
+            self._experts[self._segment_start] = experts
         turn = Turn(
             index=len(self._turns),
             prompt_start=self._segment_start,

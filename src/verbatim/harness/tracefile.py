@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from verbatim.datamodel import COLUMN_DTYPES, Rollout, TokenColumns, Turn
+from verbatim.datamodel import COLUMN_DTYPES, EXPERT_DTYPE, Rollout, TokenColumns, Turn
 from verbatim.errors import TraceFormatError
 
 _TURN_TYPE = pa.struct([
@@ -49,7 +49,10 @@ ROLLOUT_SCHEMA = pa.schema(
         ("turns", pa.list_(_TURN_TYPE)),
     ]
     + [(name, pa.list_(pa.from_numpy_dtype(dtype))) for name, dtype in COLUMN_DTYPES.items()]
+    + [("routed_experts", pa.list_(pa.int16())), ("experts_shape", pa.list_(pa.int16()))]
 )
+"""A rollout's routed experts are one flat list (``tokens × layers × k`` in C order) and its ``[layers, k]``, both
+empty where none were recorded (tables written before them have neither column)."""
 
 _META_FIELDS = ("schema_version", "run_id", "group_id", "rollout_id", "status", "error", "reward")
 
@@ -71,6 +74,11 @@ def to_table(rollouts: list[Rollout]) -> pa.Table:
     columns["turns"] = [[t.model_dump() for t in r.turns] for r in rollouts]
     arrays = [pa.array(columns[f.name], type=f.type) for f in ROLLOUT_SCHEMA if f.name in columns]
     arrays += [_list_column([getattr(r.tokens, n) for r in rollouts], d) for n, d in COLUMN_DTYPES.items()]
+    experts = [r.tokens.routed_experts for r in rollouts]
+    arrays.append(_list_column([np.empty(0, EXPERT_DTYPE) if e is None else e.reshape(-1) for e in experts],
+                               EXPERT_DTYPE))
+    arrays.append(_list_column([np.array([] if e is None else e.shape[1:], EXPERT_DTYPE) for e in experts],
+                               EXPERT_DTYPE))
     return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
 
 
@@ -108,9 +116,10 @@ def _rollouts_of(table: pa.Table) -> list[Rollout]:
     infos = table.column("info").to_pylist()
     turns = table.column("turns").to_pylist()
     token_columns = {name: _rows(table.column(name), dtype) for name, dtype in COLUMN_DTYPES.items()}
+    experts = _experts_rows(table)
     rollouts = []
     for i in range(table.num_rows):
-        tokens = TokenColumns(**{name: rows[i] for name, rows in token_columns.items()})
+        tokens = TokenColumns(**{name: rows[i] for name, rows in token_columns.items()}, routed_experts=experts[i])
         rollouts.append(Rollout(
             **{name: meta[name][i] for name in _META_FIELDS},
             task=json.loads(tasks[i]),
@@ -121,14 +130,26 @@ def _rollouts_of(table: pa.Table) -> list[Rollout]:
     return rollouts
 
 
+def _experts_rows(table: pa.Table) -> list[np.ndarray | None]:
+    """Each row's routed experts (``None`` where it has none, or the table predates them)."""
+    if "routed_experts" not in table.column_names:
+        return [None] * table.num_rows
+    flat, shapes = _rows(table.column("routed_experts"), EXPERT_DTYPE), _rows(table.column("experts_shape"),
+                                                                                EXPERT_DTYPE)
+    return [flat[i].reshape(-1, *shapes[i]) if len(shapes[i]) else None for i in range(table.num_rows)]
+
+
 def to_json_line(rollout: Rollout) -> str:
-    """The rollout as one JSON line with the Parquet row's columns: the five token columns at the top level
+    """The rollout as one JSON line with the Parquet row's columns: the token columns at the top level
     (``logprob`` null where Parquet has NaN: JSON has no NaN); ``task`` and ``info`` as objects, not the JSON
     strings Parquet holds."""
     record = rollout.model_dump(mode="json", exclude={"tokens"})
     for name, column in rollout.tokens.as_dict().items():
         record[name] = column.tolist()
     record["logprob"] = [None if math.isnan(x) else x for x in record["logprob"]]
+    experts = rollout.tokens.routed_experts
+    record["routed_experts"] = [] if experts is None else experts.reshape(-1).tolist()
+    record["experts_shape"] = [] if experts is None else list(experts.shape[1:])
     return json.dumps(record, allow_nan=False, separators=(",", ":"))
 
 
@@ -150,7 +171,10 @@ def _rollout_of(record: Any) -> Rollout:
     # lines written before the columns moved to the top level nest them under "tokens"; both are read
     tokens = record.pop("tokens") if "tokens" in record else {name: record.pop(name) for name in COLUMN_DTYPES}
     tokens["logprob"] = [math.nan if x is None else x for x in tokens["logprob"]]
+    experts, shape = record.pop("routed_experts", None), record.pop("experts_shape", None)
     record["tokens"] = TokenColumns(**{name: np.asarray(tokens[name], dtype=dtype)
-                                       for name, dtype in COLUMN_DTYPES.items()})
+                                       for name, dtype in COLUMN_DTYPES.items()},
+                                    routed_experts=np.asarray(experts, EXPERT_DTYPE).reshape(-1, *shape)
+                                    if shape else None)
     record["turns"] = tuple(Turn(**t) for t in record.get("turns", ()))
     return Rollout(**record)

@@ -12,10 +12,17 @@ from verbatim.errors import InputError
 from verbatim.jobs.config import EngineChoice, PlaySource, Routing
 
 
-def make_engine(choice: EngineChoice, routing: Routing, seed: int, lora: tuple[int, int] | None = None) -> Any:
+def make_engine(choice: EngineChoice, routing: Routing, seed: int, lora: tuple[int, int] | None = None,
+                record: str | None = None) -> Any:
     """The engine ``choice`` names, its requests spread by ``routing`` over several replicas and sampled under the
     run's ``seed``; constructing starts nothing, and bad engine options are refused here. ``lora``: (rank, slots)
-    of the LoRA adapters it serves (a LoRA training run's)."""
+    of the LoRA adapters it serves (a LoRA training run's). ``record``: the flag that has it record the routed
+    experts (``--record-routing``, or ``--routing-replay``, which needs them), refused for a dense model."""
+    record = record or ("--record-routing" if choice.record_routing else None)
+    if record is not None and (choice.kind == "inproc" or record == "--routing-replay"):  # the trainer's model
+        from verbatim.engine.expert_capture import check_moe
+
+        check_moe(choice.model, record)
     if choice.kind == "inproc":
         if choice.urls or routing.route:
             raise InputError("--url and --route go with --engine http")
@@ -29,7 +36,8 @@ def make_engine(choice: EngineChoice, routing: Routing, seed: int, lora: tuple[i
                                          max_model_len=choice.max_model_len, kv_cache_gib=choice.kv_cache_gib,
                                          seed=seed, gpu_memory=choice.gpu_memory,
                                          tensor_parallel=len(choice.gpus), devices=choice.devices,
-                                         lora_rank=lora[0] if lora else None, lora_slots=lora[1] if lora else 4))
+                                         lora_rank=lora[0] if lora else None, lora_slots=lora[1] if lora else 4,
+                                         record_experts=record is not None))
     if choice.dtype != "auto" or choice.eager is not None:
         flag = "--engine-dtype" if choice.dtype != "auto" else "--engine-eager"
         raise InputError(f"{flag} sets the in-process engine; a served engine's is set where it starts",
@@ -39,7 +47,7 @@ def make_engine(choice: EngineChoice, routing: Routing, seed: int, lora: tuple[i
                          hint="start servers with 'verbatim fleet up'")
     from verbatim.engine.http import HttpEngine
 
-    engines = [HttpEngine(url) for url in choice.urls]
+    engines = [HttpEngine(url, record_experts=record is not None) for url in choice.urls]
     if len(engines) == 1 and routing.route is None:
         return engines[0]
     from verbatim.engine.routing import RouteConfig

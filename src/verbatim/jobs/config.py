@@ -113,6 +113,9 @@ class EngineChoice(Frozen):
     eager: bool | None = None
     """Run the in-process engine eagerly, without CUDA graphs (default: eager on a CPU, CUDA graphs on a
     GPU)."""
+    record_routing: bool = False
+    """Record the experts a MoE's router chose for every token (routed_experts in the trace: what
+    --routing-replay replays); the in-process engine runs eagerly; a server must be started with it too."""
 
     @model_validator(mode="after")
     def _devices_set_the_parallelism(self) -> EngineChoice:
@@ -428,6 +431,7 @@ PLAY_SPECS = {
                            parse=lambda text: device_list(text, "--engine-devices")),
     "engine.dtype": Spec(name="--engine-dtype"),
     "engine.eager": Spec(name="--engine-eager"),
+    "engine.record_routing": Spec(name="--record-routing"),
 }
 RUN_SPECS = {**PLAY_SPECS, "stop_grace_s": Spec(name="--stop-grace")}
 KS_SPEC = Spec(kind=str, multiple=False, parse=parse_ks, show=show_ks)
@@ -447,6 +451,7 @@ TRAIN_SPECS = {
     "learner.correction.sequence_tis": Spec(parse=_off_is_none),
     "learner.correction.max_version_lag": DERIVED,  # follows --max-lag
     "evaluation.eval_pass_k": KS_SPEC,
+    "learner.routing_replay": Spec(name="--routing-replay"),
     "learner.lora.rank": Spec(name="--lora-rank"),
     "learner.lora.alpha": Spec(name="--lora-alpha"),
     "learner.lora.dropout": Spec(name="--lora-dropout"),

@@ -79,7 +79,8 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
     factory = episode_source(play)
     tasks = _task_source(options, factory, load_tasks)
     if engine is None:  # bad engine options: refused before the tokenizer
-        engine = make_engine(choice, options.routing, options.plan.seed, lora=lora_serving(options))
+        engine = make_engine(choice, options.routing, options.plan.seed, lora=lora_serving(options),
+                             record="--routing-replay" if options.learner.routing_replay else None)
     model_dir = resolve(choice.model)
     renderer_name = play.renderer or default_renderer(choice.model)
     renderer = get_renderer(renderer_name, model_dir=model_dir)
@@ -104,6 +105,10 @@ def prepare(options: TrainConfig, engine: Any | None = None) -> tuple[TrainLoop,
     ranks = team_size(placement.trainer_procs)
     model = empty_model(model_dir) if ranks > 1 else load_model(model_dir)  # a team's ranks load their shards
     check_adapter(options, model, model_dir, engine)
+    if options.learner.routing_replay:
+        from verbatim.trainer.routing_replay import check_replayable
+
+        check_replayable(model)
     check_here(choice, trainer_device=asked_device, trainer_devices=placement.trainer_devices,
                ranks_here=ranks_here(placement.trainer_procs), parameters=trainer_size(model, ranks),
                dtype=options.learner.dtype, ranks=ranks, reference=options.learner.loss.kl_coef > 0,

@@ -109,13 +109,26 @@ class CacheSettings:
 
     block_size: int
     cache_policy: str | None = None
+    routing: bool = False
+    """Whether the engine recorded each token's routed experts (``--record-routing``, ``--routing-replay``)."""
 
     @classmethod
     def from_manifest(cls, manifest: Any, run_dir: str | os.PathLike[str]) -> CacheSettings:
         """The run's settings; a manifest without the engine's block size is a TraceFormatError."""
         engine, config = manifest.engine or {}, manifest.config or {}
         policy = engine.get("cache_policy") or config.get("cache_policy")
-        return cls(block_size=manifest.block_size(run_dir), cache_policy=str(policy) if policy else None)
+        return cls(block_size=manifest.block_size(run_dir), cache_policy=str(policy) if policy else None,
+                   routing=recorded_routing(config))
+
+
+def recorded_routing(config: dict[str, Any]) -> bool:
+    """Whether a run's recorded config (``run``, ``eval`` or ``train`` section) had the engine record the routed
+    experts."""
+    for section in config.values():
+        if isinstance(section, dict) and ((section.get("engine") or {}).get("record_routing")
+                                          or (section.get("learner") or {}).get("routing_replay")):
+            return True
+    return False
 
 
 def miss_cause(replicas: Sequence[Any] | None, salts: Sequence[str | None], versions: Sequence[int | None],

@@ -16,6 +16,8 @@ rollout:
   computed (:func:`verbatim.prefix_cache.reusable_prefix`, with the engine block
   size the manifest records); a shortfall names its likely cause
   (:func:`verbatim.lint.findings.miss_cause`).
+* **routing** — in a run that recorded routed experts (``--record-routing``), every token before a sequence's
+  last model token has them (what ``--routing-replay`` replays).
 * **duplicates** — a rollout id appears once in the run.
 * **episodes** (findings, not token problems) — a rollout that failed (``error``, ``interrupted``: no reward)
   or was cut (``truncated``, by ``--max-turns`` or the context) is listed with its recorded reason; a failed
@@ -110,7 +112,25 @@ def _lint_sequence(rollout: Rollout, settings: CacheSettings) -> list[Problem]:
     problems += check_version_order(rollout)
     if not any(p.kind == "extension" for p in problems):
         problems += check_cache(rollout, settings)
+    problems += check_routing(rollout, settings.routing)
     return problems
+
+
+def check_routing(rollout: Rollout, recorded: bool) -> list[Problem]:
+    """In a run that recorded routed experts, every token a loss token reads (each before the last model token)
+    has them: what ``--routing-replay`` needs, and the trainer refuses a row without."""
+    experts, tokens = rollout.tokens.routed_experts, rollout.tokens
+    model = np.flatnonzero(tokens.source == Source.MODEL)
+    if not (recorded or experts is not None) or not len(model):
+        return []
+    if experts is None:
+        return [Problem("routing", None, "the run recorded routed experts, but this sequence has none")]
+    missing = np.flatnonzero((experts[:int(model[-1])] < 0).any(axis=(1, 2)))
+    if not len(missing):
+        return []
+    at = int(missing[0])
+    return [Problem("routing", int(tokens.turn[at]), f"{len(missing)} token(s) without routed experts before the "
+                    f"last sampled one, the first at token {at}")]
 
 
 def check_breaks(rollout: Rollout, pieces: tuple[Rollout, ...]) -> list[Problem]:

@@ -173,7 +173,7 @@ def step_record(step: int, version: int, rollouts: Sequence[Rollout], summary: R
         "hybrid_tokens": (correction.get("hybrid") or {}).get("tokens", 0),
         "policy_lag": {lag: stats["tokens"] for lag, stats in (correction.get("by_lag") or {}).items()},
     }
-    for optional in ("outside_support", "kl_ref"):
+    for optional in ("outside_support", "kl_ref", "routing_flip_rate", "mismatch_replayed", "mismatch_unreplayed"):
         if optional in learned:
             record[optional] = learned[optional]
     if summary is not None:

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from verbatim.errors import TrainerError
 from verbatim.trainer.modes import Precision
+from verbatim.trainer.routing_replay import replayed
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (batch, kv_heads, tokens, head_dim); a past of batch 1 (a shared prefix) serves
@@ -47,8 +48,10 @@ class PrefixCausalLM(Protocol):
     """The T of log π = log_softmax(logits / T): the sampling temperature the traced μ describes."""
 
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
-                      keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
-        """(b, n) ids at positions start..start+n-1 -> ((b, n, hidden), past + own KV if keep_kv)."""
+                      keep_kv: bool = False, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, KV | None]:
+        """(b, n) ids at positions start..start+n-1 -> ((b, n, hidden), past + own KV if keep_kv); a MoE's
+        routers send the tokens to ``experts`` (b, n, MoE layers, k) where given (Rollout Routing Replay:
+        :mod:`~verbatim.trainer.routing_replay`)."""
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(n, hidden) states and (n,) target ids -> (n,) log-probabilities at :attr:`temperature`, at least
@@ -151,9 +154,9 @@ class LearnerLM:
         return self.lm.temperature
 
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
-                      keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
+                      keep_kv: bool = False, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, KV | None]:
         with self.compute():
-            return self.lm.hidden_states(ids, start, past, keep_kv)
+            return self.lm.hidden_states(ids, start, past, keep_kv, experts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self.compute():
@@ -202,13 +205,14 @@ class PlainCausalLM:
         self.temperature = temperature
 
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
-                      keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
+                      keep_kv: bool = False, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, KV | None]:
         if past is not None or keep_kv or start:
             raise TrainerError(f"model type {model_type(self.model)!r} has no PrefixFlow adapter: it trains "
                                "whole sequences only")
         if self.model.training:
             refuse_dropout(self.model)
-        return self.model(input_ids=ids, use_cache=False).logits, None
+        with replayed(self.model, experts):
+            return self.model(input_ids=ids, use_cache=False).logits, None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

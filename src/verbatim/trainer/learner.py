@@ -61,9 +61,11 @@ from verbatim.trainer.learner_config import LearnerConfig
 from verbatim.trainer.objective import kl_penalty, loss_coefficients
 from verbatim.trainer.packing import Microbatching
 from verbatim.trainer.passes import Agree
+from verbatim.trainer.routing_replay import Flips, counting_flips, mean_gap, row_experts
 from verbatim.trainer.step_input import StepInput
 from verbatim.trainer.truncation import outside_support
 from verbatim.trainer.update import StepBatch, policy_values, row_work, run_work
+from verbatim.trainer.weight_files import checkpoint_format
 
 
 def scheduled_lr(config: LearnerConfig, step: int, steps: int) -> float:
@@ -163,12 +165,20 @@ class Learner:
         ours[here] = True
         agree = functools.partial(self.team.agree, device=device)  # every rank makes each pass's calls together
         shared = {"groups": step.groups, "prefixflow": path == "prefixflow"}  # a group's prompt runs once
+        experts = row_experts(step.columns, device) if self.config.routing_replay else None
+        replay: dict[str, Any] = {}
         with self.placement.gathered():
-            old = policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree, **shared)
+            with counting_flips() as flips:
+                old = policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree, **shared,
+                                    experts=experts)
             logp_old = self.team.sum_(old.logprobs)
+            if experts is not None:
+                replay = self._replay_metrics(lm, sequences, (mask, ours), batch.logp_mu.to(device), logp_old,
+                                              flips, agree, shared)
             entropy = self.team.total(float(old.entropy.sum(dtype=torch.float64)))  # each rank's rows
             support = (int(self.team.total(outside_support(lm, sequences, mask & ours[:, None], *step.truncation,
-                                                           self.microbatching, self.config.logprob_chunk, agree)))
+                                                           self.microbatching, self.config.logprob_chunk, agree,
+                                                           experts)))
                        if step.truncation is not None else None)  # each rank counts its own rows
         logp_ref = None
         if self.reference is not None:
@@ -186,7 +196,7 @@ class Learner:
         norms = []
         for update_rows in self.update_splits(rows):
             loss_u, norm, padded_u = self._update(lm, path, sequences, fix.weights, fix.keep, (logp_old, logp_ref),
-                                                  advantages, step.groups, update_rows, set(here), agree)
+                                                  advantages, step.groups, update_rows, set(here), agree, experts)
             loss += loss_u
             padded += padded_u
             norms.append(norm)
@@ -200,6 +210,7 @@ class Learner:
                    "policy_s": updating - started, "update_s": time.perf_counter() - updating}
         if support is not None:
             metrics["outside_support"] = support
+        metrics |= replay
         if logp_ref is not None:  # k3's value, an estimate of KL(π_old ‖ π_ref) per model token (0 off the mask)
             k3 = kl_penalty(logp_old.double(), logp_ref.double(), "k3")
             metrics["kl_ref"] = float(k3.sum()) / max(int(batch.loss_mask.sum()), 1)
@@ -224,7 +235,7 @@ class Learner:
     def _update(self, lm: PrefixCausalLM, path: TrainerPath, sequences: tuple[torch.Tensor, ...], weights: torch.Tensor,
                 keep: torch.Tensor, logp: tuple[torch.Tensor, torch.Tensor | None], advantages: torch.Tensor,
                 groups: Sequence[Sequence[int]], rows: list[int], here: set[int],
-                agree: Agree) -> tuple[float, float, int]:
+                agree: Agree, experts: tuple[torch.Tensor, ...] | None = None) -> tuple[float, float, int]:
         """One optimizer update over ``rows``; ``logp`` is (π_old's, the reference's or None) log-probabilities.
         Returns its loss, its gradient's norm and this rank's padded token slots."""
         loss_config = self.config.loss
@@ -234,7 +245,7 @@ class Learner:
         trained = keep if loss_config.kl_coef > 0 else keep & (advantages != 0)[:, None]
         batch = StepBatch(sequences=sequences, keep=trained, coef=coef, logp_old=logp[0], advantages=advantages,
                           groups=tuple(tuple(g) for g in groups), logp_ref=logp[1], kl_coef=loss_config.kl_coef,
-                          kl_estimator=loss_config.kl_estimator)
+                          kl_estimator=loss_config.kl_estimator, experts=experts)
         work = row_work(batch, [r for r in rows if r in here], path == "prefixflow", self.microbatching)
         with self.placement.update():  # this rank's rows; leaving it, the gradient is the update's whole one
             loss = run_work(lm, batch, work, self.config.loss.clip_eps, self.config.prefix_activations, agree)
@@ -247,6 +258,20 @@ class Learner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm, work.padding
+
+    def _replay_metrics(self, lm: LearnerLM, sequences: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...],
+                        logp_mu: torch.Tensor, logp_old: torch.Tensor, flips: Flips, agree: Agree,
+                        shared: dict[str, Any]) -> dict[str, Any]:
+        """Under routing replay: the share of token-layers the trainer's own router would have sent elsewhere,
+        and the mean |log π − log μ| with the replay and without it (π_old once more, routed by the trainer)."""
+        mask, ours = masks
+        own = self.team.sum_(policy_values(lm, sequences, mask & ours[:, None], self.microbatching, agree,
+                                           **shared).logprobs)
+        (replayed, tokens), (unreplayed, _) = mean_gap(logp_old, logp_mu, mask), mean_gap(own, logp_mu, mask)
+        token_layers = self.team.total(flips.replayed)
+        return {"routing_flip_rate": self.team.total(flips.flipped) / token_layers if token_layers else None,
+                "mismatch_replayed": replayed / tokens if tokens else None,
+                "mismatch_unreplayed": unreplayed / tokens if tokens else None}
 
     def _check_vocab(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Refuse a token id the model has no embedding for (past its vocabulary, or negative)."""
@@ -279,17 +304,18 @@ class Learner:
         return lora.has_adapter(self.model)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights by name, each once (a tied output layer is left to its embedding). Sharded,
+        """The model's weights by name, each once (a tied output layer is left to its embedding), as the family's
+        checkpoints name and lay them out (:func:`~verbatim.trainer.weight_files.checkpoint_format`). Sharded,
         every rank must call it, and rank 0 alone receives them. A LoRA learner's are its adapter's alone, under
         PEFT's names (:func:`~verbatim.trainer.lora.adapter_weights`)."""
         if self.trains_adapter:
             return self.placement.adapter_weights()
-        return self.placement.weights()
+        return checkpoint_format(self.model, self.placement.weights())
 
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """A LoRA learner's weights with the adapter folded in (W + scale·B·A), each once, as :meth:`engine_weights`
         gives a whole model's: what an engine that serves no LoRA is pushed instead of the adapter."""
-        return self.placement.merged_weights()
+        return checkpoint_format(self.model, self.placement.merged_weights())
 
     def write_adapter(self, folder: Path) -> Path:
         """The adapter as a PEFT folder at ``folder`` (a LoRA learner), what the engine loads as a new LoRA."""

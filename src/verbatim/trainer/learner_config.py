@@ -159,6 +159,9 @@ class LearnerConfig(BaseModel):
     """keep | recompute | cpu | disk: under PrefixFlow, where a group's shared prompt's activations wait for
     their backward. recompute keeps none and runs the prompt forward once more: the least memory, about a tenth
     more time (docs/benchmarks.md)."""
+    routing_replay: bool = False
+    """Rollout Routing Replay: a MoE's routers send each token to the experts the engine recorded for it
+    (``--record-routing``; trainer/routing_replay.py); a row without them is refused."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """A LoRA adapter instead of the whole model (--lora-rank)."""
     loss: LossConfig = Field(default_factory=LossConfig)

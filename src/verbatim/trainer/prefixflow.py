@@ -37,6 +37,7 @@ from verbatim.prefix_cache import common_prefix
 from verbatim.trainer.causal_lm import KV, PrefixCausalLM, sequence_logprobs
 from verbatim.trainer.modes import Offload
 from verbatim.trainer.prefix_offload import DormantStore
+from verbatim.trainer.routing_replay import padded_experts
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,6 +49,9 @@ class PrefixGroup:
     prefix: torch.Tensor
     suffixes: tuple[torch.Tensor, ...]
     loss_masks: tuple[torch.Tensor, ...]
+    experts: tuple[torch.Tensor, ...] | None = None
+    """Each sequence's routed experts to replay (``P + S_i`` × MoE layers × k): the prefix's are the first
+    sequence's, once, for every sequence (:meth:`sequence_experts`)."""
 
     def __post_init__(self) -> None:
         if self.prefix.numel() < 1 or not self.suffixes:
@@ -74,6 +78,22 @@ class PrefixGroup:
     def sequence(self, i: int) -> torch.Tensor:
         return torch.cat([self.prefix, self.suffixes[i]])
 
+    def prefix_experts(self) -> torch.Tensor | None:
+        """(1, P, layers, k): the prefix's experts to replay."""
+        return None if self.experts is None else self.experts[0][None, :self.prefix_len]
+
+    def suffix_experts(self, rows: Sequence[int], width: int) -> torch.Tensor | None:
+        """(b, width, layers, k): ``rows``' suffixes' experts, padded."""
+        if self.experts is None:
+            return None
+        return padded_experts([self.experts[i][self.prefix_len:] for i in rows], width)
+
+    def sequence_experts(self, i: int) -> torch.Tensor | None:
+        """Sequence ``i``'s experts as PrefixFlow replays them: the prefix's, then its own suffix's."""
+        if self.experts is None:
+            return None
+        return torch.cat([self.experts[0][:self.prefix_len], self.experts[i][self.prefix_len:]])
+
 
 def shared_prefix_len(sequences: Sequence[torch.Tensor]) -> int:
     """Length of the longest token-for-token common prefix of ``sequences`` (token ids, any device)."""
@@ -86,15 +106,18 @@ def prefix_cut(sequences: Sequence[torch.Tensor]) -> int:
     return min(shared_prefix_len(sequences), min(int(s.numel()) for s in sequences) - 1)
 
 
-def group_from_sequences(sequences: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> PrefixGroup:
-    """Split sequences at their shared prefix, leaving every suffix at least one token."""
+def group_from_sequences(sequences: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
+                         experts: Sequence[torch.Tensor] | None = None) -> PrefixGroup:
+    """Split sequences at their shared prefix, leaving every suffix at least one token (with their routed
+    experts to replay, where given)."""
     if not sequences:
         raise TrainerError("a prefix group needs at least one sequence")
     p = prefix_cut(sequences)
     if p < 1:
         raise TrainerError("the sequences share no prefix (or a sequence has a single token)")
     return PrefixGroup(prefix=sequences[0][:p].clone(), suffixes=tuple(s[p:].clone() for s in sequences),
-                       loss_masks=tuple(m.bool() for m in loss_masks))
+                       loss_masks=tuple(m.bool() for m in loss_masks),
+                       experts=None if experts is None else tuple(experts))
 
 
 # ---------------------------------------------------------------------------
@@ -108,7 +131,9 @@ def full_sequence_backward(lm: PrefixCausalLM, group: PrefixGroup, loss_fn: Loss
     total = 0.0
     for rows in splits:
         ids, masks = _pad([group.sequence(i) for i in rows], [group.loss_masks[i] for i in rows])
-        hidden, _ = lm.hidden_states(ids)
+        experts = None if group.experts is None else padded_experts([group.sequence_experts(i) for i in rows],
+                                                                      ids.shape[1])
+        hidden, _ = lm.hidden_states(ids, experts=experts)
         r, t = torch.nonzero(masks, as_tuple=True)
         logprobs = sequence_logprobs(lm, hidden[r, t - 1], r, t, ids[r, t], masks.shape)
         loss = loss_fn(logprobs, torch.tensor(rows))
@@ -169,7 +194,7 @@ def encode_prefix(lm: PrefixCausalLM, group: PrefixGroup, offload: Offload = "ke
     def forward() -> list[torch.Tensor]:
         prefix = group.prefix[None]
         with store.saving():
-            hidden, kv = lm.hidden_states(prefix, keep_kv=True)
+            hidden, kv = lm.hidden_states(prefix, keep_kv=True, experts=group.prefix_experts())
             prefix_lp = sequence_logprobs(lm, hidden[0, positions - 1], torch.zeros_like(positions),
                                           positions, prefix[0, positions], (1, group.prefix_len))
         return [t for pair in kv for t in pair] + [hidden[0, -1], prefix_lp[0], hidden.sum()]
@@ -190,7 +215,8 @@ def suffix_backward(lm: PrefixCausalLM, group: PrefixGroup, state: PrefixState, 
     p, b = group.prefix_len, len(rows)
     suffix_ids, suffix_masks = _pad([group.suffixes[i] for i in rows],
                                     [group.loss_masks[i][p:] for i in rows])
-    hidden, _ = lm.hidden_states(suffix_ids, start=p, past=state.kv)  # one prefix copy serves every row
+    hidden, _ = lm.hidden_states(suffix_ids, start=p, past=state.kv,  # one prefix copy serves every row
+                                 experts=group.suffix_experts(rows, suffix_ids.shape[1]))
     # predictor states: column 0 of a suffix is predicted by the boundary (position P-1)
     states = torch.cat([state.boundary.expand(b, 1, -1), hidden[:, :-1]], dim=1)
     r, s = torch.nonzero(suffix_masks, as_tuple=True)

@@ -18,6 +18,7 @@ from verbatim.trainer.causal_lm import PrefixCausalLM
 from verbatim.trainer.packing import Microbatching
 from verbatim.trainer.passes import Agree, alone, forwards, masked_batches
 from verbatim.trainer.prefixflow import _pad
+from verbatim.trainer.routing_replay import padded_experts
 
 
 def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float,
@@ -41,16 +42,17 @@ def outside_mask(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 
 def outside_support(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
                     top_p: float, top_k: int, microbatching: Microbatching = Microbatching(), logit_rows: int = 0,
-                    agree: Agree = alone) -> int:
+                    agree: Agree = alone, experts: Sequence[torch.Tensor] | None = None) -> int:
     """How many tokens of ``loss_mask`` lie outside the mask of π at ``lm.temperature`` (no autograd), the
     logits of ``logit_rows`` tokens at a time (0: a microbatch's at once); on a team, idle forwards keep
-    step with the other ranks (``agree``)."""
+    step with the other ranks (``agree``); ``experts``: each row's routed experts to replay."""
     count = 0
 
     def visit(picked: list[int]) -> None:
         nonlocal count
         ids, mask = _pad([sequences[i] for i in picked], [loss_mask[i, : sequences[i].numel()] for i in picked])
-        hidden, _ = lm.hidden_states(ids)
+        replay = None if experts is None else padded_experts([experts[i] for i in picked], ids.shape[1])
+        hidden, _ = lm.hidden_states(ids, experts=replay)
         r, t = torch.nonzero(mask, as_tuple=True)
         count += _count_outside(lm, hidden[r, t - 1], ids[r, t], top_p, top_k, logit_rows)
 

@@ -29,6 +29,7 @@ from verbatim.trainer.objective import objective_loss
 from verbatim.trainer.packing import Microbatching, padding
 from verbatim.trainer.passes import Agree, alone, idle_backward, idle_forward, idle_group
 from verbatim.trainer.prefixflow import _pad, group_from_sequences, prefix_cut, prefixflow_backward
+from verbatim.trainer.routing_replay import padded_experts
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +53,8 @@ class StepBatch:
     kl_coef: float = 0.0
     """β of the penalty toward the reference (:mod:`verbatim.trainer.objective`); 0: none."""
     kl_estimator: KlEstimator = "k3"
+    experts: tuple[torch.Tensor, ...] | None = None
+    """Each row's routed experts to replay (tokens × MoE layers × k; :mod:`~verbatim.trainer.routing_replay`)."""
 
     def __post_init__(self) -> None:
         b = len(self.sequences)
@@ -92,7 +95,8 @@ class PolicyValues:
 
 def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_mask: torch.Tensor,
                   microbatching: Microbatching = Microbatching(), agree: Agree = alone,
-                  groups: Sequence[Sequence[int]] = (), prefixflow: bool = False) -> PolicyValues:
+                  groups: Sequence[Sequence[int]] = (), prefixflow: bool = False,
+                  experts: Sequence[torch.Tensor] | None = None) -> PolicyValues:
     """The log-probabilities and entropy of ``lm``'s policy where ``loss_mask`` is True, without autograd.
 
     With ``prefixflow``, the rows of each of ``groups`` that share a token prefix (as the update splits them:
@@ -100,7 +104,8 @@ def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_ma
     go whole, in right-padded microbatches (``microbatching``). Rows without a masked token run no forward; on
     a team, idle forwards keep step with the other ranks (``agree``). The log-probabilities are what
     :meth:`~verbatim.trainer.causal_lm.LearnerLM.token_logprobs` gives (the same chunks of logits, bit for
-    bit, on the whole-sequence path); the entropy is taken from those logits.
+    bit, on the whole-sequence path); the entropy is taken from those logits. ``experts``: each row's routed
+    experts to replay.
     """
     lengths = _lengths(sequences)
     if tuple(loss_mask.shape) != (len(sequences), int(lengths.max())):
@@ -116,13 +121,14 @@ def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_ma
         for slot, calls in enumerate(agreed.flows):
             mine = slot < len(work.flows)
             if mine:
-                _flow_policy(learner_lm, sequences, masks, *work.flows[slot], out)
+                _flow_policy(learner_lm, sequences, masks, *work.flows[slot], out, experts)
             for _ in range(calls - len(work.flows[slot][1]) if mine else calls + 1):  # a slot: prefix + suffixes
                 idle_forward(learner_lm)
         for slot in range(agreed.plain):
             if slot < len(work.plain):
                 picked = list(work.plain[slot])
-                values = _row_policy(learner_lm, [sequences[i] for i in picked], [masks[i] for i in picked])
+                values = _row_policy(learner_lm, [sequences[i] for i in picked], [masks[i] for i in picked],
+                                     _picked(experts, picked))
                 out[:, torch.tensor(picked, device=out.device), : values.shape[2]] = values
             else:
                 idle_forward(learner_lm)
@@ -130,12 +136,15 @@ def policy_values(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], loss_ma
 
 
 def _flow_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
-                 members: Sequence[int], splits: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+                 members: Sequence[int], splits: Sequence[Sequence[int]], out: torch.Tensor,
+                 experts: Sequence[torch.Tensor] | None = None) -> None:
     """π and its entropy on ``members``' masked tokens, their shared prefix run once (into ``out``)."""
     rows = [sequences[r] for r in members]
     cut = prefix_cut(rows)
     prefix = rows[0][:cut][None]
-    hidden, kv = lm.hidden_states(prefix, keep_kv=True)
+    group = None if experts is None else group_from_sequences(rows, [masks[r] for r in members],
+                                                              [experts[r] for r in members])
+    hidden, kv = lm.hidden_states(prefix, keep_kv=True, experts=None if group is None else group.prefix_experts())
     own = torch.stack([masks[r][:cut] for r in members])
     positions = torch.nonzero(own.any(dim=0)).flatten()  # loss tokens inside the prefix (shared sampled tokens)
     if positions.numel():
@@ -147,7 +156,9 @@ def _flow_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequen
     for split in splits:
         picked = [members[k] for k in split]
         ids, suffix_masks = _pad([sequences[r][cut:] for r in picked], [masks[r][cut:] for r in picked])
-        suffix_hidden, _ = lm.hidden_states(ids, start=cut, past=kv)  # one prefix copy serves every row
+        suffix_experts = None if group is None else group.suffix_experts(split, ids.shape[1])
+        suffix_hidden, _ = lm.hidden_states(ids, start=cut, past=kv,  # one prefix copy serves every row
+                                            experts=suffix_experts)
         states = torch.cat([boundary.expand(len(picked), 1, -1), suffix_hidden[:, :-1]], dim=1)
         r, s = torch.nonzero(suffix_masks, as_tuple=True)
         values = torch.stack(lm.token_logprobs_and_entropy(states[r, s], ids[r, s])).float()
@@ -234,7 +245,8 @@ def run_work(lm: PrefixCausalLM, batch: StepBatch, work: RowWork, clip_eps: floa
 def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], splits: Sequence[Sequence[int]],
                    clip_eps: float, offload: Offload, idle: int) -> float:
     sequences = [batch.sequences[r] for r in members]
-    group = group_from_sequences(sequences, [batch.keep[r, : s.numel()] for r, s in zip(members, sequences)])
+    group = group_from_sequences(sequences, [batch.keep[r, : s.numel()] for r, s in zip(members, sequences)],
+                                 _picked(batch.experts, members))
     to_batch = torch.tensor(members, dtype=torch.long, device=batch.keep.device)
 
     def loss_fn(logprobs: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
@@ -245,7 +257,7 @@ def _flow_backward(lm: PrefixCausalLM, batch: StepBatch, members: list[int], spl
 
 def _plain_backward(lm: PrefixCausalLM, batch: StepBatch, rows: list[int], clip_eps: float) -> float:
     logprobs = _row_logprobs(lm, [batch.sequences[r] for r in rows],
-                             [batch.keep[r, : batch.sequences[r].numel()] for r in rows])
+                             [batch.keep[r, : batch.sequences[r].numel()] for r in rows], _picked(batch.experts, rows))
     index = torch.tensor(rows, dtype=torch.long, device=batch.keep.device)
     loss = _rows_loss(batch, index, logprobs, clip_eps)
     loss.backward()
@@ -261,25 +273,31 @@ def _rows_loss(batch: StepBatch, index: torch.Tensor, logprobs: torch.Tensor, cl
                           batch.kl_estimator)
 
 
-def _row_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+def _row_logprobs(lm: PrefixCausalLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                  experts: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """(b, width) log π on ``masks`` (0 elsewhere) of right-padded whole sequences, width = the longest."""
     ids, mask = _pad(sequences, masks)
-    hidden, _ = lm.hidden_states(ids)
+    hidden, _ = lm.hidden_states(ids, experts=None if experts is None else padded_experts(list(experts), ids.shape[1]))
     r, t = torch.nonzero(mask, as_tuple=True)
     return sequence_logprobs(lm, hidden[r, t - 1], r, t, ids[r, t], mask.shape)
 
 
-def _row_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+def _row_policy(lm: LearnerLM, sequences: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                experts: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """(2, b, width) float32: log π and the entropy of π on ``masks`` (0 elsewhere) of right-padded whole
     sequences, width = the longest."""
     ids, mask = _pad(sequences, masks)
-    hidden, _ = lm.hidden_states(ids)
+    hidden, _ = lm.hidden_states(ids, experts=None if experts is None else padded_experts(list(experts), ids.shape[1]))
     r, t = torch.nonzero(mask, as_tuple=True)
     logprobs, entropy = lm.token_logprobs_and_entropy(hidden[r, t - 1], ids[r, t])
     out = torch.zeros((2, *mask.shape), dtype=torch.float32, device=ids.device)
     out[0, r, t] = logprobs.float()
     out[1, r, t] = entropy.float()
     return out
+
+
+def _picked(experts: Sequence[torch.Tensor] | None, rows: Sequence[int]) -> list[torch.Tensor] | None:
+    return None if experts is None else [experts[r] for r in rows]
 
 
 def _lengths(sequences: Sequence[torch.Tensor]) -> torch.Tensor:

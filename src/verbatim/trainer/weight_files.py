@@ -198,3 +198,13 @@ def _read(file: Path, get: Callable[[Any, str], Any]) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(f"cannot read {file}: {io_reason(exc)}") from exc
 
+
+
+def checkpoint_format(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` (the model's state dict, or a part of it) under the names and layouts of the family's released
+    checkpoints, which vLLM loads: transformers 5 fuses some weights as it loads them (a MoE's experts into one
+    tensor per layer) and ``save_pretrained`` splits them back; this is that reversal (the same weights where the
+    family has none)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(weights)) if weights else weights

@@ -42,6 +42,7 @@ from verbatim.trainer.adapters.prefix_attention import (
     prefix_attention,
 )
 from verbatim.trainer.causal_lm import KV, refuse_dropout, target_logprobs
+from verbatim.trainer.routing_replay import replayed
 
 
 class HFDecoderLM:
@@ -57,7 +58,12 @@ class HFDecoderLM:
         self.checkpoint_layers = checkpoint_layers
 
     def hidden_states(self, ids: torch.Tensor, start: int = 0, past: KV | None = None,
-                      keep_kv: bool = False) -> tuple[torch.Tensor, KV | None]:
+                      keep_kv: bool = False, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, KV | None]:
+        with replayed(self.model, experts):
+            return self._hidden_states(ids, start, past, keep_kv)
+
+    def _hidden_states(self, ids: torch.Tensor, start: int, past: KV | None,
+                       keep_kv: bool) -> tuple[torch.Tensor, KV | None]:
         if self.model.training:
             refuse_dropout(self.model)
         batch, length = ids.shape

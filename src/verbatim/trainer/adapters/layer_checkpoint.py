@@ -9,8 +9,9 @@ model's other users (the plain path, the reference) are untouched.
 It composes with PrefixFlow's delayed prefix backward: phase A's layers are recomputed in phase C,
 long after phase A's call returned, and phase B's during its microbatch's backward. Each layer's
 recomputation runs under the attention implementation and :class:`~.prefix_attention.AttentionRun`
-that were in effect when it first ran (the prefix keys/values it read), with nothing recorded
-again, so a recomputation is the same function of the same inputs and has no side effect.
+that were in effect when it first ran (the prefix keys/values it read) and under the same routing
+replay (:mod:`~verbatim.trainer.routing_replay`: the same experts), with nothing recorded again, so
+a recomputation is the same function of the same inputs and has no side effect.
 
 A call through a ``DynamicCache`` (the cache path of :mod:`.decoder`) is not checkpointed: the cache
 is written during the forward and a recomputation would write it again (transformers turns the
@@ -28,6 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from verbatim.trainer.adapters.prefix_attention import attention_state, snapshot, without_capture
+from verbatim.trainer.routing_replay import restored as routing_restored
+from verbatim.trainer.routing_replay import snapshot as routing_snapshot
 
 
 @contextlib.contextmanager
@@ -51,10 +54,15 @@ def checkpointed_layers(decoder: nn.Module, config: Any) -> Iterator[None]:
 
 
 def _checkpoint_layer(config: Any, function: Callable[..., Any], *args: Any) -> Any:
-    state = without_capture(snapshot(config))
+    state, routing = without_capture(snapshot(config)), routing_snapshot()
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        with attention_state(config, state), routing_restored(routing):
+            yield
 
     def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        return contextlib.nullcontext(), attention_state(config, state)
+        return contextlib.nullcontext(), recomputing()
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
 
