@@ -347,6 +347,29 @@ def bench_step(
         write_doc(write, text)
 
 
+@trainer_benches.command("routing")
+def bench_routing(
+    steps: int = typer.Option(6, "--steps", min=1, help="Training steps per setting."),
+    write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's bench-routing "
+                               "section (docs/benchmarks.md)."),
+) -> None:
+    """Rollout Routing Replay on a tiny MoE: the routing flip rate and the mismatch with and without the replay."""
+    from verbatim.bench.routing import SECTION, markdown, measure
+    from verbatim.bench.routing import write as write_doc
+
+    if write is not None:
+        docsection.require_section(write, SECTION)
+
+    def show(result: dict) -> None:
+        err_console.print(f"{result['setting']}: {len(result['history'])} steps in {result['wall_s']:.0f} s")
+
+    results = measure(steps, progress=show)
+    text = markdown(results, command_line("routing", steps=None if steps == 6 else steps, write=write))
+    console.print(text)
+    if write is not None:
+        write_doc(write, text)
+
+
 @trainer_benches.command("prefixflow-loop")
 def bench_prefixflow_loop(
     words: int = typer.Option(1500, "--words", min=50, help="Words of each longdoc document (the shared prefix)."),

@@ -29,10 +29,9 @@ def repack_experts(model: Any) -> int:
                                      "fused_experts", None)) is not None]
     if not layers:  # a dense model: nothing of vLLM's MoE to import
         return 0
+    from vllm import _custom_ops as ops
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.utils import replace_parameter
-
-    from vllm import _custom_ops as ops
 
     repacked = 0
     for module, experts in layers:
