@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verbatim.datamodel import NO_EXPERT, Completion, Rollout, TokenColumns
-from verbatim.engine.expert_capture import ExpertStore, pack, rows_by_request, unpack
+from verbatim.engine.expert_capture import ExpertStore, adapter_version, pack, rows_by_request, unpack
 from verbatim.errors import LedgerError
 from verbatim.harness.ledger import Ledger
 from verbatim.harness.tracefile import from_json_line, from_table, to_json_line, to_table
@@ -26,19 +26,23 @@ def experts_of(positions: np.ndarray, seed: int = 0) -> np.ndarray:
 @settings(max_examples=80, deadline=None)
 @given(length=st.integers(1, 40), cached_blocks=st.integers(0, 9), chunk=st.integers(1, 16))
 def test_a_request_reading_a_cached_prefix_gets_the_experts_its_writer_computed(length, cached_blocks, chunk):
-    store = ExpertStore(blocks=32, block_size=BLOCK, layers=LAYERS, k=K)
+    store = ExpertStore(blocks=32, block_size=BLOCK, layers=LAYERS, k=K, version=3)
     table = list(range(20, 32))  # the blocks both requests' prefix sits in
     writer = experts_of(np.arange(length))
     for start in range(0, length, chunk):  # prefilled in chunks, then decoded one by one
         store.computed("a-12345678", table, start, writer[start:start + chunk])
-    assert np.array_equal(store.take("a"), writer)
+    experts, versions = store.take("a")
+    assert np.array_equal(experts, writer) and (versions == 3).all()
+    store.version = 4  # a weight update (keep): the reader computes under the new weights, reads the old KV
     cached = min(cached_blocks * BLOCK, (length // BLOCK) * BLOCK)
     own = experts_of(np.arange(cached, length + 5), seed=1)  # what the reader computes itself
     store.computed("b-abcdefgh", table, cached, own)
-    got = store.take("b")
-    assert np.array_equal(got[:cached], writer[:cached])
-    assert np.array_equal(got[cached:], own)
+    got, versions = store.take("b")
+    assert np.array_equal(got[:cached], writer[:cached]) and (versions[:cached] == 3).all()
+    assert np.array_equal(got[cached:], own) and (versions[cached:] == 4).all()
     assert store.take("b") is None
+    store.computed("c-abcdefgh", table, 0, own[:2], version=9)  # a LoRA request: its adapter's version
+    assert store.take("c")[1].tolist() == [9, 9]
 
 
 def test_a_preempted_request_that_recomputes_keeps_the_new_experts():
@@ -47,7 +51,7 @@ def test_a_preempted_request_that_recomputes_keeps_the_new_experts():
     store.computed("r-00000000", [1, 2, 3], 0, first)
     again = experts_of(np.arange(4, 12), seed=5)  # resumed from position 4 (its first block still cached)
     store.computed("r-00000000", [1, 2, 3], 4, again)
-    got = store.take("r")
+    got, _ = store.take("r")
     assert np.array_equal(got[:4], first[:4]) and np.array_equal(got[4:], again)
 
 
@@ -56,8 +60,8 @@ def test_finished_requests_wait_to_be_taken_and_ids_match_exactly():
     store.computed("s-1-00000000", [1], 0, experts_of(np.arange(3)))
     store.computed("s-10-00000000", [2], 0, experts_of(np.arange(2)))
     store.finish(["s-1-00000000"])
-    assert len(store.take("s-1")) == 3  # not s-10's
-    assert len(store.take("s-10")) == 2
+    assert len(store.take("s-1")[0]) == 3  # not s-10's
+    assert len(store.take("s-10")[0]) == 2
     assert store.take("s-1") is None
 
 
@@ -67,14 +71,18 @@ def test_rows_are_split_by_request_with_their_first_positions():
 
 
 def test_experts_cross_the_rpc_unchanged():
-    experts = experts_of(np.arange(7))
-    assert np.array_equal(unpack(pack(experts)), experts) and unpack(pack(None)) is None
+    experts, versions = experts_of(np.arange(7)), np.arange(7, dtype=np.int32)
+    back = unpack(pack((experts, versions)))
+    assert np.array_equal(back[0], experts) and np.array_equal(back[1], versions) and unpack(pack(None)) is None
+    assert adapter_version("verbatim-v12.3") == 12 and adapter_version(None) is None
+    assert adapter_version("my-adapter") is None
 
 
-def completion(ledger: Ledger, sampled: int, experts: np.ndarray | None) -> Completion:
+def completion(ledger: Ledger, sampled: int, experts: np.ndarray | None, version: int = 0) -> Completion:
     return Completion(token_ids=np.arange(sampled) + 100, logprobs=np.full(sampled, -1.0), versions=np.zeros(sampled),
                       finish_reason="stop", prompt_tokens=len(ledger) - ledger.segment_start, cached_tokens=0,
-                      routed_experts=experts)
+                      routed_experts=experts,
+                      experts_version=None if experts is None else np.full(len(experts), version))
 
 
 def test_the_ledger_keeps_each_segments_newest_experts_and_marks_tokens_never_fed():
@@ -84,11 +92,12 @@ def test_the_ledger_keeps_each_segments_newest_experts_and_marks_tokens_never_fe
     ledger.append_completion(completion(ledger, 4, first))
     ledger.append_observation([7, 8, 9])
     second = experts_of(np.arange(13 + 3 - 1), seed=2)  # recomputed the history: it wins
-    ledger.append_completion(completion(ledger, 3, second))
+    ledger.append_completion(completion(ledger, 3, second, version=1))
     experts = ledger.columns().routed_experts
     assert experts.shape == (16, LAYERS, K)
     assert np.array_equal(experts[:15], second)
     assert (experts[15] == NO_EXPERT).all()  # the last sampled token: never fed
+    assert ledger.columns().experts_version.tolist() == [1] * 15 + [-1]
     start = ledger.start_segment([3, 3, 3])
     ledger.append_completion(completion(ledger, 2, experts_of(np.arange(4), seed=9)))
     ledger.append_observation([1, 2])  # never fed
@@ -144,9 +153,35 @@ def test_lint_flags_tokens_without_experts_in_a_run_that_recorded_them():
     holed = traced(True)
     experts = holed.tokens.routed_experts.copy()
     experts[2:4] = NO_EXPERT
-    holed = holed.model_copy(update={"tokens": TokenColumns(**holed.tokens.as_dict(), routed_experts=experts)})
+    holed = holed.model_copy(update={"tokens": TokenColumns(**holed.tokens.as_dict(), routed_experts=experts,
+                                                            experts_version=holed.tokens.experts_version)})
     problems = [p for p in lint_rollout(holed, CacheSettings(block_size=32)) if p.kind == "routing"]
     assert [p.detail for p in problems] == ["2 token(s) without routed experts before the last sampled one, the "
                                             "first at token 2"]
     assert recorded_routing({"train": {"engine": {"record_routing": False}, "learner": {"routing_replay": True}}})
     assert not recorded_routing({"run": {"engine": {"record_routing": False}}})
+
+
+def test_lint_checks_the_version_each_tokens_experts_were_recorded_under():
+    from verbatim.lint.findings import CacheSettings
+    from verbatim.lint.trace import lint_rollout
+
+    ledger = Ledger()
+    ledger.append_prompt(np.arange(6))
+    ledger.append_completion(completion(ledger, 4, experts_of(np.arange(9)), version=2))
+    ledger.append_observation([7, 8, 9])
+    read = Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], versions=[3, 3], finish_reason="stop",
+                      prompt_tokens=13, cached_tokens=8, kv_versions=(2,), routed_experts=experts_of(np.arange(14)),
+                      experts_version=[2] * 8 + [3] * 6)
+    ledger.append_completion(read)
+    good = ledger.to_rollout(run_id="r", group_id="g", rollout_id="x")
+    assert not [p for p in lint_rollout(good, CacheSettings(block_size=4)) if p.kind.startswith("routing")]
+    tokens = good.tokens
+    for wrong, says in ((0, "cached prompt tokens were recorded under version(s) [1]"),
+                        (10, "prompt tokens it computed were recorded under version(s) [1]")):
+        versions = tokens.experts_version.copy()
+        versions[wrong] = 1
+        bad = good.model_copy(update={"tokens": TokenColumns(**tokens.as_dict(), routed_experts=tokens.routed_experts,
+                                                             experts_version=versions)})
+        found = [p.detail for p in lint_rollout(bad, CacheSettings(block_size=4)) if p.kind == "routing_version"]
+        assert len(found) == 1 and says in found[0], found

@@ -55,6 +55,9 @@ def test_recorded_experts_are_the_engines_and_replay_trains(tmp_path):
         assert record["routing_flip_rate"] is not None and 0 <= record["routing_flip_rate"] < 0.05, record
         assert record["mismatch_replayed"] <= record["mismatch_unreplayed"] + 1e-6, record
 
+    for rollout in read_run(out).rollouts:  # each step's KV (salted by version) computed by the weights before it
+        last_model = int(np.flatnonzero(rollout.tokens.source == Source.MODEL)[-1])
+        assert set(rollout.tokens.experts_version[:last_model].tolist()) == {rollout.info["step"] - 1}
     base = load_model(model_dir).eval()
     same = compared = cached = 0
     for rollout in (r for r in read_run(out).rollouts if r.info["step"] == 1):

@@ -138,3 +138,30 @@ def test_replay_of_the_wrong_shape_and_unknown_routers_are_refused(moe):
     with pytest.raises(TrainerError, match="routing replay knows the routers Qwen3MoeTopKRouter"):
         routers(other)
     assert routers(family_model("llama")) == []
+
+
+def test_the_mismatch_report_names_the_tokens_the_models_router_sends_elsewhere(moe):
+    import numpy as np
+
+    from verbatim.datamodel import Rollout, Source, TokenColumns, Turn
+    from verbatim.trainer.mismatch import mismatch
+    from verbatim.trainer.reference import reference_logprobs
+
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(8))
+    recorded = own_experts(moe, ids)
+    recorded[0, 12, 1] = (recorded[0, 12, 1] + 1) % EXPERTS  # token 12, layer 1: another expert
+    recorded[0, 12, 1, 1] = torch.where(recorded[0, 12, 1, 1] == recorded[0, 12, 1, 0],
+                                        (recorded[0, 12, 1, 1] + 1) % EXPERTS, recorded[0, 12, 1, 1])
+    with torch.no_grad(), replayed(moe, recorded):
+        mu = reference_logprobs(moe, ids[0]).numpy()  # what an engine that routed so sampled with
+    source = np.array([Source.PROMPT] * 10 + [Source.MODEL] * 10)
+    tokens = TokenColumns(token_id=ids[0].numpy(), source=source, logprob=np.where(source == Source.MODEL, mu, np.nan),
+                          policy_version=np.where(source == Source.MODEL, 0, -1), turn=np.zeros(20),
+                          routed_experts=recorded[0].numpy())
+    rollout = Rollout(run_id="r", group_id="g", rollout_id="x", tokens=tokens,
+                      turns=(Turn(index=0, prompt_end=10, completion_end=20),))
+    report = mismatch([rollout], moe)
+    routing = report.routing
+    assert routing["flipped_tokens"] == [["x", 12, 1]] and routing["flipped_token_layers"] == 1
+    assert routing["token_layers"] == 20 * LAYERS
+    assert routing["mean_abs_log_ratio_replayed"] < 1e-6 < report.mean_abs_log_ratio  # the replay closes the gap

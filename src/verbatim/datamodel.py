@@ -119,6 +119,9 @@ class TokenColumns:
     """Where the engine recorded them (a MoE model, ``--record-routing``): the experts its router chose for each
     token in each MoE layer, ``tokens × layers × k``, :data:`NO_EXPERT` where the token was never fed; the
     routing the trainer replays (docs/trainer.md, Rollout Routing Replay)."""
+    experts_version: np.ndarray | None = None
+    """With ``routed_experts``: the weights version that computed each token's experts (with its KV: a prompt
+    token read from the prefix cache has its writer's), −1 where none."""
 
     def __post_init__(self) -> None:
         lengths = set()
@@ -134,6 +137,12 @@ class TokenColumns:
                     and not experts.flags.writeable):
                 object.__setattr__(self, "routed_experts", experts := _experts(experts))
             lengths.add(len(experts))
+            versions = self.experts_version
+            object.__setattr__(self, "experts_version", _readonly(
+                np.full(len(experts), -1) if versions is None else versions, np.dtype(np.int32)))
+            lengths.add(len(self.experts_version))
+        elif self.experts_version is not None:
+            raise ValueError("experts_version goes with routed_experts")
         if len(lengths) > 1:
             raise ValueError(f"token columns are not aligned: lengths {sorted(lengths)}")
 
@@ -155,7 +164,8 @@ class TokenColumns:
         """Exact equality, NaN logprobs equal to NaN."""
         mine, theirs = self.routed_experts, other.routed_experts
         same_experts = mine is theirs is None or (mine is not None and theirs is not None
-                                                  and np.array_equal(mine, theirs))
+                                                  and np.array_equal(mine, theirs)
+                                                  and np.array_equal(self.experts_version, other.experts_version))
         return same_experts and all(
             np.array_equal(getattr(self, n), getattr(other, n), equal_nan=(n == "logprob"))
             for n in COLUMN_DTYPES
@@ -164,8 +174,9 @@ class TokenColumns:
     def slice(self, start: int, stop: int) -> TokenColumns:
         """Tokens ``start … stop-1`` (views, no copy)."""
         experts = None if self.routed_experts is None else self.routed_experts[start:stop]
+        versions = None if self.experts_version is None else self.experts_version[start:stop]
         return TokenColumns(**{name: column[start:stop] for name, column in self.as_dict().items()},
-                            routed_experts=experts)
+                            routed_experts=experts, experts_version=versions)
 
 
 # ---------------------------------------------------------------------------
@@ -197,6 +208,8 @@ class Completion:
     """Where the engine captured them (a MoE model): the experts its router chose for each token of the prompt and
     the completion but the last (never fed), ``tokens × MoE layers × k``, cached prompt tokens included
     (engine/expert_capture.py)."""
+    experts_version: np.ndarray | None = None
+    """The weights version that computed each of those tokens' experts (a cached token's: its KV writer's)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", _readonly(self.token_ids, COLUMN_DTYPES["token_id"]))
@@ -205,6 +218,8 @@ class Completion:
         n = len(self.token_ids)
         if self.routed_experts is not None:
             object.__setattr__(self, "routed_experts", _experts(self.routed_experts))
+            versions = np.full(len(self.routed_experts), -1) if self.experts_version is None else self.experts_version
+            object.__setattr__(self, "experts_version", _readonly(versions, np.dtype(np.int32)))
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"completion columns are not aligned: {n} tokens, {len(self.logprobs)} logprobs, "

@@ -212,6 +212,18 @@ def mismatch_report(
         console.print_json(strict_json(shown))
         return
     console.print(_mismatch_table(report, weights.source))
+    if report.routing is not None:
+        console.print(_routing_line(report.routing))
+
+
+def _routing_line(routing: dict[str, Any]) -> str:
+    """The routing replay's part of the report (a trace with routed experts, a MoE model)."""
+    first = routing["flipped_tokens"][:5]
+    shown = ", ".join(f"{row} token {at} ({layers} layer{'s' if layers > 1 else ''})" for row, at, layers in first)
+    return (f"routing: the model's own router sends {routing['flip_rate']:.2%} of "
+            f"{routing['token_layers']} token-layers elsewhere than the engine did ({routing['tokens_with_flips']} "
+            f"tokens{': ' + shown if shown else ''}); with the engine's experts replayed, mean |log π − log μ| = "
+            f"{routing['mean_abs_log_ratio_replayed']:.2e}")
 
 
 def _mismatch_table(report: Any, weights: str) -> Table:

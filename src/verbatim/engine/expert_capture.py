@@ -20,33 +20,42 @@ from __future__ import annotations
 import base64
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from verbatim.datamodel import EXPERT_DTYPE, NO_EXPERT
+from verbatim.datamodel import EXPERT_DTYPE, NO_EXPERT, Completion
 from verbatim.errors import EngineError, InputError
 
 FINISHED_KEPT = 4096
 """Finished requests whose experts wait to be taken; older ones are dropped (an aborted request is never taken)."""
 
 
+Chunk = tuple[np.ndarray, np.ndarray]
+"""Experts of consecutive positions (``tokens × layers × k``) and the weights version that computed each."""
+
+
 @dataclass
 class ExpertStore:
-    """Experts per KV slot (``slots × layers × k``) and per live request (positions from 0, in order)."""
+    """Experts per KV slot (``slots × layers × k``) with the weights version that computed each slot, and per live
+    request (positions from 0, in order)."""
 
     blocks: int
     block_size: int
     layers: int
     k: int
+    version: int = 0
+    """The version of the whole weights the engine serves now (a LoRA request's is its adapter's)."""
     by_slot: np.ndarray = field(init=False)
-    requests: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    finished: OrderedDict[str, list[np.ndarray]] = field(default_factory=OrderedDict)
+    version_by_slot: np.ndarray = field(init=False)
+    requests: dict[str, list[Chunk]] = field(default_factory=dict)
+    finished: OrderedDict[str, list[Chunk]] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.by_slot = np.full((self.blocks * self.block_size, self.layers, self.k), NO_EXPERT, EXPERT_DTYPE)
+        self.version_by_slot = np.full(self.blocks * self.block_size, -1, np.int32)
 
     def slots(self, block_ids: list[int], start: int, stop: int) -> np.ndarray:
         """The KV slots of positions ``start … stop-1`` of a request with this block table."""
@@ -54,23 +63,27 @@ class ExpertStore:
         table = np.asarray(block_ids, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def computed(self, request: str, block_ids: list[int], start: int, experts: np.ndarray) -> None:
-        """A step computed positions ``start …`` of ``request`` with these experts (``tokens × layers × k``)."""
+    def computed(self, request: str, block_ids: list[int], start: int, experts: np.ndarray,
+                 version: int | None = None) -> None:
+        """A step computed positions ``start …`` of ``request`` with these experts (``tokens × layers × k``), under
+        weights ``version`` (default: the store's)."""
         held = self._held(request, block_ids, start)
-        stop = start + len(experts)
-        self.by_slot[self.slots(block_ids, start, stop)] = experts
-        held.append(np.asarray(experts, dtype=EXPERT_DTYPE))
+        slots = self.slots(block_ids, start, start + len(experts))
+        versions = np.full(len(experts), self.version if version is None else version, np.int32)
+        self.by_slot[slots], self.version_by_slot[slots] = experts, versions
+        held.append((np.asarray(experts, dtype=EXPERT_DTYPE), versions))
 
-    def _held(self, request: str, block_ids: list[int], start: int) -> list[np.ndarray]:
+    def _held(self, request: str, block_ids: list[int], start: int) -> list[Chunk]:
         """The request's experts up to ``start``: cut back where it recomputes (a preempted request), filled
         from the KV slots where it starts past what it holds (the prefix it reads from the cache)."""
         held = self.requests.setdefault(request, [])
-        have = sum(len(chunk) for chunk in held)
+        have = sum(len(experts) for experts, _ in held)
         if have > start:
-            kept = np.concatenate(held)[:start]
-            held[:] = [kept]
+            experts, versions = _joined(held)
+            held[:] = [(experts[:start], versions[:start])]
         elif have < start:
-            held.append(self.by_slot[self.slots(block_ids, have, start)].copy())
+            slots = self.slots(block_ids, have, start)
+            held.append((self.by_slot[slots].copy(), self.version_by_slot[slots].copy()))
         return held
 
     def finish(self, requests: Any) -> None:
@@ -81,15 +94,29 @@ class ExpertStore:
         while len(self.finished) > FINISHED_KEPT:
             self.finished.popitem(last=False)
 
-    def take(self, external: str) -> np.ndarray | None:
-        """The experts of the request a client sent as ``external`` (vLLM appends ``-`` and 8 characters to a
-        client's id), removed; ``None`` where none were captured."""
+    def take(self, external: str) -> Chunk | None:
+        """The experts and their versions of the request a client sent as ``external`` (vLLM appends ``-`` and 8
+        characters to a client's id), removed; ``None`` where none were captured."""
         for table in (self.finished, self.requests):
             for request in list(table):
                 if request == external or (request.startswith(external + "-")
                                            and len(request) == len(external) + 9):
                     chunks = table.pop(request)
-                    return np.concatenate(chunks) if chunks else None
+                    return _joined(chunks) if chunks else None
+        return None
+
+
+def _joined(chunks: list[Chunk]) -> Chunk:
+    return np.concatenate([e for e, _ in chunks]), np.concatenate([v for _, v in chunks])
+
+
+def adapter_version(lora_name: str | None) -> int | None:
+    """The version of the adapter a LoRA request names (``verbatim-v{version}.{load}``: engine/protocol.py)."""
+    if not lora_name or not lora_name.startswith("verbatim-v"):
+        return None
+    try:
+        return int(lora_name.removeprefix("verbatim-v").split(".")[0])
+    except ValueError:
         return None
 
 
@@ -126,19 +153,30 @@ def rows_by_request(positions: np.ndarray, counts: list[int]) -> list[tuple[int,
     return spans
 
 
-def pack(experts: np.ndarray | None) -> list[Any] | None:
-    """What crosses vLLM's RPC (msgpack in-process, JSON from a server's ``/collective_rpc``): the shape, and the
-    little-endian int16 bytes in base64."""
-    if experts is None:
+def pack(taken: Chunk | None) -> list[Any] | None:
+    """What crosses vLLM's RPC (msgpack in-process, JSON from a server's ``/collective_rpc``): the experts' shape,
+    their little-endian int16 bytes and their versions' int32 bytes, in base64."""
+    if taken is None:
         return None
-    return [list(experts.shape), base64.b64encode(experts.astype("<i2").tobytes()).decode("ascii")]
+    experts, versions = taken
+    return [list(experts.shape), base64.b64encode(experts.astype("<i2").tobytes()).decode("ascii"),
+            base64.b64encode(versions.astype("<i4").tobytes()).decode("ascii")]
 
 
-def unpack(packed: list[Any] | None) -> np.ndarray | None:
+def unpack(packed: list[Any] | None) -> Chunk | None:
     if packed is None:
         return None
-    shape, data = packed
-    return np.frombuffer(base64.b64decode(data), dtype="<i2").astype(EXPERT_DTYPE).reshape(shape)
+    shape, experts, versions = packed
+    return (np.frombuffer(base64.b64decode(experts), dtype="<i2").astype(EXPERT_DTYPE).reshape(shape),
+            np.frombuffer(base64.b64decode(versions), dtype="<i4").astype(np.int32))
+
+
+def with_experts(completion: Completion, taken: Chunk | None) -> Completion:
+    """``completion`` with the experts (and their versions) its request's tokens were routed to, where captured."""
+    if taken is None:
+        return completion
+    experts, versions = taken
+    return replace(completion, routed_experts=experts, experts_version=versions)
 
 
 async def start_capture(llm: Any) -> dict[str, int]:
@@ -150,7 +188,7 @@ async def start_capture(llm: Any) -> dict[str, int]:
     return shapes[0]
 
 
-async def take_experts(llm: Any, request_id: str) -> np.ndarray | None:
+async def take_experts(llm: Any, request_id: str) -> Chunk | None:
     """The experts captured for a finished request (the first worker's: tensor-parallel ranks route alike)."""
     taken = await llm.collective_rpc("verbatim_take_experts", kwargs={"request_id": request_id})
     return unpack(taken[0])
@@ -177,7 +215,7 @@ async def has_extension(call: Any) -> bool:
     return True
 
 
-async def take_served_experts(call: Any, request_id: str) -> np.ndarray | None:
+async def take_served_experts(call: Any, request_id: str) -> Chunk | None:
     """:func:`take_experts` from a server, for the id it gave the request's one prompt (``cmpl-ID-0``)."""
     answer = await call("POST", "/collective_rpc", json={"method": "verbatim_take_experts",
                                                           "kwargs": {"request_id": f"cmpl-{request_id}-0"}})
@@ -222,6 +260,13 @@ class ExpertCapture:
     def verbatim_take_experts(self, request_id: str) -> list[Any] | None:
         """The captured experts of this (client) request id, removed from the store."""
         return pack(self._verbatim_experts.take(request_id))
+
+    def verbatim_weights_version(self, version: int) -> None:
+        """The version of the whole weights just loaded: the one the experts computed from now on are recorded
+        under (a LoRA request's are its adapter's)."""
+        store = getattr(self, "_verbatim_experts", None)
+        if store is not None:
+            store.version = int(version)
 
 
 class _StepCapture:
@@ -277,4 +322,7 @@ def _record_step(runner: Any, scheduled: Any, positions: Any, step_ids: dict[int
     where = positions[:total].cpu().numpy()
     for request, (first, last, start) in zip(request_ids, rows_by_request(where, counts)):
         if last > first:
-            store.computed(request, list(runner.requests[request].block_ids[0]), start, step[first:last])
+            state = runner.requests[request]
+            adapter = getattr(state, "lora_request", None)
+            store.computed(request, list(state.block_ids[0]), start, step[first:last],
+                           adapter_version(getattr(adapter, "lora_name", None)))

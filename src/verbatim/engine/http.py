@@ -29,7 +29,7 @@ import numpy as np
 from verbatim.datamodel import Completion
 from verbatim.engine.chunked_prefill import RESTART, server_chunking
 from verbatim.engine.drain import Drain
-from verbatim.engine.expert_capture import has_extension, start_served_capture, take_served_experts
+from verbatim.engine.expert_capture import has_extension, start_served_capture, take_served_experts, with_experts
 from verbatim.engine.kv_provenance import KvProvenance
 from verbatim.engine.logprobs_mode import logprobs_mode
 from verbatim.engine.lora_serving import ServedAdapters, ServerLoader
@@ -331,7 +331,7 @@ class HttpEngine:
                 self._adapters.give(held)
         done = answer_completion(answer, len(prompt), version, cache_salt, time.perf_counter() - started)
         if self.expert_shape is not None:
-            done = replace(done, routed_experts=await take_served_experts(self._call, request_id))
+            done = with_experts(done, await take_served_experts(self._call, request_id))
         key = ServedAdapters.kv_key(cache_salt, held)
         return replace(done, kv_versions=self._kv.finish(key, prompt, done.token_ids, done.versions,
                                                          done.cached_tokens, f"http-{next(self._ids)}", epoch))
@@ -393,6 +393,9 @@ class HttpEngine:
                                                                   "kwargs": {"weights_path": str(folder)}})
                 await self._adapters.clear(self._loader)
                 await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+                if self.expert_shape is not None:  # the experts computed from now on are this version's
+                    await self._call("POST", "/collective_rpc", json={"method": "verbatim_weights_version",
+                                                                      "kwargs": {"version": version}})
                 if policy is CachePolicy.FLUSH:
                     await self._reset_cache(version)
                 else:

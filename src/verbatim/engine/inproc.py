@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from verbatim.datamodel import Completion
-from verbatim.engine.expert_capture import RECORD_KEY, start_capture, take_experts
+from verbatim.engine.expert_capture import RECORD_KEY, start_capture, take_experts, with_experts
 from verbatim.engine.kv_provenance import DEFAULT_LIMIT_BLOCKS, KvProvenance, computed_blocks
 from verbatim.engine.lora_serving import InprocLoader, ServedAdapters, lora_request
 from verbatim.engine.models import resolve
@@ -280,7 +280,7 @@ class InprocEngine:
         completion = completion_of(final, prompt.size, cache_salt, first_token_s, time.perf_counter() - started,
                                    self.version, None if held is None else held.version)
         if self.expert_shape is not None:
-            completion = replace(completion, routed_experts=await take_experts(llm, request_id))
+            completion = with_experts(completion, await take_experts(llm, request_id))
         return await self._settle(completion, prompt, request_id, seen)
 
     # -- which weights computed the reused KV (see kv_provenance) ----------------------
@@ -388,6 +388,8 @@ class InprocEngine:
             try:
                 done = await load()
                 await llm.update_weight_version(str(version))
+                if self.expert_shape is not None:  # the experts computed from now on are this version's
+                    await llm.collective_rpc("verbatim_weights_version", kwargs={"version": version})
                 if policy is CachePolicy.FLUSH:
                     await llm.reset_prefix_cache(reset_running_requests=True)
                     self._kv.flush(version)

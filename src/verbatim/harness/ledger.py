@@ -51,7 +51,7 @@ class Ledger:
         self._size = 0
         self._turns: list[Turn] = []
         self._segment_start = 0
-        self._experts: dict[int, np.ndarray] = {}
+        self._experts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Each segment's routed experts, from its newest completion that carried them (whose prompt is the whole
         segment so far: it covers what earlier turns' did, as the engine last computed or cached them)."""
 
@@ -82,19 +82,22 @@ class Ledger:
 
     def columns(self) -> TokenColumns:
         """A snapshot of all columns (copied once, read-only)."""
+        experts, versions = self.routed_experts()
         return TokenColumns(**{name: self._buffers[name][: self._size].copy() for name in COLUMN_DTYPES},
-                            routed_experts=self.routed_experts())
+                            routed_experts=experts, experts_version=versions)
 
-    def routed_experts(self) -> np.ndarray | None:
-        """Every token's routed experts (``NO_EXPERT`` where the engine never fed it), where completions carried
-        them."""
+    def routed_experts(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Every token's routed experts (``NO_EXPERT`` where the engine never fed it) and the version that computed
+        them (−1 there), where completions carried them."""
         if not self._experts:
-            return None
-        first = next(iter(self._experts.values()))
+            return None, None
+        first, _ = next(iter(self._experts.values()))
         experts = np.full((self._size, *first.shape[1:]), NO_EXPERT, EXPERT_DTYPE)
-        for start, segment in self._experts.items():
+        versions = np.full(self._size, -1, np.int32)
+        for start, (segment, computed_by) in self._experts.items():
             experts[start:start + len(segment)] = segment
-        return experts
+            versions[start:start + len(segment)] = computed_by
+        return experts, versions
 
     # -- appending --------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class Ledger:
         prompt_end = self._size
         self._append(completion.token_ids, Source.MODEL, completion.logprobs, versions)
         if experts is not None:
-            self._experts[self._segment_start] = experts
+            self._experts[self._segment_start] = (experts, completion.experts_version)
         turn = Turn(
             index=len(self._turns),
             prompt_start=self._segment_start,

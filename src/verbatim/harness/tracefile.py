@@ -49,10 +49,11 @@ ROLLOUT_SCHEMA = pa.schema(
         ("turns", pa.list_(_TURN_TYPE)),
     ]
     + [(name, pa.list_(pa.from_numpy_dtype(dtype))) for name, dtype in COLUMN_DTYPES.items()]
-    + [("routed_experts", pa.list_(pa.int16())), ("experts_shape", pa.list_(pa.int16()))]
+    + [("routed_experts", pa.list_(pa.int16())), ("experts_shape", pa.list_(pa.int16())),
+       ("experts_version", pa.list_(pa.int32()))]
 )
-"""A rollout's routed experts are one flat list (``tokens × layers × k`` in C order) and its ``[layers, k]``, both
-empty where none were recorded (tables written before them have neither column)."""
+"""A rollout's routed experts are one flat list (``tokens × layers × k`` in C order), its ``[layers, k]`` and each
+token's version, all empty where none were recorded (tables written before them have none of the columns)."""
 
 _META_FIELDS = ("schema_version", "run_id", "group_id", "rollout_id", "status", "error", "reward")
 
@@ -79,6 +80,8 @@ def to_table(rollouts: list[Rollout]) -> pa.Table:
                                EXPERT_DTYPE))
     arrays.append(_list_column([np.array([] if e is None else e.shape[1:], EXPERT_DTYPE) for e in experts],
                                EXPERT_DTYPE))
+    arrays.append(_list_column([np.empty(0, np.int32) if r.tokens.experts_version is None
+                                else r.tokens.experts_version for r in rollouts], np.dtype(np.int32)))
     return pa.Table.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
 
 
@@ -119,7 +122,8 @@ def _rollouts_of(table: pa.Table) -> list[Rollout]:
     experts = _experts_rows(table)
     rollouts = []
     for i in range(table.num_rows):
-        tokens = TokenColumns(**{name: rows[i] for name, rows in token_columns.items()}, routed_experts=experts[i])
+        tokens = TokenColumns(**{name: rows[i] for name, rows in token_columns.items()}, routed_experts=experts[i][0],
+                              experts_version=experts[i][1])
         rollouts.append(Rollout(
             **{name: meta[name][i] for name in _META_FIELDS},
             task=json.loads(tasks[i]),
@@ -130,13 +134,15 @@ def _rollouts_of(table: pa.Table) -> list[Rollout]:
     return rollouts
 
 
-def _experts_rows(table: pa.Table) -> list[np.ndarray | None]:
-    """Each row's routed experts (``None`` where it has none, or the table predates them)."""
+def _experts_rows(table: pa.Table) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """Each row's routed experts and their versions (``None`` where it has none, or the table predates them)."""
     if "routed_experts" not in table.column_names:
-        return [None] * table.num_rows
+        return [(None, None)] * table.num_rows
     flat, shapes = _rows(table.column("routed_experts"), EXPERT_DTYPE), _rows(table.column("experts_shape"),
                                                                                 EXPERT_DTYPE)
-    return [flat[i].reshape(-1, *shapes[i]) if len(shapes[i]) else None for i in range(table.num_rows)]
+    versions = _rows(table.column("experts_version"), np.dtype(np.int32))
+    return [(flat[i].reshape(-1, *shapes[i]), versions[i]) if len(shapes[i]) else (None, None)
+            for i in range(table.num_rows)]
 
 
 def to_json_line(rollout: Rollout) -> str:
@@ -150,6 +156,7 @@ def to_json_line(rollout: Rollout) -> str:
     experts = rollout.tokens.routed_experts
     record["routed_experts"] = [] if experts is None else experts.reshape(-1).tolist()
     record["experts_shape"] = [] if experts is None else list(experts.shape[1:])
+    record["experts_version"] = [] if experts is None else rollout.tokens.experts_version.tolist()
     return json.dumps(record, allow_nan=False, separators=(",", ":"))
 
 
@@ -172,9 +179,11 @@ def _rollout_of(record: Any) -> Rollout:
     tokens = record.pop("tokens") if "tokens" in record else {name: record.pop(name) for name in COLUMN_DTYPES}
     tokens["logprob"] = [math.nan if x is None else x for x in tokens["logprob"]]
     experts, shape = record.pop("routed_experts", None), record.pop("experts_shape", None)
+    versions = record.pop("experts_version", None)
     record["tokens"] = TokenColumns(**{name: np.asarray(tokens[name], dtype=dtype)
                                        for name, dtype in COLUMN_DTYPES.items()},
                                     routed_experts=np.asarray(experts, EXPERT_DTYPE).reshape(-1, *shape)
-                                    if shape else None)
+                                    if shape else None,
+                                    experts_version=np.asarray(versions, np.int32) if shape else None)
     record["turns"] = tuple(Turn(**t) for t in record.get("turns", ()))
     return Rollout(**record)

@@ -17,7 +17,9 @@ rollout:
   size the manifest records); a shortfall names its likely cause
   (:func:`verbatim.lint.findings.miss_cause`).
 * **routing** — in a run that recorded routed experts (``--record-routing``), every token before a sequence's
-  last model token has them (what ``--routing-replay`` replays).
+  last model token has them (what ``--routing-replay`` replays), and they were recorded under the version of
+  the KV they were computed with: a cached prompt token's under one the KV provenance names for it, a computed
+  prompt token's under the version that sampled the turn's first token.
 * **duplicates** — a rollout id appears once in the run.
 * **episodes** (findings, not token problems) — a rollout that failed (``error``, ``interrupted``: no reward)
   or was cut (``truncated``, by ``--max-turns`` or the context) is listed with its recorded reason; a failed
@@ -126,11 +128,35 @@ def check_routing(rollout: Rollout, recorded: bool) -> list[Problem]:
     if experts is None:
         return [Problem("routing", None, "the run recorded routed experts, but this sequence has none")]
     missing = np.flatnonzero((experts[:int(model[-1])] < 0).any(axis=(1, 2)))
-    if not len(missing):
+    problems = []
+    if len(missing):
+        at = int(missing[0])
+        problems.append(Problem("routing", int(tokens.turn[at]), f"{len(missing)} token(s) without routed experts "
+                                f"before the last sampled one, the first at token {at}"))
+    return problems + check_routing_versions(rollout)
+
+
+def check_routing_versions(rollout: Rollout) -> list[Problem]:
+    """The experts of a sequence come with its last turn's request: those of the prompt tokens it read from the
+    cache were computed with that KV (the versions the KV provenance names), those it computed by the version
+    that sampled its first token."""
+    tokens, last = rollout.tokens, rollout.turns[-1] if rollout.turns else None
+    if last is None or not last.completion_tokens or tokens.experts_version is None:
         return []
-    at = int(missing[0])
-    return [Problem("routing", int(tokens.turn[at]), f"{len(missing)} token(s) without routed experts before the "
-                    f"last sampled one, the first at token {at}")]
+    versions, start, cached = tokens.experts_version, last.prompt_start, last.cached_tokens
+    problems = []
+    read = set(versions[start:start + cached].tolist()) - set(last.kv_versions)
+    if cached and last.kv_versions and read:
+        problems.append(Problem("routing_version", last.index, f"the experts of its {cached} cached prompt tokens "
+                                f"were recorded under version(s) {sorted(read)}, its KV under "
+                                f"{list(last.kv_versions)}"))
+    sampled_by = int(tokens.policy_version[last.prompt_end])
+    computed = set(versions[start + cached:last.prompt_end].tolist()) - {sampled_by}
+    if computed:
+        problems.append(Problem("routing_version", last.index, f"the experts of the prompt tokens it computed were "
+                                f"recorded under version(s) {sorted(computed)}, its first token sampled by "
+                                f"{sampled_by}"))
+    return problems
 
 
 def check_breaks(rollout: Rollout, pieces: tuple[Rollout, ...]) -> list[Problem]:

@@ -25,6 +25,8 @@ from verbatim.trainer.learner import row_logprobs
 from verbatim.trainer.learner_config import CorrectionConfig
 from verbatim.trainer.logprob_files import RolloutLogprobs, write_logprobs
 from verbatim.trainer.reference import reference_logprobs
+from verbatim.trainer.routing_replay import counting_flips, routers
+from verbatim.trainer.routing_replay import replayed as replayed_routing
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,14 @@ class MismatchReport:
     metrics: dict[str, Any]
     per_rollout: tuple[RolloutLogprobs, ...] = ()
     """Each rollout's log π (NaN off its model tokens) and the correction's keep mask, for ``--save``."""
+    routing: dict[str, Any] | None = None
+    """Where the trace recorded routed experts and the model's routers replay them: how often the model's own router
+    chose otherwise, where, and the mismatch with the replay (:func:`routing_report`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"rollouts": self.rollouts, "model_tokens": self.model_tokens,
                 "trainer_version": self.trainer_version, "mean_abs_log_ratio": self.mean_abs_log_ratio,
-                "metrics": self.metrics}
+                "metrics": self.metrics, "routing": self.routing}
 
 
 def usable_rollouts(rollouts: list[Rollout]) -> list[Rollout]:
@@ -93,7 +98,38 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
                           mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
                           metrics=result.metrics.as_dict(),
                           per_rollout=per_rollout([r.row_id for r in rollouts], logp_pi, batch.loss_mask,
-                                                  batch.lengths, result.keep))
+                                                  batch.lengths, result.keep),
+                          routing=routing_report(rollouts, model))
+
+
+SHOWN_FLIPS = 50
+"""The flipped tokens a report lists (the first, in trace order)."""
+
+
+def routing_report(rollouts: list[Rollout], model: Any) -> dict[str, Any] | None:
+    """π again with each rollout's recorded experts replayed (trainer/routing_replay.py): the share of token-layers
+    the model's own router sends elsewhere, the tokens where it does (rollout, position, layers flipped), and the
+    mean |log π − log μ| over the sampled tokens with the replay. ``None`` where a rollout has no experts or the
+    model no router to replay."""
+    if any(r.tokens.routed_experts is None for r in rollouts) or not routers(model):
+        return None
+    replayed = flipped = 0
+    gaps, where = [], []
+    with torch.no_grad():
+        for rollout in rollouts:
+            tokens, n = rollout.tokens, len(rollout.tokens)
+            experts = torch.from_numpy(tokens.routed_experts.astype(np.int64))[None]
+            with counting_flips(n) as flips, replayed_routing(model, experts):
+                logp = reference_logprobs(model, tokens.token_id, temperature=sampled_temperature(rollout))
+            model_tokens = tokens.source == Source.MODEL
+            gaps.append(np.abs(logp.numpy()[model_tokens] - tokens.logprob[model_tokens]))
+            replayed, flipped = replayed + flips.replayed, flipped + flips.flipped
+            where += [[rollout.row_id, int(t), int(flips.per_token[t])]
+                      for t in np.flatnonzero(flips.per_token.numpy())]
+    return {"flip_rate": flipped / replayed if replayed else None, "token_layers": replayed,
+            "flipped_token_layers": flipped, "tokens_with_flips": len(where),
+            "mean_abs_log_ratio_replayed": float(np.concatenate(gaps).mean()) if gaps else None,
+            "flipped_tokens": where[:SHOWN_FLIPS]}
 
 
 def per_rollout(ids: list[str], logp_pi: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,

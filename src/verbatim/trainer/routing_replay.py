@@ -39,10 +39,12 @@ _MOE_BLOCKS = ("SparseMoeBlock", "MoeBlock", "MoE")
 
 @dataclass
 class Flips:
-    """Token-layers replayed, and those where the trainer's own router would have chosen other experts."""
+    """Token-layers replayed, and those where the trainer's own router would have chosen other experts; with
+    ``per_token``, each token's count of flipped layers (forwards of that many rows: batch 1)."""
 
     replayed: int = 0
     flipped: int = 0
+    per_token: torch.Tensor | None = None
 
     @property
     def rate(self) -> float | None:
@@ -53,9 +55,10 @@ _counting: list[Flips] = []
 
 
 @contextlib.contextmanager
-def counting_flips() -> Iterator[Flips]:
-    """Count the flips of every replayed forward inside the block."""
-    flips = Flips()
+def counting_flips(tokens: int | None = None) -> Iterator[Flips]:
+    """Count the flips of every replayed forward inside the block (per token too, for forwards of ``tokens``
+    rows)."""
+    flips = Flips(per_token=None if tokens is None else torch.zeros(tokens, dtype=torch.long))
     _counting.append(flips)
     try:
         yield flips
@@ -155,16 +158,18 @@ def replay_route(gate: Any, hidden_states: torch.Tensor, forced: torch.Tensor,
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if count and _counting:
-        _count(own[given], forced[given])
+        _count(own, forced, given)
     return logits, weights.to(logits.dtype), chosen
 
 
-def _count(own: torch.Tensor, forced: torch.Tensor) -> None:
+def _count(own: torch.Tensor, forced: torch.Tensor, given: torch.Tensor) -> None:
     """Add to every open count: token-layers replayed, and those whose own top-k is another set."""
-    flipped = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1)
+    flipped = given & (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1)
     for flips in _counting:
-        flips.replayed += int(own.shape[0])
+        flips.replayed += int(given.sum())
         flips.flipped += int(flipped.sum())
+        if flips.per_token is not None and flips.per_token.shape[0] == flipped.shape[0]:
+            flips.per_token += flipped.cpu().long()
 
 
 def padded_experts(rows: list[torch.Tensor | None], width: int) -> torch.Tensor | None:

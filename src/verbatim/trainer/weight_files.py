@@ -204,7 +204,11 @@ def checkpoint_format(model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
     """``weights`` (the model's state dict, or a part of it) under the names and layouts of the family's released
     checkpoints, which vLLM loads: transformers 5 fuses some weights as it loads them (a MoE's experts into one
     tensor per layer) and ``save_pretrained`` splits them back; this is that reversal (the same weights where the
-    family has none)."""
+    family has none, in their order: the in-memory push lays q, k and v out one after the other, so that the
+    direct reload fuses them in place, engine/direct_reload.py)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, dict(weights)) if weights else weights
+    if not weights:
+        return weights
+    converted = revert_weight_conversion(model, dict(weights))
+    return weights if converted.keys() == weights.keys() else converted
