@@ -19,7 +19,8 @@ model whose output layer is not its embedding (the embedding then a unit of its 
 ranks build the model on the meta device and each loads its own rows of DIR's weights (the saved tiny model).
 ``--file-bytes N``: a checkpoint's weight files hold at most N bytes each (numbered files and an index), the
 model's ``config.json`` beside them. ``--lora``: a rank-4 LoRA adapter trains on the frozen model (with
-``--from`` on a team, built as a LoRA run's team builds it).
+``--from`` on a team, built as a LoRA run's team builds it). ``--moe``: a tiny Qwen3-MoE instead, its rows with
+recorded experts that the learner replays (``--routing-replay``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ def with_adapter(model: torch.nn.Module, config: LearnerConfig, team: Team) -> A
     return model
 
 
+def tiny_moe() -> torch.nn.Module:
+    """A random 3-layer Qwen3-MoE (tests/test_adapters.py's), 4 experts, top-2."""
+    from test_adapters import family_model
+
+    return family_model("qwen3_moe", seed=1)
+
+
+def with_routing(step: StepInput) -> StepInput:
+    """``step``'s rows with seeded random experts recorded for every token (2 of 4 in each of 3 layers)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    columns = [replace(c, routed_experts=np.stack([rng.permutation(4)[:2] for _ in range(3 * len(c))])
+                       .reshape(len(c), 3, 2), experts_version=np.zeros(len(c))) for c in step.columns]
+    return replace(step, columns=columns)
+
+
 def whole_moments(learner: Learner) -> dict:
     """The optimizer's state, every tensor whole, keyed by parameter name, on rank 0 (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -119,8 +137,10 @@ def main(out: str, team: Team, args: list[str]) -> None:
     ARGS = args
     divide, save, restore = option("--divide"), option("--save"), option("--restore")
     divide = None if divide is None else float(divide)
-    model = tiny_llama(tied="--untied" not in ARGS, seed=1)
+    model = tiny_llama(tied="--untied" not in ARGS, seed=1) if "--moe" not in ARGS else tiny_moe()
     step, config = CASES[option("--case") or "three-groups"](model)
+    if "--moe" in ARGS:  # Rollout Routing Replay of experts recorded for every token (the same on every rank)
+        step, config = with_routing(step), config.model_copy(update={"routing_replay": True})
     if "--lora" in ARGS:
         config = config.model_copy(update={"lora": LoraConfig(rank=4)})
         model = with_adapter(model, config, team)
@@ -162,7 +182,8 @@ def main(out: str, team: Team, args: list[str]) -> None:
             unit.set_gradient_divide_factor(divide)
     gathered: list[str] = []  # the dtype of the weights a decoder layer computes with
     first = learner.model.model.layers[0]
-    first.register_forward_pre_hook(lambda m, _: gathered.append(str(m.mlp.up_proj.weight.dtype)))
+    first.register_forward_pre_hook(lambda m, _: gathered.append(str(getattr(m.mlp, "up_proj", m.self_attn.q_proj)
+                                                                     .weight.dtype)))
     names = {id(p): n for n, p in learner.model.named_parameters()}
     updates: list[dict[str, torch.Tensor]] = []
 

@@ -178,7 +178,8 @@ STEPS = {"three-groups": [], "one-group": ["--case", "one-group"], "mixed": ["--
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory) -> dict[str, dict]:
     """Every step of :data:`STEPS` and the uneven case, each made by one process (one launch)."""
-    return _steps(tmp_path_factory.mktemp("alone"), 1, STEPS | {"uneven": ["--case", "uneven"], "lora": ["--lora"]})
+    return _steps(tmp_path_factory.mktemp("alone"), 1, STEPS | {"uneven": ["--case", "uneven"], "lora": ["--lora"],
+                                                              "moe": ["--moe"]})
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +195,7 @@ def pair(tmp_path_factory) -> dict[str, dict]:
                     "empty": ["--no-step", "--save", str(folder / "empty")],
                     "lora": ["--lora", "--save", str(folder / "lora")],
                     "lora-shards": ["--lora", "--from", str(models["tied"])],
+                    "moe": ["--moe"],
                     # last: its weight files of at most 60 kB (numbered, with an index)
                     "saved": ["--save", str(folder / "checkpoints"), "--file-bytes", "60000"]}
     return _steps(folder, 2, jobs)
@@ -276,6 +278,12 @@ def test_a_lora_team_built_on_the_meta_device_makes_one_processs_update(alone, p
     """Each rank reads its own rows of the saved base and takes its shard of the same fresh adapter (the seed's A,
     drawn as one process draws it): the update of one process that attached the adapter to the whole model."""
     assert_same_step(pair["lora-shards"], alone["lora"])
+
+
+def test_a_team_replays_recorded_routing_as_one_process_does(alone, pair):
+    """A MoE's rows with recorded experts (Rollout Routing Replay): two ranks make one process's update, their
+    routers sent to the same experts in PrefixFlow's phases and the plain rows alike."""
+    assert_same_step(pair["moe"], alone["moe"])
 
 
 def test_a_rank_that_skips_its_idle_calls_cannot_keep_step(tmp_path):
