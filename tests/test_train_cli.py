@@ -203,6 +203,27 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
     refused([*args, "--resume", "--kl-coef", "0.1"], "learner.loss.kl_coef: 0.0 -> 0.1")
 
 
+def test_a_run_recorded_before_routing_replay_existed_resumes_without_it_and_not_with_it(tmp_path, monkeypatch):
+    """Its config lacks ``learner.routing_replay`` and ``engine.record_routing``: its rollouts were recorded without
+    routed experts, so a resume without the flags goes through, and one that asks to replay routing its recorded
+    rollouts lack is refused in one line before anything starts (issue #48's "a trace recorded without
+    routing")."""
+    out = tmp_path / "run"
+    args = ["--env", "guess", "--out", str(out)]
+    config = config_of("train", args, monkeypatch).config()
+    del config["train"]["learner"]["routing_replay"]
+    del config["train"]["engine"]["record_routing"]
+    _manifest(out, config)
+
+    def passed(*given, **keywords):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
+    result = runner.invoke(app, ["train", *args, "--resume"])
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    refused([*args, "--resume", "--routing-replay"], "learner.routing_replay: False -> True")
+
+
 def test_the_trainer_device_may_change_on_resume(monkeypatch):
     """Where the trainer runs does not change what it computes: not part of the config a resume matches."""
     args = ["--env", "guess", "--out", "run"]

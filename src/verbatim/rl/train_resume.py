@@ -98,7 +98,8 @@ ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.l
          "learner.prefix_activations": None, "plan.fixed_lag": False, "learner.loss.kl_coef": 0.0,
          "learner.loss.kl_estimator": None, "evaluation.eval_every": None, "evaluation.eval_groups": None,
          "evaluation.eval_samples": None, "evaluation.eval_tasks": None, "evaluation.eval_temperature": None,
-         "evaluation.eval_pass_k": None, "evaluation.allow_overlap": None, "plan.hold_out": False}
+         "evaluation.eval_pass_k": None, "evaluation.allow_overlap": None, "plan.hold_out": False,
+         "learner.routing_replay": False, "engine.record_routing": False}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
 every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
