@@ -204,7 +204,8 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
 
 
 def test_a_run_recorded_before_routing_replay_existed_resumes_without_it_and_not_with_it(tmp_path, monkeypatch):
-    """Its config lacks ``learner.routing_replay`` and ``engine.record_routing``: its rollouts were recorded without
+    """Its config lacks ``learner.routing_replay``, ``engine.record_routing`` and ``learner.lora`` (a run older than
+    LoRA, which a resume could not go on with until 2026-12-06): its rollouts were recorded without
     routed experts, so a resume without the flags goes through, and one that asks to replay routing its recorded
     rollouts lack is refused in one line before anything starts (issue #48's "a trace recorded without
     routing")."""
@@ -213,6 +214,7 @@ def test_a_run_recorded_before_routing_replay_existed_resumes_without_it_and_not
     config = config_of("train", args, monkeypatch).config()
     del config["train"]["learner"]["routing_replay"]
     del config["train"]["engine"]["record_routing"]
+    del config["train"]["learner"]["lora"]  # before LoRA existed too: it trained the whole model
     _manifest(out, config)
 
     def passed(*given, **keywords):
@@ -222,6 +224,7 @@ def test_a_run_recorded_before_routing_replay_existed_resumes_without_it_and_not
     result = runner.invoke(app, ["train", *args, "--resume"])
     assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
     refused([*args, "--resume", "--routing-replay"], "learner.routing_replay: False -> True")
+    refused([*args, "--resume", "--lora-rank", "8"], "learner.lora.rank: None -> 8")
 
 
 def test_the_trainer_device_may_change_on_resume(monkeypatch):

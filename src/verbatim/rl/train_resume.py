@@ -99,15 +99,21 @@ ADDED = {"learner.dtype": "fp32", "learner.checkpoint_layers": False, "learner.l
          "learner.loss.kl_estimator": None, "evaluation.eval_every": None, "evaluation.eval_groups": None,
          "evaluation.eval_samples": None, "evaluation.eval_tasks": None, "evaluation.eval_temperature": None,
          "evaluation.eval_pass_k": None, "evaluation.allow_overlap": None, "plan.hold_out": False,
-         "learner.routing_replay": False, "engine.record_routing": False}
+         "learner.routing_replay": False, "engine.record_routing": False, "learner.lora.dropout": 0.0}
 """Settings added after runs were recorded, and how a run recorded without one trained: its value, or None where
 every value trains the same steps (log π in chunks, and the prefix's activations wherever they wait, are exact)."""
 
 
+ADDED_AS_NONE = ("learner.lora.rank", "learner.lora.alpha", "learner.lora.targets")
+"""Settings added after runs were recorded whose value in such a run was None: it trained the whole model, no
+LoRA adapter."""
+
+
 def with_added(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` with each :data:`ADDED` setting it lacks and ``now`` holds filled in as that run trained."""
+    """``saved`` with each :data:`ADDED` (and :data:`ADDED_AS_NONE`) setting it lacks and ``now`` holds filled in
+    as that run trained."""
     filled = json.loads(json.dumps(saved))
-    for key, value in ADDED.items():
+    for key, value in [*ADDED.items(), *((key, _NONE) for key in ADDED_AS_NONE)]:
         *path, last = key.split(".")
         there: Any = now
         for part in path:
@@ -118,8 +124,11 @@ def with_added(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
         for part in path:
             here = here.setdefault(part, {}) if isinstance(here, dict) else None
         if isinstance(here, dict) and last not in here:
-            here[last] = there[last] if value is None else value
+            here[last] = there[last] if value is None else None if value is _NONE else value
     return filled
+
+
+_NONE = object()  # an ADDED_AS_NONE setting: None as it trained, not "whatever now says"
 
 
 def trained_steps(out: Path) -> int:
