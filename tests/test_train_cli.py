@@ -99,6 +99,17 @@ def test_a_bad_option_is_one_line_naming_it_and_writes_nothing(tmp_path, monkeyp
     assert tree(tmp_path) == {}
 
 
+def passes_the_check(args: list[str], monkeypatch) -> None:
+    """``verbatim ARGS`` gets past every check of its inputs to the start of its engine (stopped there)."""
+
+    def passed(*given, **keywords):
+        raise AssertionError("passed")
+
+    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
+    result = runner.invoke(app, args)
+    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+
+
 def _manifest(out: Path, config: dict) -> None:
     TraceWriter(out, RunManifest(run_id="earlier", model="m", renderer="r", engine={"block_size": 16},
                                  config=config))
@@ -153,12 +164,7 @@ def test_the_first_runs_settings_pass_the_resume_check(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--lr", "3e-5"]
     _manifest(out, config_of("train", args, monkeypatch).config())
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
-    result = runner.invoke(app, ["train", *args, "--resume"])
-    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    passes_the_check(["train", *args, "--resume"], monkeypatch)
 
 
 def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path, monkeypatch):
@@ -172,12 +178,7 @@ def test_a_run_recorded_before_fixed_lag_existed_resumes_as_it_trained(tmp_path,
     del config["train"]["plan"]["fixed_lag"]
     _manifest(out, config)
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
-    result = runner.invoke(app, ["train", *args, "--resume"])
-    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    passes_the_check(["train", *args, "--resume"], monkeypatch)
     refused([*args, "--resume", "--fixed-lag"], "plan.fixed_lag: False -> True")
 
 
@@ -193,13 +194,8 @@ def test_a_run_recorded_before_the_kl_penalty_existed_resumes_without_one(tmp_pa
         del config["train"]["learner"]["loss"][key]
     _manifest(out, config)
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
     for extra in ([], ["--kl-estimator", "k2"]):
-        result = runner.invoke(app, ["train", *args, "--resume", *extra])
-        assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+        passes_the_check(["train", *args, "--resume", *extra], monkeypatch)
     refused([*args, "--resume", "--kl-coef", "0.1"], "learner.loss.kl_coef: 0.0 -> 0.1")
 
 
@@ -217,12 +213,7 @@ def test_a_run_recorded_before_routing_replay_existed_resumes_without_it_and_not
     del config["train"]["learner"]["lora"]  # before LoRA existed too: it trained the whole model
     _manifest(out, config)
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
-    result = runner.invoke(app, ["train", *args, "--resume"])
-    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    passes_the_check(["train", *args, "--resume"], monkeypatch)
     refused([*args, "--resume", "--routing-replay"], "learner.routing_replay: False -> True")
     refused([*args, "--resume", "--lora-rank", "8"], "learner.lora.rank: None -> 8")
 
@@ -303,12 +294,7 @@ def test_a_killed_steps_rollouts_let_the_resume_through(tmp_path, monkeypatch):
     args = ["--env", "guess", "--out", str(out), "--steps", "3", "--checkpoint-every", "1"]
     _trained_run(out, config_of("train", args, monkeypatch).config(), 1, 1, (1, 2))
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
-    result = runner.invoke(app, ["train", *args, "--resume"])
-    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    passes_the_check(["train", *args, "--resume"], monkeypatch)
 
 
 def test_resuming_a_finished_run_says_it_is_complete_and_starts_nothing(tmp_path, monkeypatch):
@@ -338,12 +324,7 @@ def test_a_resume_may_raise_steps_under_a_constant_learning_rate(tmp_path, monke
         refused([*args, "--steps", steps, "--resume"], needle)
         return
 
-    def passed(*given, **keywords):
-        raise AssertionError("passed")
-
-    monkeypatch.setattr("verbatim.jobs.compose.make_engine", passed)
-    result = runner.invoke(app, ["train", *args, "--steps", steps, "--resume"])
-    assert isinstance(result.exception, AssertionError) and str(result.exception) == "passed", result.output
+    passes_the_check(["train", *args, "--steps", steps, "--resume"], monkeypatch)
 
 
 def test_a_prompt_that_cannot_fit_the_context_with_max_tokens_is_refused_before_the_engine(tmp_path):
