@@ -165,3 +165,5 @@ def test_the_mismatch_report_names_the_tokens_the_models_router_sends_elsewhere(
     assert routing["flipped_tokens"] == [["x", 12, 1]] and routing["flipped_token_layers"] == 1
     assert routing["token_layers"] == 20 * LAYERS
     assert routing["mean_abs_log_ratio_replayed"] < 1e-6 < report.mean_abs_log_ratio  # the replay closes the gap
+    flips = report.per_rollout[0].flips  # what --save writes, and verbatim view colours
+    assert flips[12] == 1 and flips.sum() == 1

@@ -56,6 +56,21 @@ def test_a_file_round_trips_rows_and_metadata_and_leaves_no_temporary(tmp_path):
         RolloutLogprobs("c", np.zeros(3, np.float32), np.zeros(2, bool))
 
 
+def test_routing_flips_round_trip_where_counted_and_older_files_have_none(tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = [RolloutLogprobs("a", np.zeros(3, np.float32), np.ones(3, bool), np.array([0, 2, 1])),
+            RolloutLogprobs("b", np.zeros(2, np.float32), np.ones(2, bool))]
+    path = write_logprobs(mismatch_file(tmp_path), rows, {"writer": "mismatch"})
+    read = read_logprobs(path)
+    assert read["a"].flips.tolist() == [0, 2, 1] and read["b"].flips is None
+    older = pq.read_table(path).drop_columns(["routing_flips"])  # a file written before the column
+    pq.write_table(older, path)
+    assert all(row.flips is None for row in read_logprobs(path).values())
+    with pytest.raises(ValueError, match="2 routing flips for 3 tokens"):
+        RolloutLogprobs("c", np.zeros(3, np.float32), np.zeros(3, bool), np.zeros(2))
+
+
 def _rollout(model: torch.nn.Module, rid: str, group: str, seed: int, reward: float, shift: float = 0.0) -> Rollout:
     rng = np.random.default_rng(seed)
     tokens = traced(model, segments(rng, np.arange(7) % VOCAB, turns=2), version=0)

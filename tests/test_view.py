@@ -259,6 +259,10 @@ def test_click_through_run_rollout_colouring_group(page, site):
     assert page.locator("#tokens .tok[class*='lp-']").count() == detail["columns"]["source"].count(2)
     page.select_option("#mode", "mask")
     assert page.locator("#tokens .tok.masked").count() and page.locator("#tokens .tok.keep").count()
+    page.select_option("#mode", "routing")  # a MoE's tokens routed elsewhere by the trainer (mismatch --save)
+    flipped = [f for f in detail["trainer"]["flips"] if f > 0]
+    assert page.locator("#tokens .tok[class*='flip-']").count() == len(flipped) > 0
+    assert page.locator("#tokens .tok.flip-2").count() == flipped.count(2) > 0
     page.click("nav .crumb a")
     page.wait_for_selector("#members .member")
     assert page.locator("#members .member").evaluate_all("ms => ms.map(m => m.dataset.id)") == ["g0-r0", "g0-r1"]

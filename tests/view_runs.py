@@ -84,12 +84,18 @@ def segmented(renderer) -> Rollout:
 
 
 def trainer_logprobs(rollout: Rollout) -> RolloutLogprobs:
-    """log π off from μ by +2 on every third token (the correction masks those: e² > 5), by 0.001 elsewhere."""
+    """log π off from μ by +2 on every third token (the correction masks those: e² > 5), by 0.001 elsewhere; a
+    MoE's routing flipped in one layer on every 7th token, two on every 14th (:func:`routing_flips`)."""
     mu = rollout.tokens.logprob.astype(np.float64)
     shift = np.where(np.arange(len(mu)) % 3 == 0, 2.0, 0.001)
     model = rollout.tokens.source == Source.MODEL
     return RolloutLogprobs(rollout.rollout_id, np.where(model, mu + shift, np.nan).astype(np.float32),
-                           model & (shift < 1.0))
+                           model & (shift < 1.0), routing_flips(len(mu)))
+
+
+def routing_flips(length: int) -> np.ndarray:
+    positions = np.arange(length)
+    return ((positions % 7 == 6).astype(np.int8) + (positions % 14 == 13)).astype(np.int8)
 
 
 def write_run(path: Path, renderer, model_dir: str, batches: list[list[Rollout]], *, status: str = "completed",

@@ -9,7 +9,10 @@ its update (π_old). Each file has one row per rollout:
 * ``logprob`` (list of float32, one per token of the rollout): log π of each model token,
   NaN for every other token;
 * ``keep`` (list of bool, one per token): the correction kept the model token (no rule
-  dropped it); false for every other token.
+  dropped it); false for every other token;
+* ``routing_flips`` (list of int8, one per token, or empty): where the trace recorded routed experts and the
+  writer replayed them (``verbatim mismatch`` on a MoE), in how many MoE layers the model's own router chose other
+  experts for the token (files written before the column have none).
 
 The file's key/value metadata ``verbatim`` holds JSON: ``writer`` (``mismatch`` or
 ``train``), ``model``, ``trainer_version``, ``step`` (training only) and ``correction`` (its
@@ -37,20 +40,25 @@ from verbatim.errors import TraceFormatError
 MISMATCH_FILE = "trainer_logprobs.parquet"
 STEP_DIR = "trainer_logprobs"
 META_KEY = b"verbatim"
-SCHEMA = pa.schema([("rollout_id", pa.string()), ("logprob", pa.list_(pa.float32())), ("keep", pa.list_(pa.bool_()))])
+SCHEMA = pa.schema([("rollout_id", pa.string()), ("logprob", pa.list_(pa.float32())), ("keep", pa.list_(pa.bool_())),
+                    ("routing_flips", pa.list_(pa.int8()))])
 
 
 @dataclass(frozen=True, eq=False)
 class RolloutLogprobs:
-    """One rollout's row: log π per token (NaN off the model's tokens) and the correction's keep mask."""
+    """One rollout's row: log π per token (NaN off the model's tokens), the correction's keep mask, and where
+    known each token's count of MoE layers whose router chose other experts than the engine recorded."""
 
     rollout_id: str
     logprob: np.ndarray
     keep: np.ndarray
+    flips: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprob) != len(self.keep):
             raise ValueError(f"{self.rollout_id}: {len(self.logprob)} logprobs but {len(self.keep)} keep flags")
+        if self.flips is not None and len(self.flips) != len(self.keep):
+            raise ValueError(f"{self.rollout_id}: {len(self.flips)} routing flips for {len(self.keep)} tokens")
 
 
 def step_file(run_dir: str | os.PathLike[str], step: int) -> Path:
@@ -76,6 +84,8 @@ def write_logprobs(path: str | os.PathLike[str], rows: Sequence[RolloutLogprobs]
         pa.array([r.rollout_id for r in rows], pa.string()),
         _lists([np.asarray(r.logprob, dtype=np.float32) for r in rows], pa.float32()),
         _lists([np.asarray(r.keep, dtype=bool) for r in rows], pa.bool_()),
+        _lists([np.empty(0, np.int8) if r.flips is None else np.minimum(r.flips, 127).astype(np.int8)
+                for r in rows], pa.int8()),
     ], schema=SCHEMA.with_metadata({META_KEY: strict_json(meta, sort_keys=True).encode()}))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
@@ -117,7 +127,10 @@ def read_logprobs(path: str | os.PathLike[str], rollout_ids: Sequence[str] | Non
         ids = table.column("rollout_id").to_pylist()
         logprobs = table.column("logprob").to_pylist()
         keeps = table.column("keep").to_pylist()
-        return {rid: RolloutLogprobs(rid, np.asarray(lp, dtype=np.float32), np.asarray(keep, dtype=bool))
-                for rid, lp, keep in zip(ids, logprobs, keeps)}
+        flips = table.column("routing_flips").to_pylist() if "routing_flips" in table.column_names else \
+            [None] * len(ids)
+        return {rid: RolloutLogprobs(rid, np.asarray(lp, dtype=np.float32), np.asarray(keep, dtype=bool),
+                                     np.asarray(flip, dtype=np.int8) if flip else None)
+                for rid, lp, keep, flip in zip(ids, logprobs, keeps, flips)}
     except (pa.ArrowException, OSError, KeyError, ValueError, TypeError) as exc:
         raise TraceFormatError(f"{Path(path).name}: not a trainer logprob file ({exc})") from exc

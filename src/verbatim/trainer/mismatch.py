@@ -94,27 +94,28 @@ def mismatch(rollouts: list[Rollout], model: Any, *, trainer_version: int | None
     logp_mu = torch.nan_to_num(batch.logp_mu, nan=0.0)
     result = correct(logp_pi, logp_mu, batch.loss_mask, batch.versions, version, config)
     ratios = result.log_ratio[batch.loss_mask].numpy()
+    routing, flips = routing_report(rollouts, model)
     return MismatchReport(rollouts=len(rollouts), model_tokens=int(batch.loss_mask.sum()), trainer_version=version,
                           mean_abs_log_ratio=float(np.abs(ratios).mean()), log_ratios=ratios,
                           metrics=result.metrics.as_dict(),
                           per_rollout=per_rollout([r.row_id for r in rollouts], logp_pi, batch.loss_mask,
-                                                  batch.lengths, result.keep),
-                          routing=routing_report(rollouts, model))
+                                                  batch.lengths, result.keep, flips),
+                          routing=routing)
 
 
 SHOWN_FLIPS = 50
 """The flipped tokens a report lists (the first, in trace order)."""
 
 
-def routing_report(rollouts: list[Rollout], model: Any) -> dict[str, Any] | None:
+def routing_report(rollouts: list[Rollout], model: Any) -> tuple[dict[str, Any] | None, list[np.ndarray] | None]:
     """π again with each rollout's recorded experts replayed (trainer/routing_replay.py): the share of token-layers
     the model's own router sends elsewhere, the tokens where it does (rollout, position, layers flipped), and the
-    mean |log π − log μ| over the sampled tokens with the replay. ``None`` where a rollout has no experts or the
-    model no router to replay."""
+    mean |log π − log μ| over the sampled tokens with the replay; and each rollout's flipped layers per token.
+    ``None`` where a rollout has no experts or the model no router to replay."""
     if any(r.tokens.routed_experts is None for r in rollouts) or not routers(model):
-        return None
+        return None, None
     replayed = flipped = 0
-    gaps, where = [], []
+    gaps, where, per_token = [], [], []
     with torch.no_grad():
         for rollout in rollouts:
             tokens, n = rollout.tokens, len(rollout.tokens)
@@ -124,19 +125,22 @@ def routing_report(rollouts: list[Rollout], model: Any) -> dict[str, Any] | None
             model_tokens = tokens.source == Source.MODEL
             gaps.append(np.abs(logp.numpy()[model_tokens] - tokens.logprob[model_tokens]))
             replayed, flipped = replayed + flips.replayed, flipped + flips.flipped
+            per_token.append(flips.per_token.numpy())
             where += [[rollout.row_id, int(t), int(flips.per_token[t])]
                       for t in np.flatnonzero(flips.per_token.numpy())]
     return {"flip_rate": flipped / replayed if replayed else None, "token_layers": replayed,
             "flipped_token_layers": flipped, "tokens_with_flips": len(where),
             "mean_abs_log_ratio_replayed": float(np.concatenate(gaps).mean()) if gaps else None,
-            "flipped_tokens": where[:SHOWN_FLIPS]}
+            "flipped_tokens": where[:SHOWN_FLIPS]}, per_token
 
 
 def per_rollout(ids: list[str], logp_pi: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-                keep: torch.Tensor) -> tuple[RolloutLogprobs, ...]:
-    """Padded (B, T) log π and keep mask → one row per rollout, NaN off its model tokens."""
+                keep: torch.Tensor, flips: list[np.ndarray] | None = None) -> tuple[RolloutLogprobs, ...]:
+    """Padded (B, T) log π and keep mask → one row per rollout, NaN off its model tokens (with each token's routing
+    flips, where counted)."""
     rows = row_logprobs(logp_pi, loss_mask, lengths, keep)
-    return tuple(RolloutLogprobs(rid, logprob, kept) for rid, (logprob, kept) in zip(ids, rows))
+    flipped = flips if flips is not None else [None] * len(ids)
+    return tuple(RolloutLogprobs(rid, logprob, kept, flip) for rid, (logprob, kept), flip in zip(ids, rows, flipped))
 
 
 def save_logprobs(report: MismatchReport, path: Path, model: str, config: CorrectionConfig | None = None) -> Path:

@@ -50,7 +50,8 @@ def hybrid_mask(versions: np.ndarray, model: np.ndarray, window: int) -> np.ndar
 
 
 def trainer_columns(rollout: Rollout, trainer: dict[str, Any] | None) -> dict[str, Any] | None:
-    """log π − log μ and the correction's keep mask per model token, from the trainer's logprob file
+    """log π − log μ, the correction's keep mask per model token and where counted each token's routing flips (MoE
+    layers whose router chose otherwise than the engine), from the trainer's logprob file
     (:meth:`verbatim.view.sidecar.TrainerLogprobs.find`); None without one."""
     if trainer is None:
         return None
@@ -63,6 +64,7 @@ def trainer_columns(rollout: Rollout, trainer: dict[str, Any] | None) -> dict[st
     meta = trainer.get("meta") or {}
     return {"log_ratio": [_finite(v) if k else None for v, k in zip(ratio.tolist(), known.tolist())],
             "keep": [bool(v) if k else None for v, k in zip(keep.tolist(), known.tolist())],
+            "flips": None if trainer.get("flips") is None else [int(v) for v in trainer["flips"]],
             "source": trainer.get("source"), "writer": meta.get("writer"), "model": meta.get("model"),
             "trainer_version": meta.get("trainer_version"), "step": meta.get("step")}
 

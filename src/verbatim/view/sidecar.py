@@ -64,8 +64,8 @@ class TrainerLogprobs:
                 self._note(f"{path.name}: {rollout_id} has {0 if row is None else len(row.logprob)} trainer "
                            f"logprobs for {length} tokens; ignored")
                 continue
-            return {"logprob": row.logprob, "keep": row.keep, "source": str(path.relative_to(self.run_dir)),
-                    "meta": meta}
+            return {"logprob": row.logprob, "keep": row.keep, "flips": row.flips,
+                    "source": str(path.relative_to(self.run_dir)), "meta": meta}
         return None
 
     def find_rollout(self, rollout: Rollout) -> dict[str, Any] | None:
@@ -75,8 +75,9 @@ class TrainerLogprobs:
         found = [self.find(piece.row_id, len(piece.tokens)) for piece in pieces]
         if len(found) == 1 or any(f is None for f in found):
             return found[0] if len(found) == 1 else None
+        flips = None if any(f["flips"] is None for f in found) else np.concatenate([f["flips"] for f in found])
         return {**found[0], "logprob": np.concatenate([f["logprob"] for f in found]),
-                "keep": np.concatenate([f["keep"] for f in found])}
+                "keep": np.concatenate([f["keep"] for f in found]), "flips": flips}
 
     def _holds(self, key: tuple[Path, tuple[int, int]]) -> set[str]:
         with self._lock:

@@ -66,6 +66,10 @@
       if (c.prefills[i] > 1) return "recomputed";
       return detail.block_size ? `blk-${Math.floor(i / detail.block_size) % 2}` : "blk-0";
     }
+    if (mode === "routing") {  // any token the engine routed, prompt tokens too
+      const flips = detail.trainer && detail.trainer.flips ? detail.trainer.flips[i] : 0;
+      return flips > 0 ? `flip-${Math.min(flips, 3)}` : "plain";
+    }
     if (!model) return "plain";
     if (mode === "logprob") return c.logprob[i] === null ? "plain" : `lp-${bucket(c.logprob[i], [-0.1, -0.7, -1.6, -3])}`;
     if (mode === "version") return `ver-${((c.version[i] % 6) + 6) % 6}${c.hybrid[i] ? " hybrid" : ""}`;
@@ -85,8 +89,10 @@
     const lp = c.logprob[i] === null ? "" : ` logprob ${c.logprob[i].toFixed(3)} version ${c.version[i]}`;
     const ratio = detail.trainer && detail.trainer.log_ratio[i] !== null
       ? ` log π − log μ ${detail.trainer.log_ratio[i].toFixed(4)}` : "";
+    const flips = detail.trainer && detail.trainer.flips && detail.trainer.flips[i] > 0
+      ? ` experts flipped in ${detail.trainer.flips[i]} MoE layer(s)` : "";
     const pinned = pins.has(i) ? `\n${pins.get(i).join("\n")}` : "";
-    cell.title = `#${i} id ${c.id[i]} ${["prompt", "env", "model"][c.source[i]]} turn ${c.turn[i]}${lp}${ratio}${pinned}`;
+    cell.title = `#${i} id ${c.id[i]} ${["prompt", "env", "model"][c.source[i]]} turn ${c.turn[i]}${lp}${ratio}${flips}${pinned}`;
     return cell;
   }
 

@@ -158,6 +158,7 @@
     cache: [["blk-0", "KV block"], ["blk-1", "next block"], ["recomputed", "prefilled again (a cache miss)"]],
     ratio: [["ratio-0", "< −0.2"], ["ratio-1", "< −0.02"], ["ratio-2", "±0.02"], ["ratio-3", "> 0.02"], ["ratio-4", "> 0.2"]],
     mask: [["keep", "kept by the correction"], ["masked", "masked"]],
+    routing: [["flip-1", "experts flipped in 1 MoE layer"], ["flip-2", "2"], ["flip-3", "3 or more"]],
   };
 
   function trainerSource(t) {
@@ -170,9 +171,12 @@
     const r = d.row;
     crumbs([`group ${r.group}`, `#/group/${q(r.group)}`], [`rollout ${r.id}`]);
     const hasTrainer = d.trainer !== null;
+    const hasFlips = hasTrainer && d.trainer.flips !== null;
     if (!hasTrainer && (state.mode === "ratio" || state.mode === "mask")) state.mode = "source";
+    if (!hasFlips && state.mode === "routing") state.mode = "source";
     const modes = [["source", "source"], ["logprob", "sampler logprob"], ["version", "policy version"], ["cache", "cache blocks"],
-      ...(hasTrainer ? [["ratio", "log π − log μ"], ["mask", "correction mask"]] : [])];
+      ...(hasTrainer ? [["ratio", "log π − log μ"], ["mask", "correction mask"]] : []),
+      ...(hasFlips ? [["routing", "routing flips"]] : [])];
     const legend = h("div", { class: "legend", id: "legend" });
     const tokens = h("div", { class: "tokens", id: "tokens" });
     let view = null;
