@@ -185,3 +185,16 @@ def test_lint_checks_the_version_each_tokens_experts_were_recorded_under():
                                                              experts_version=versions)})
         found = [p.detail for p in lint_rollout(bad, CacheSettings(block_size=4)) if p.kind == "routing_version"]
         assert len(found) == 1 and says in found[0], found
+
+
+def test_the_trainer_exports_carry_the_experts_of_every_exported_token():
+    from verbatim.harness.export import TABLE_BUILDERS
+
+    with_experts, without = traced(True), traced(False)
+    for fmt, build in TABLE_BUILDERS.items():
+        table = build([with_experts, without])
+        flat, shapes = table.column("routed_experts").to_pylist(), table.column("experts_shape").to_pylist()
+        assert shapes == [[LAYERS, K], []], fmt
+        want = with_experts.tokens.routed_experts[:8].reshape(-1).tolist()  # prompt 5 + 3 sampled: all exported
+        assert flat == [want, []], fmt
+        assert "routed_experts" not in build([without]).column_names  # a dense run's exports are unchanged

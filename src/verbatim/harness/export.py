@@ -221,6 +221,19 @@ def _identity(rollouts: list[Rollout]) -> dict[str, pa.Array]:
     }
 
 
+def _routing(rollouts: list[Rollout]) -> dict[str, pa.Array]:
+    """Where the trace recorded routed experts (a MoE run, ``--record-routing``): each exported token's (prompt and
+    response: ``token_id[:last model token + 1]``), flat, and their ``[layers, k]``; no columns otherwise."""
+    if all(r.tokens.routed_experts is None for r in rollouts):
+        return {}
+    ends = [int(np.flatnonzero(r.tokens.source == Source.MODEL)[-1]) + 1 for r in rollouts]
+    experts = [r.tokens.routed_experts for r in rollouts]
+    return {"routed_experts": _lists([np.empty(0, np.int16) if e is None else e[:end].reshape(-1)
+                                      for e, end in zip(experts, ends)], pa.int16()),
+            "experts_shape": _lists([np.array([] if e is None else e.shape[1:], np.int16) for e in experts],
+                                    pa.int16())}
+
+
 def _rewards(rollouts: list[Rollout]) -> pa.Array:
     return pa.array([r.reward for r in rollouts], pa.float64())
 
@@ -245,6 +258,7 @@ def verl_table(rollouts: list[Rollout]) -> pa.Table:
     columns.update(_identity(rollouts))
     columns.update(_split_columns(splits, {"response_versions": "response_policy_versions",
                                            "response_turns": "response_turns"}))
+    columns.update(_routing(rollouts))
     return pa.table(columns)
 
 
@@ -257,6 +271,7 @@ def trl_table(rollouts: list[Rollout]) -> pa.Table:
     columns.update(_identity(rollouts))
     columns.update(_split_columns(splits, {"response_versions": "policy_versions",
                                            "response_turns": "completion_turns"}))
+    columns.update(_routing(rollouts))
     return pa.table(columns)
 
 
@@ -278,6 +293,7 @@ def prime_table(rollouts: list[Rollout]) -> pa.Table:
         **_identity(rollouts),
         "policy_versions": _lists(whole("response_versions", MASKED_VERSION), pa.int32()),
         "token_turns": _lists(whole("response_turns", 0), pa.int16()),
+        **_routing(rollouts),
     }
     return pa.table(columns)
 
