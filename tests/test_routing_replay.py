@@ -167,3 +167,24 @@ def test_the_mismatch_report_names_the_tokens_the_models_router_sends_elsewhere(
     assert routing["mean_abs_log_ratio_replayed"] < 1e-6 < report.mean_abs_log_ratio  # the replay closes the gap
     flips = report.per_rollout[0].flips  # what --save writes, and verbatim view colours
     assert flips[12] == 1 and flips.sum() == 1
+
+
+def test_a_row_without_experts_for_a_token_its_loss_reads_is_refused_naming_it():
+    import numpy as np
+
+    from verbatim.datamodel import NO_EXPERT, Source, TokenColumns
+    from verbatim.trainer.routing_replay import row_experts
+
+    source = np.array([Source.PROMPT] * 4 + [Source.MODEL] * 3)
+    experts = np.zeros((7, LAYERS, K), np.int16)
+    experts[-1] = NO_EXPERT  # the last sampled token: never fed, read by no loss token
+    columns = TokenColumns(token_id=np.arange(7), source=source, logprob=np.where(source == 2, -1.0, np.nan),
+                           policy_version=np.where(source == 2, 0, -1), turn=np.zeros(7), routed_experts=experts)
+    (replayed,) = row_experts([columns], torch.device("cpu"))
+    assert replayed.shape == (7, LAYERS, K)
+    holed = experts.copy()
+    holed[2] = NO_EXPERT
+    with pytest.raises(TrainerError, match=r"row 0 has no routed experts for token 2 \(of 6 its loss reads\)"):
+        row_experts([TokenColumns(**columns.as_dict(), routed_experts=holed)], torch.device("cpu"))
+    with pytest.raises(TrainerError, match="row 0 has no routed experts recorded"):
+        row_experts([TokenColumns(**columns.as_dict())], torch.device("cpu"))
