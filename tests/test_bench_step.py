@@ -70,3 +70,24 @@ def test_a_run_with_errored_rollouts_gives_no_table(monkeypatch):
     monkeypatch.setattr(step_split, "run_all", lambda *a, **k: [broken, _result("after", 0.2, 0.3)])
     with pytest.raises(BenchmarkError, match="1 of 8 failed, so no table: step 2 had an errored rollout"):
         step_split.measure(steps=2)
+
+
+def test_the_runs_evaluate_nothing_and_a_step_0_evaluation_line_is_in_no_steps_time(monkeypatch, tmp_path):
+    """bench learn's runs evaluate before the first step (a step-0 line in the history); bench step's must not, and
+    a step-0 line, where one is there, is neither a step counted nor a part split."""
+    from verbatim.bench import step_split
+    from verbatim.bench.learn import LearnSettings, train_config
+
+    seen = []
+    monkeypatch.setattr(step_split, "run_all", lambda runs, settings, *a, **k: seen.append(settings) or [
+        _with_eval_line(_result("before", 1.0, 4.0)), _with_eval_line(_result("after", 0.2, 0.3))])
+    results = step_split.measure(steps=2)
+    assert train_config(RUNS[1], seen[0], "default", tmp_path).evaluation.eval_every is None
+    assert train_config(RUNS[1], LearnSettings(), "default", tmp_path).evaluation.eval_every == 40  # bench learn's
+    assert split(results[0]) == split(_result("before", 1.0, 4.0))
+    assert "over 2 steps" in markdown(results, "verbatim bench step")
+
+
+def _with_eval_line(result: dict) -> dict:
+    evaluation = {"step": 0, "version": 0, "eval": {"version": 0, "pass_at_k": {"1": 0.5}}, "rollout_s": 9.0}
+    return result | {"history": [evaluation, *result["history"]]}

@@ -94,7 +94,8 @@ class LearnSettings(Frozen):
     lr_schedule: str = "cosine"
     lr_final: float = 0.1
     eval_groups: int = 8
-    """Held-out tasks evaluated before the first step and after the last (guess's held-out target)."""
+    """Held-out tasks evaluated before the first step and after the last (guess's held-out target); 0: none
+    (bench step, which times the steps alone)."""
     eval_samples: int = 4
     """Samples per held-out task (K of pass@K)."""
 
@@ -162,7 +163,7 @@ def train_config(run: LearnRun, settings: LearnSettings, model: str, out: Path) 
         learner=LearnerConfig(lr=run.lr or settings.lr, lr_schedule=settings.lr_schedule, lr_final=settings.lr_final,
                               correction=correction, lora=LoraConfig(rank=run.lora_rank)),
         evaluation=EvalPlan(eval_every=settings.steps, eval_groups=settings.eval_groups,
-                            eval_samples=settings.eval_samples))
+                            eval_samples=settings.eval_samples) if settings.eval_groups else EvalPlan())
 
 
 def trained_lines(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
