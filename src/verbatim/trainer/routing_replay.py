@@ -22,15 +22,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from verbatim.datamodel import Source, TokenColumns
 from verbatim.errors import InputError, TrainerError
+
+if TYPE_CHECKING:  # pydantic's models: the GPU probe (scripts/gpu_probe.py) imports this module without them
+    from verbatim.datamodel import TokenColumns
 
 REPLAYABLE = ("Qwen3MoeTopKRouter",)
 """The router classes :func:`replayed` knows how to replay."""
@@ -189,6 +191,8 @@ def row_experts(columns: Sequence[TokenColumns], device: torch.device) -> tuple[
     """Each row's recorded experts to replay (``tokens × layers × k``, long, on ``device``). Refuses a row that
     lacks them for a token its loss reads: every token before its last model token (the hidden state of each
     predicts the next); the tokens after it, and its last, no loss token reads."""
+    from verbatim.datamodel import Source
+
     rows = []
     for i, c in enumerate(columns):
         model = np.flatnonzero(c.source == Source.MODEL)
