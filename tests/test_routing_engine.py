@@ -6,6 +6,11 @@ top-k recomputed with transformers on the same tokens, prompt tokens read from t
 group's followers and the second turn read their history from it); the last token, never fed, has none; the
 run trains with the replay (versions 0 → 2, μ = π_old, lint clean) and reports the flip rate and the mismatch
 with and without it. Bad input (a dense model) is refused in one line before any engine starts.
+
+That run is also the Qwen3 family's end-to-end training test (tests/test_train_families.py has the others): the
+renderer is detected from the folder's template, and step 2's tokens have the logprobs of step 1's checkpoint, so
+the push of Qwen3's attention (its q/k norms) and of the experts arrived. Qwen3's dense MLP is Llama's, which the
+default model's tests push.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 from subprocess_cli import cli
-from trained_run import assert_two_steps
+from trained_run import assert_sampled_with_previous_checkpoint, assert_two_steps
 
 from verbatim.datamodel import NO_EXPERT, Source
-from verbatim.harness.store import read_run
+from verbatim.harness.store import read_manifest, read_run
 from verbatim.harness.tiny_models import write_tiny_model
 from verbatim.trainer.reference import load_model
 from verbatim.trainer.routing_replay import routers
@@ -50,7 +55,9 @@ def test_recorded_experts_are_the_engines_and_replay_trains(tmp_path):
                "--seed", "4", "--max-model-len", "512", "--kv-cache-gib", "1", "--checkpoint-every", "1",
                "--routing-replay", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert read_manifest(out).renderer == "qwen3"  # detected from the folder's chat template
     lines = assert_two_steps(out, trainer_path="prefixflow", rows=3)
+    assert_sampled_with_previous_checkpoint(out, model_dir)
     for record in lines:
         assert record["routing_flip_rate"] is not None and 0 <= record["routing_flip_rate"] < 0.05, record
         assert record["mismatch_replayed"] <= record["mismatch_unreplayed"] + 1e-6, record
