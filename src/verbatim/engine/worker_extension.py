@@ -1,11 +1,15 @@
 """What verbatim adds to vLLM's worker (``worker_extension_cls``, one class): the weight receiver
 (engine/weight_push.py) and the capture of the experts the MoE routers chose (engine/expert_capture.py).
-Their methods are called over vLLM's ``collective_rpc``."""
+Their methods are called over vLLM's ``collective_rpc``. vLLM imports this module in each worker before it
+builds the model, which is where the CPU LoRA ops are replaced (engine/lora_cpu.py)."""
 
 from __future__ import annotations
 
+from verbatim.engine import lora_cpu
 from verbatim.engine.expert_capture import ExpertCapture, records_experts
 from verbatim.engine.weight_push import WeightReceiver
+
+lora_cpu.install()
 
 
 class WorkerExtension(WeightReceiver, ExpertCapture):
