@@ -43,32 +43,33 @@ RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every ste
 def measure(steps: int = 10, model: str = "default", progress: Any = None) -> list[dict[str, Any]]:
     """Every run, without held-out evaluation (its time is in no step's parts, but it would lengthen the run); each
     result holds the run and its metrics by step (bench/learn.py's form)."""
-    results = run_all(list(RUNS), LearnSettings(steps=steps, eval_groups=0), model, progress=progress)
+    results = [r | {"history": trained_lines(r["history"])}  # a step-0 line is no step (the evaluation's)
+               for r in run_all(list(RUNS), LearnSettings(steps=steps, eval_groups=0), model, progress=progress)]
     for result in results:
-        if len(trained_lines(result["history"])) != steps:
-            raise BenchmarkError(f"{result['run']['label']}: {len(trained_lines(result['history']))} of {steps} "
-                                 "steps trained, so no table")
+        if len(result["history"]) != steps:
+            raise BenchmarkError(f"{result['run']['label']}: {len(result['history'])} of {steps} steps trained, "
+                                 "so no table")
     require_clean_runs(results)
     return results
 
 
 def split(result: dict[str, Any]) -> dict[str, float]:
     """The mean seconds per step of each part, and their sum under ``step``."""
-    history = trained_lines(result["history"])
+    history = result["history"]
     means = {key: sum(float(r.get(key) or 0.0) for r in history) / len(history) for _, key in PARTS}
     return means | {"step": sum(means.values())}
 
 
 def sync_first_and_later(result: dict[str, Any]) -> tuple[float, float]:
     """The first step's ``weight_sync_s`` and the median of the later steps' (the first's where it is alone)."""
-    syncs = [r.weight_sync_s or 0.0 for r in steps_of(trained_lines(result["history"]))]
+    syncs = [r.weight_sync_s or 0.0 for r in steps_of(result["history"])]
     return syncs[0], statistics.median(syncs[1:] or syncs)
 
 
 def pushed_mib(result: dict[str, Any]) -> str:
     """The bytes a step pushed (its ``weight_sync_bytes``: the weights as the learner holds them, or a LoRA run's
     adapter file), in MiB; – where the run did not record them."""
-    pushed = [r.get("weight_sync_bytes") for r in trained_lines(result["history"]) if r.get("weight_sync_bytes")]
+    pushed = [r.get("weight_sync_bytes") for r in result["history"] if r.get("weight_sync_bytes")]
     return f"{statistics.median(pushed) / 2**20:.1f}" if pushed else "–"
 
 
@@ -85,7 +86,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         lines.append(f"| {label} | {cells} | {parts['step']:.2f} | {parts['step'] / before['step']:.2f}x | "
                      f"{first:.2f} | {later:.2f} | {float(result.get('share_s') or 0.0):.2f} | "
                      f"{pushed_mib(result)} |")
-    steps = len(trained_lines(results[0]["history"]))
+    steps = len(results[0]["history"])
     note = (f"\n\nMean seconds per step over {steps} steps, measured by `{command}` (one run each, one after the "
             "other: a noisy machine moves the rollout and train columns between runs; the sync and checkpoint "
             "columns are the work this table is about). Two columns split the weight sync into the first push "
