@@ -10,9 +10,9 @@ a real byte-level BPE. ``docs/renderers.md`` says which family uses which.
 
 Every loader returns a ``transformers`` fast tokenizer (so the parity tests can
 call ``apply_chat_template`` on the very same object) and caches it per process. The vocabularies converted
-from ranks or a GGUF (a conversion takes 2-8 s; Gemma 3's 262k vocabulary the most) are also kept converted
-in verbatim's home (``tokenizers/``), keyed by the source file and the converting libraries' versions, so that
-later processes read them back in a fraction of that.
+from ranks or a GGUF (seconds each; Gemma 3's 262k vocabulary the longest) are also kept converted in
+verbatim's home (``tokenizers/``), keyed by the source file and the converting libraries' versions, and later
+processes read them back instead.
 """
 
 from __future__ import annotations
