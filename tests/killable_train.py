@@ -48,11 +48,12 @@ def _size_and_time(path: Path) -> tuple[int, int]:
 class Trainer:
     """``verbatim train …`` in its own session, output to files."""
 
-    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+    def __init__(self, tmp: Path, name: str, args: list[str], python: Path | None = None) -> None:
+        """``python``: another interpreter, e.g. the demo's fenced one (tests/demo_fence.py)."""
         self.stdout, self.stderr = tmp / f"{name}.out", tmp / f"{name}.err"
         with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "verbatim.cli", "train", *args], stdout=out,
-                                         stderr=err, start_new_session=True, env=cli_env())
+            self.proc = subprocess.Popen([str(python or sys.executable), "-m", "verbatim.cli", "train", *args],
+                                         stdout=out, stderr=err, start_new_session=True, env=cli_env())
 
     def alive(self) -> bool:
         return self.proc.poll() is None
