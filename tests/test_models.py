@@ -74,14 +74,20 @@ def test_missing_model_package_names_the_install_command(monkeypatch):
 
 
 _RACE = textwrap.dedent("""
+    import json, time
     from verbatim.engine import models
-    real = models._convert
-    def counting(*a, **k):
+    def counting(model, source, target, fingerprint):
         print("converted", flush=True)
-        return real(*a, **k)
+        with models.staged_folder(target, f".{model.name}-") as staging:
+            time.sleep(2)  # the other process reaches the lock meanwhile
+            marker = {"source_fingerprint": fingerprint}
+            (staging / models._MARKER).write_text(json.dumps(marker))
     models._convert = counting
     print(models.prepare())
 """)
+"""Each process prepares the default model, its conversion a stand-in that stages the folder as the real one does
+and marks it converted (the real conversion, ~20 s, is the session's: tests/conftest.py ``default_model_dir``);
+the subject is the lock, which the stand-in leaves as it is."""
 
 
 @pytest.mark.slow
