@@ -122,8 +122,10 @@ def test_held_out_pass_at_k_before_the_first_step_and_after_the_last_is_each_run
         if n != 3:  # the last run stopped before its last evaluation
             result["history"][-1]["eval"] = {"pass_at_k": {"1": 0.5 + 0.25 * n, "2": 0.6, "4": 0.75}}
     text = learn.markdown(results, settings, "verbatim bench learn --repeats 2", None)
-    assert "| on-policy | 2 | 0.000 ± 0.000 | 0.450 ± 0.071 | +0.450 ± 0.071 | 0.125 ± 0.000 | 0.625 ± 0.177 |" \
+    assert "| held-out pass@1 before | held-out pass@1 after | held-out pass@4 before | held-out pass@4 after |" \
         in text
+    assert "| on-policy | 2 | 0.000 ± 0.000 | 0.450 ± 0.071 | +0.450 ± 0.071 | 0.125 ± 0.000 | 0.625 ± 0.177 | " \
+        "0.250 ± 0.000 | 0.750 ± 0.000 |" in text
     assert "| re-rendered context | 2 | 0.000 ± 0.000 | 0.500 ± 0.071 | +0.500 ± 0.071 | 0.125 ± 0.000 | " \
         "1.000 ± 0.000 |" in text
     assert "| seed 1 | 0.000 | 0.500 | +0.500 | 0.125 → 0.750 | 0.250 → 0.750 |" in text

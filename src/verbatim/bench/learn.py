@@ -233,8 +233,8 @@ def markdown(results: list[dict[str, Any]], settings: LearnSettings, command: st
     (bench/learn_repeats.py), then every run."""
     grouped = by_setting(results, row)
     repeated = any(len(rows) > 1 for rows in grouped.values())
-    head = repeats_markdown(grouped, WINDOW) + "\nEvery run:\n\n" if repeated else ""
     k = settings.eval_samples
+    head = repeats_markdown(grouped, WINDOW, k) + "\nEvery run:\n\n" if repeated else ""
     lines = [f"| run | first {WINDOW} steps | last {WINDOW} steps | gain | held-out pass@1 | held-out pass@{k} "
              "| mean \\|Δ logp\\| | dropped | hybrid tokens | cache hit | minutes |", "|" + "---|" * 11]
     for r in map(row, results):

@@ -61,11 +61,12 @@ def _held(rows: list[dict[str, Any]], key: str) -> str:
     return _cell(values, ".3f") if values else "–"
 
 
-def markdown(grouped: dict[str, list[dict[str, Any]]], window: int) -> str:
-    """One row per setting (mean ± standard deviation over its runs), a verdict per ablation, each run's gain."""
+def markdown(grouped: dict[str, list[dict[str, Any]]], window: int, k: int) -> str:
+    """One row per setting (mean ± standard deviation over its runs), a verdict per ablation, each run's gain;
+    ``k``: the held-out samples a task (pass@k's k)."""
     lines = [f"| setting | runs | first {window} steps | last {window} steps | gain | held-out pass@1 before | "
-             "held-out pass@1 after | mean \\|Δ logp\\| | dropped | hybrid tokens | cache hit | minutes | "
-             "versus on-policy |", "|" + "---|" * 13]
+             f"held-out pass@1 after | held-out pass@{k} before | held-out pass@{k} after | mean \\|Δ logp\\| | "
+             "dropped | hybrid tokens | cache hit | minutes | versus on-policy |", "|" + "---|" * 15]
     base = [r["gain"] for r in grouped.get(ON_POLICY, [])]
     for name, rows in grouped.items():
         mismatch = [r["mismatch"] for r in rows if r["mismatch"] is not None]
@@ -73,6 +74,7 @@ def markdown(grouped: dict[str, list[dict[str, Any]]], window: int) -> str:
         lines.append(f"| {name} | {len(rows)} | {_cell([r['first'] for r in rows], '.3f')} | "
                      f"{_cell([r['last'] for r in rows], '.3f')} | {_cell([r['gain'] for r in rows], '+.3f')} | "
                      f"{_held(rows, 'pass1_before')} | {_held(rows, 'pass1_after')} | "
+                     f"{_held(rows, 'passk_before')} | {_held(rows, 'passk_after')} | "
                      f"{_cell(mismatch, '.1e') if mismatch else '–'} | {_cell([r['dropped'] for r in rows], '.1%')} | "
                      f"{statistics.fmean(r['hybrid'] for r in rows):.0f} | "
                      f"{statistics.fmean(r['cache_hit'] for r in rows):.0%} | "
