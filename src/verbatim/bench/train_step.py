@@ -35,6 +35,7 @@ import torch
 
 from verbatim.datamodel import Source, TokenColumns
 from verbatim.errors import BenchmarkError
+from verbatim.trainer.tiny import QWEN2_05B_SIZES
 
 SECTION = "bench-train-step"
 MODELS = ("default", "0.5b")
@@ -52,9 +53,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 """Each setting's LearnerConfig fields over the config's defaults (the default chunk: ``logprob_chunk``); ``lora``:
 fp32's step training a rank-16 LoRA adapter on every projection of the frozen model (docs/trainer.md)."""
 
-QWEN2_05B = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-             "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-             "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+QWEN2_05B = {"vocab_size": 151936, **QWEN2_05B_SIZES, "rope_theta": 1000000.0, "tie_word_embeddings": True}
 """Qwen2.5-0.5B's shape (its config.json), for a random model of that size."""
 
 

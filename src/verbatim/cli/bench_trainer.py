@@ -326,16 +326,21 @@ def bench_learn(
 @trainer_benches.command("step")
 def bench_step(
     steps: int = typer.Option(10, "--steps", min=2, help="Training steps per run."),
-    model: str = typer.Option("default", "--model", help="Bundled model name or Hugging Face folder."),
+    model: str = typer.Option("default", "--model", help="Bundled model name, Hugging Face folder, or 0.5b (a random "
+                              "model of Qwen2.5-0.5B's shape)."),
     write: Path = typer.Option(None, "--write", help="Also write the table into this markdown file's bench-step "
-                               "section (docs/benchmarks.md)."),
+                               "section (bench-step-0.5b for --model 0.5b; docs/benchmarks.md)."),
 ) -> None:
     """Split a training step into rollout / train / weight sync / checkpoint, before and after the in-memory push."""
-    from verbatim.bench.step_split import SECTION, markdown, measure
+    from verbatim.bench.step_split import SIZED, markdown, measure, section
     from verbatim.bench.step_split import write as write_doc
+    from verbatim.errors import InputError
 
     if write is not None:
-        docsection.require_section(write, SECTION)
+        if model != "default" and model not in SIZED:
+            raise InputError(f"--write takes the default model's or {', '.join(SIZED)}'s table, not {model!r}'s",
+                             hint="leave --write out to print the table")
+        docsection.require_section(write, section(model))
 
     def show(result: dict) -> None:
         err_console.print(f"{result['run']['label']}: {len(result['history'])} steps in {result['wall_s']:.0f} s")
@@ -344,7 +349,7 @@ def bench_step(
     text = markdown(results, command_line("step", steps=None if steps == 10 else steps, model=model, write=write))
     console.print(text)
     if write is not None:
-        write_doc(write, text)
+        write_doc(write, text, model)
 
 
 @trainer_benches.command("routing")

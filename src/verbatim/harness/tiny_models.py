@@ -86,18 +86,20 @@ def write_tiny_model(family: str, out: str | os.PathLike[str], seed: int = 0) ->
     return build_tiny_folder(family, out, seed).path
 
 
-def build_tiny_folder(family: str, out: str | os.PathLike[str], seed: int = 0) -> TinyModel:
+def build_tiny_folder(family: str, out: str | os.PathLike[str], seed: int = 0,
+                      sizes: dict[str, Any] | None = None) -> TinyModel:
     """:func:`write_tiny_model` with what it wrote. ``out`` must be missing, empty or an earlier tiny
-    folder; the files are written beside it and renamed into place, so a failure leaves no half folder."""
+    folder; the files are written beside it and renamed into place, so a failure leaves no half folder.
+    ``sizes``: the config's sizes in place of the tiny ones (``trainer/tiny.py``), e.g. a benchmark's 0.5 B."""
     fam = tiny_family(family)
     target = _checked_out(Path(out).expanduser())
     tokenizer, renderer, (stem, template) = _chat_parts(fam)
     with staged_folder(target, f".{target.name}-") as staging:
-        config = _write_weights(fam, staging, tokenizer, renderer, seed)
+        config = _write_weights(fam, staging, tokenizer, renderer, seed, sizes)
         tokenizer.save_pretrained(staging)
         (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
         marker = {"family": fam.name, "model_type": fam.model_type, "renderer": fam.renderer,
-                  "tokenizer": fam.tokenizer_family, "template": stem, "seed": seed}
+                  "tokenizer": fam.tokenizer_family, "template": stem, "seed": seed, "sizes": sizes}
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _check_detected(staging, fam)
     return TinyModel(path=target, family=fam, vocab_size=config.vocab_size, template=stem)
@@ -130,12 +132,14 @@ def _chat_parts(fam: TinyFamily) -> tuple[Any, Any, tuple[str, str]]:
     return tokenizer, get_renderer(fam.renderer, tokenizer=tokenizer), resolve_template(fam.renderer)
 
 
-def _write_weights(fam: TinyFamily, out: Path, tokenizer: Any, renderer: Any, seed: int) -> Any:
+def _write_weights(fam: TinyFamily, out: Path, tokenizer: Any, renderer: Any, seed: int,
+                   sizes: dict[str, Any] | None) -> Any:
     from verbatim.trainer.tiny import TokenIds, write_model_files
 
     tokens = TokenIds(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id,
                       stop=tuple(renderer.stop_token_ids))
-    return write_model_files(fam.model_type, out, tokenizer_size=len(tokenizer), tokens=tokens, seed=seed)
+    return write_model_files(fam.model_type, out, tokenizer_size=len(tokenizer), tokens=tokens, seed=seed,
+                             sizes=sizes)
 
 
 def _check_detected(folder: Path, fam: TinyFamily) -> None:

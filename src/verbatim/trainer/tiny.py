@@ -29,6 +29,12 @@ SIZES: dict[str, Any] = {
     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 8192,
 }
 HEAD_DIM = SIZES["hidden_size"] // SIZES["num_attention_heads"]  # 32
+QWEN2_05B_SIZES: dict[str, Any] = {
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+}
+"""Qwen2.5-0.5B's sizes (its config.json; RoPE base 1e6 and tied embeddings are qwen2's here already): in place
+of :data:`SIZES`, a random model of the size benchmarks measure (head_dim 64)."""
 SLIDING_WINDOW = 16
 """Gemma 2 and 3's window here: short enough that a test's prompt runs past it."""
 ALTERNATING = ["sliding_attention", "full_attention"]
@@ -95,14 +101,14 @@ def vocab_size(model_type: str, tokenizer_size: int) -> int:
     return max(tokenizer_size, architecture(model_type).padded_vocab or 0)
 
 
-def tiny_config(model_type: str, *, vocab: int, tokens: TokenIds) -> Any:
-    """The family's config class at the small sizes above, float32, no dropout."""
+def tiny_config(model_type: str, *, vocab: int, tokens: TokenIds, sizes: dict[str, Any] | None = None) -> Any:
+    """The family's config class at the small sizes above (or ``sizes`` over them), float32, no dropout."""
     import transformers
 
     arch = architecture(model_type)
     config_class = getattr(transformers, arch.config_class)
     config = config_class(
-        **{**SIZES, **arch.options}, vocab_size=vocab, tie_word_embeddings=arch.tie_word_embeddings,
+        **{**SIZES, **arch.options, **(sizes or {})}, vocab_size=vocab, tie_word_embeddings=arch.tie_word_embeddings,
         bos_token_id=tokens.bos, eos_token_id=tokens.eos, pad_token_id=tokens.pad,
         attention_dropout=0.0, dtype="float32")
     for name in ("resid_pdrop", "embd_pdrop"):  # Phi-3's other dropouts
@@ -138,8 +144,10 @@ def save_tiny_model(model: nn.Module, out: Path, tokens: TokenIds) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def write_model_files(model_type: str, out: Path, *, tokenizer_size: int, tokens: TokenIds, seed: int) -> Any:
-    """Config, random weights and generation config of a tiny ``model_type`` into ``out``; the config."""
-    config = tiny_config(model_type, vocab=vocab_size(model_type, tokenizer_size), tokens=tokens)
+def write_model_files(model_type: str, out: Path, *, tokenizer_size: int, tokens: TokenIds, seed: int,
+                      sizes: dict[str, Any] | None = None) -> Any:
+    """Config, random weights and generation config of a tiny ``model_type`` (``sizes`` over the tiny ones) into
+    ``out``; the config."""
+    config = tiny_config(model_type, vocab=vocab_size(model_type, tokenizer_size), tokens=tokens, sizes=sizes)
     save_tiny_model(build_tiny_model(config, seed), out, tokens)
     return config
