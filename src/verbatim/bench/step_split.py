@@ -21,10 +21,9 @@ the worker's mapping, the reload's plan; 0 for the folder run).
 
 ``--model 0.5b`` runs the same on a random model of Qwen2.5-0.5B's shape (``verbatim models tiny qwen2.5``'s
 folder at :data:`~verbatim.trainer.tiny.QWEN2_05B_SIZES`, with Qwen's real tokenizer and template), written
-once into verbatim's home; its table has a section of its own. A random policy rarely wins a game, so most
-groups' advantages are zero, the learner skips those rows' forwards (no gradient), and its train column is
-mostly the optimizer's step over every weight: what that table measures is the sync and checkpoint of a model
-that size.
+once into verbatim's home; its table has a section of its own. A random policy rarely wins a game, so its
+advantages are mostly zero and its rollout and train columns say nothing about learning: what that table
+measures is the sync and checkpoint of a model that size.
 """
 
 from __future__ import annotations
