@@ -143,11 +143,11 @@ def _converted(name: str, source: Path, convert: Callable[[], tuple[Any, dict[st
 @functools.cache
 def llama3_tokenizer() -> Any:
     """Meta's Llama 3 tiktoken ranks + the 256 special tokens (HF naming)."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     source = tokenizer_file("llama3", "tokenizer.model")
 
     def convert() -> tuple[Any, dict[str, str]]:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
         reserved = iter(range(256))  # HF numbers the reserved tokens in the order they appear
         named = [LLAMA3_SPECIALS.get(128000 + i) or f"<|reserved_special_token_{next(reserved)}|>"
                  for i in range(256)]
@@ -160,12 +160,12 @@ def llama3_tokenizer() -> Any:
 @functools.cache
 def qwen_tokenizer() -> Any:
     """The Qwen2/2.5/3 byte-level vocabulary (tiktoken ranks) with its 26 added tokens and NFC."""
-    from tokenizers import normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     source = tokenizer_file("qwen", "qwen.tiktoken")
 
     def convert() -> tuple[Any, dict[str, str]]:
+        from tokenizers import normalizers
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
         converter = TikTokenConverter(vocab_file=str(source), pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIALS)
         backend = converter.converted()
         backend.normalizer = normalizers.NFC()
@@ -189,11 +189,11 @@ def o200k_base_ranks(path: Path) -> dict[bytes, int]:
 @functools.cache
 def o200k_harmony_tokenizer() -> Any:
     """gpt-oss's real vocabulary: o200k_base's ranks and the harmony tokens at their ids (199998-200018)."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     source = tokenizer_file("o200k", "o200k_base.tiktoken.gz")
 
     def convert() -> tuple[Any, dict[str, str]]:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
         ranks = o200k_base_ranks(source)
 
         class Converter(TikTokenConverter):
@@ -211,7 +211,6 @@ def o200k_harmony_tokenizer() -> Any:
 @functools.cache
 def phi3_tokenizer() -> Any:
     """The Phi-3 SentencePiece vocabulary, rebuilt from llama.cpp's vocab-only GGUF."""
-
     return _gguf_tokenizer("phi3", tokenizer_file("phi3", "ggml-vocab-phi-3.gguf"))
 
 
