@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from verbatim.bench.step_split import RUNS, markdown, split, sync_first_and_later
@@ -103,7 +106,14 @@ def test_each_model_has_its_section_and_a_sized_name_its_random_folder(tmp_path,
                         lambda family, folder, seed, sizes: written.append((family, folder, sizes)))
     monkeypatch.setenv("VERBATIM_HOME", str(tmp_path))
     folder = model_folder("0.5b")
-    assert folder == str(tmp_path / "bench-models" / SIZED["0.5b"][1]) and written[0][0] == "qwen2.5"
+    assert folder == str(tmp_path / "bench-models" / "qwen2.5-0.5b-random")
+    assert written == [("qwen2.5", Path(folder), SIZED["0.5b"][1])]
+    marker = Path(folder) / "verbatim-tiny.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"sizes": SIZED["0.5b"][1]}))
+    assert model_folder("0.5b") == folder and len(written) == 1  # written once: the marker names these sizes
+    marker.write_text(json.dumps({"sizes": {"num_hidden_layers": 2}}))
+    assert model_folder("0.5b") == folder and len(written) == 2  # of other sizes: written again
 
 
 def test_the_sized_folder_is_the_shape_bench_train_step_measures():

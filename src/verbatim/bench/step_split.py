@@ -35,10 +35,11 @@ from typing import Any
 from verbatim.bench.learn import LearnRun, LearnSettings, require_clean_runs, run_all, trained_lines
 from verbatim.errors import BenchmarkError
 from verbatim.harness.step_metrics import steps_of
+from verbatim.trainer.tiny import QWEN2_05B_SIZES
 
 SECTION = "bench-step"
-SIZED = {"0.5b": ("qwen2.5", "qwen2.5-0.5b-random")}
-"""``--model`` names a random model of a benchmark's size: the tiny family it is written as and its folder."""
+SIZED = {"0.5b": ("qwen2.5", QWEN2_05B_SIZES)}
+"""``--model`` names a random model of a benchmark's size: the tiny family it is written as and its sizes."""
 PARTS = (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "weight_sync_s"),
          ("checkpoint", "checkpoint_s"))
 RUNS = (LearnRun(label="before: weights through a folder, a checkpoint every step", seed=0, sync="folder",
@@ -58,15 +59,17 @@ def model_folder(model: str) -> str:
     verbatim's home, the same seed the same weights), anything else as it is."""
     if model not in SIZED:
         return model
+    import json
+
     from verbatim.harness.tiny_models import MARKER, build_tiny_folder
     from verbatim.paths import verbatim_home
-    from verbatim.trainer.tiny import QWEN2_05B_SIZES
 
-    family, name = SIZED[model]
-    folder = verbatim_home() / "bench-models" / name
-    if not (folder / MARKER).is_file():
+    family, sizes = SIZED[model]
+    folder = verbatim_home() / "bench-models" / f"{family}-{model}-random"
+    marker = folder / MARKER
+    if not marker.is_file() or json.loads(marker.read_text()).get("sizes") != sizes:  # none yet, or of other sizes
         folder.parent.mkdir(parents=True, exist_ok=True)
-        build_tiny_folder(family, folder, seed=0, sizes=QWEN2_05B_SIZES)
+        build_tiny_folder(family, folder, seed=0, sizes=sizes)
     return str(folder)
 
 
